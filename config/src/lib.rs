@@ -1,0 +1,193 @@
+//! The asyncrl configuration: one TOML file, validated on load.
+//!
+//! Unknown keys are rejected (serde `deny_unknown_fields`) and every
+//! out-of-range value is reported with its full key (`coordinator.eta`), so
+//! that a typo never silently falls back to a default.
+
+mod bus;
+mod telemetry;
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+pub use bus::{BusConfig, BusKind, TlsConfig};
+pub use telemetry::{LogFormat, TelemetryConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config{}: {message}", origin.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
+    Parse {
+        origin: Option<PathBuf>,
+        message: String,
+    },
+    #[error("invalid config: `{key}` {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+impl ConfigError {
+    pub(crate) fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The whole configuration of a run. Every section has defaults, so an empty
+/// file is a valid config for a local run.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub bus: BusConfig,
+    pub telemetry: TelemetryConfig,
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, Some(path))
+    }
+
+    /// Parses and validates config text; `origin` names the file in errors.
+    pub fn parse(text: &str, origin: Option<&Path>) -> Result<Self, ConfigError> {
+        let parse_err = |message: String| ConfigError::Parse {
+            origin: origin.map(Path::to_owned),
+            message,
+        };
+        let de = toml::Deserializer::parse(text).map_err(|e| parse_err(one_line(&e)))?;
+        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = one_line(e.inner());
+            // The path names the table for an unknown key, the key itself otherwise.
+            parse_err(if path == "." {
+                inner
+            } else {
+                format!("`{path}`: {inner}")
+            })
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.bus.validate()?;
+        self.telemetry.validate()?;
+        Ok(())
+    }
+}
+
+/// toml's errors span several lines with a source excerpt; a CLI wants one
+/// line that names the key and the problem.
+fn one_line(e: &toml::de::Error) -> String {
+    e.message().trim().replace('\n', " ")
+}
+
+/// Checks that `value` lies in `[lo, hi]`, naming `key` otherwise.
+pub fn check_range<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    value: T,
+    lo: T,
+    hi: T,
+) -> Result<(), ConfigError> {
+    if value < lo || value > hi {
+        return Err(ConfigError::invalid(
+            key,
+            format!("= {value} is out of range [{lo}, {hi}]"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One case: config text, and either Ok or a fragment the error must contain.
+    fn check(text: &str, expect_err: Option<&str>) {
+        match (Config::parse(text, None), expect_err) {
+            (Ok(_), None) => {}
+            (Err(e), Some(want)) => {
+                let got = e.to_string();
+                assert!(got.contains(want), "error `{got}` should mention `{want}`");
+                assert!(!got.contains('\n'), "error should be one line: {got:?}");
+            }
+            (got, want) => panic!("config {text:?}: expected {want:?}, got {got:?}"),
+        }
+    }
+
+    #[test]
+    fn config_table() {
+        check("", None);
+        check("[bus]\nurl = \"local\"", None);
+        check(
+            "[bus]\nurl = \"nats://127.0.0.1:4222\"\ntoken = \"s3cret\"",
+            None,
+        );
+        check("[bus]\nurl = \"nats://a:4222,nats://b:4222\"", None);
+        check("[bus]\nurl = \"http://x\"", Some("bus.url"));
+        check("[bus]\nurl = \"\"", Some("bus.url"));
+        check("[bus]\nurll = \"local\"", Some("`bus.urll`: unknown field"));
+        check("[bogus]\nx = 1", Some("`bogus`: unknown field"));
+        check(
+            "[bus]\nrequest_timeout = \"0s\"",
+            Some("bus.request_timeout"),
+        );
+        check("[bus]\nrequest_timeout = \"ten\"", Some("request_timeout"));
+        check(
+            "[bus]\nsubscription_capacity = 0",
+            Some("bus.subscription_capacity"),
+        );
+        check(
+            "[bus]\nurl = \"nats://h:1\"\ntoken = \"a\"\nuser = \"u\"\npassword = \"p\"",
+            Some("bus"),
+        );
+        check(
+            "[bus]\nuser = \"u\"\nurl = \"nats://h:1\"",
+            Some("bus.password"),
+        );
+        check(
+            "[bus]\nurl = \"nats://h:1\"\n[bus.tls]\ncert_file = \"c.pem\"",
+            Some("bus.tls.key_file"),
+        );
+        check(
+            "[telemetry]\nlisten = \"not an addr\"",
+            Some("telemetry.listen"),
+        );
+        check("[telemetry]\nlog_format = \"xml\"", Some("log_format"));
+        check(
+            "[telemetry]\nlog_format = \"json\"\nlisten = \"127.0.0.1:0\"",
+            None,
+        );
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let err = Config::load(Path::new("/nonexistent/asyncrl.toml")).unwrap_err();
+        assert!(
+            err.to_string().contains("/nonexistent/asyncrl.toml"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn load_reads_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[bus]\nurl = \"nats://127.0.0.1:4999\"\n").unwrap();
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.bus.kind(), BusKind::Nats);
+        std::fs::write(&path, "[bus]\nurl = 5\n").unwrap();
+        let err = Config::load(&path).unwrap_err().to_string();
+        assert!(err.contains("c.toml") && err.contains("url"), "{err}");
+    }
+}

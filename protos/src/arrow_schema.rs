@@ -1,0 +1,346 @@
+//! The Arrow schema of a stored trajectory, defined once.
+//!
+//! The buffer keeps trajectories in record batches of this schema, writes its
+//! segments with it, serves learner batches with it and exports it as
+//! Parquet. Token ids and versions are `list<int32>`, log-probs
+//! `list<float32>`; `reward` is null when the reward could not be computed.
+
+use std::sync::Arc;
+
+use arrow::array::{
+    Array, ArrayRef, AsArray, Float32Array, Float32Builder, Int32Array, Int32Builder, Int64Array,
+    ListBuilder, RecordBatch, StringArray,
+};
+use arrow::datatypes::{DataType, Field, Float32Type, Int32Type, Int64Type, Schema, SchemaRef};
+
+use crate::ContractError;
+use crate::v1::{FinishReason, RewardStatus, Timings, Trajectory};
+
+pub const UUID: &str = "uuid";
+pub const TASK_ID: &str = "task_id";
+pub const GROUP_ID: &str = "group_id";
+pub const WORKER_ID: &str = "worker_id";
+pub const PROMPT_TOKEN_IDS: &str = "prompt_token_ids";
+pub const COMPLETION_TOKEN_IDS: &str = "completion_token_ids";
+pub const BEHAVIOUR_LOGPROBS: &str = "behaviour_logprobs";
+pub const POLICY_VERSIONS: &str = "policy_versions";
+pub const REWARD: &str = "reward";
+pub const FINISH_REASON: &str = "finish_reason";
+pub const GROUP_SIZE: &str = "group_size";
+pub const INDEX_IN_GROUP: &str = "index_in_group";
+pub const ADMISSION_VERSION: &str = "admission_version";
+pub const STARTED_AT_UNIX_MS: &str = "started_at_unix_ms";
+pub const FINISHED_AT_UNIX_MS: &str = "finished_at_unix_ms";
+pub const GENERATION_MS: &str = "generation_ms";
+pub const REWARD_MS: &str = "reward_ms";
+pub const WEIGHT_SWAPS: &str = "weight_swaps";
+
+fn list_of(item: DataType) -> DataType {
+    DataType::List(Arc::new(Field::new("item", item, false)))
+}
+
+/// The schema of a stored trajectory.
+pub fn trajectory_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new(UUID, DataType::Utf8, false),
+        Field::new(TASK_ID, DataType::Utf8, false),
+        Field::new(GROUP_ID, DataType::Utf8, false),
+        Field::new(WORKER_ID, DataType::Utf8, false),
+        Field::new(PROMPT_TOKEN_IDS, list_of(DataType::Int32), false),
+        Field::new(COMPLETION_TOKEN_IDS, list_of(DataType::Int32), false),
+        Field::new(BEHAVIOUR_LOGPROBS, list_of(DataType::Float32), false),
+        Field::new(POLICY_VERSIONS, list_of(DataType::Int32), false),
+        Field::new(REWARD, DataType::Float32, true),
+        Field::new(FINISH_REASON, DataType::Utf8, false),
+        Field::new(GROUP_SIZE, DataType::Int32, false),
+        Field::new(INDEX_IN_GROUP, DataType::Int32, false),
+        Field::new(ADMISSION_VERSION, DataType::Int32, false),
+        Field::new(STARTED_AT_UNIX_MS, DataType::Int64, false),
+        Field::new(FINISHED_AT_UNIX_MS, DataType::Int64, false),
+        Field::new(GENERATION_MS, DataType::Int32, false),
+        Field::new(REWARD_MS, DataType::Int32, false),
+        Field::new(WEIGHT_SWAPS, DataType::Int32, false),
+    ]))
+}
+
+fn finish_reason_name(code: i32) -> &'static str {
+    match FinishReason::try_from(code) {
+        Ok(FinishReason::Stop) => "stop",
+        Ok(FinishReason::Length) => "length",
+        Ok(FinishReason::Aborted) => "aborted",
+        _ => "unspecified",
+    }
+}
+
+fn finish_reason_code(name: &str) -> i32 {
+    match name {
+        "stop" => FinishReason::Stop as i32,
+        "length" => FinishReason::Length as i32,
+        "aborted" => FinishReason::Aborted as i32,
+        _ => FinishReason::Unspecified as i32,
+    }
+}
+
+fn i32_list<'a>(rows: impl Iterator<Item = &'a [i32]>, cap: usize) -> ArrayRef {
+    let mut b = ListBuilder::with_capacity(Int32Builder::new(), cap)
+        .with_field(Arc::new(Field::new("item", DataType::Int32, false)));
+    for r in rows {
+        b.values().append_slice(r);
+        b.append(true);
+    }
+    Arc::new(b.finish())
+}
+
+fn saturating_i32(v: u32) -> i32 {
+    i32::try_from(v).unwrap_or(i32::MAX)
+}
+
+/// Builds one record batch of [`trajectory_schema`] from trajectories.
+pub fn to_record_batch(trajs: &[Trajectory]) -> Result<RecordBatch, ContractError> {
+    let n = trajs.len();
+    let strings = |f: fn(&Trajectory) -> &str| -> ArrayRef {
+        Arc::new(StringArray::from_iter_values(trajs.iter().map(f)))
+    };
+    let timing = |f: fn(&Timings) -> i64| -> Vec<i64> {
+        trajs
+            .iter()
+            .map(|t| t.timings.as_ref().map(f).unwrap_or(0))
+            .collect()
+    };
+    let mut logprobs = ListBuilder::with_capacity(Float32Builder::new(), n)
+        .with_field(Arc::new(Field::new("item", DataType::Float32, false)));
+    for t in trajs {
+        logprobs.values().append_slice(&t.behaviour_logprobs);
+        logprobs.append(true);
+    }
+    let reward: Float32Array = trajs
+        .iter()
+        .map(|t| (t.reward_status == RewardStatus::Ok as i32).then_some(t.reward))
+        .collect();
+    let ints = |f: fn(&Trajectory) -> i32| -> ArrayRef {
+        Arc::new(Int32Array::from_iter_values(trajs.iter().map(f)))
+    };
+    let columns: Vec<ArrayRef> = vec![
+        strings(|t| &t.uuid),
+        strings(|t| &t.task_id),
+        strings(|t| &t.group_id),
+        strings(|t| &t.worker_id),
+        i32_list(trajs.iter().map(|t| t.prompt_token_ids.as_slice()), n),
+        i32_list(trajs.iter().map(|t| t.completion_token_ids.as_slice()), n),
+        Arc::new(logprobs.finish()),
+        i32_list(trajs.iter().map(|t| t.policy_versions.as_slice()), n),
+        Arc::new(reward),
+        Arc::new(StringArray::from_iter_values(
+            trajs.iter().map(|t| finish_reason_name(t.finish_reason)),
+        )),
+        ints(|t| saturating_i32(t.group_size)),
+        ints(|t| saturating_i32(t.index_in_group)),
+        ints(|t| t.admission_version),
+        Arc::new(Int64Array::from(timing(|t| t.started_at_unix_ms))),
+        Arc::new(Int64Array::from(timing(|t| t.finished_at_unix_ms))),
+        ints(|t| {
+            t.timings
+                .as_ref()
+                .map(|t| saturating_i32(t.generation_ms))
+                .unwrap_or(0)
+        }),
+        ints(|t| {
+            t.timings
+                .as_ref()
+                .map(|t| saturating_i32(t.reward_ms))
+                .unwrap_or(0)
+        }),
+        ints(|t| {
+            t.timings
+                .as_ref()
+                .map(|t| saturating_i32(t.weight_swaps))
+                .unwrap_or(0)
+        }),
+    ];
+    RecordBatch::try_new(trajectory_schema(), columns)
+        .map_err(|e| ContractError::Arrow(e.to_string()))
+}
+
+fn column<'a>(batch: &'a RecordBatch, name: &'static str) -> Result<&'a ArrayRef, ContractError> {
+    batch
+        .column_by_name(name)
+        .ok_or(ContractError::ArrowColumn { column: name })
+}
+
+fn strs<'a>(batch: &'a RecordBatch, name: &'static str) -> Result<&'a StringArray, ContractError> {
+    column(batch, name)?
+        .as_string_opt::<i32>()
+        .ok_or(ContractError::ArrowColumn { column: name })
+}
+
+fn i32s<'a>(batch: &'a RecordBatch, name: &'static str) -> Result<&'a Int32Array, ContractError> {
+    column(batch, name)?
+        .as_primitive_opt::<Int32Type>()
+        .ok_or(ContractError::ArrowColumn { column: name })
+}
+
+fn i64s<'a>(batch: &'a RecordBatch, name: &'static str) -> Result<&'a Int64Array, ContractError> {
+    column(batch, name)?
+        .as_primitive_opt::<Int64Type>()
+        .ok_or(ContractError::ArrowColumn { column: name })
+}
+
+fn list_i32(batch: &RecordBatch, name: &'static str) -> Result<Vec<Vec<i32>>, ContractError> {
+    let list = column(batch, name)?
+        .as_list_opt::<i32>()
+        .ok_or(ContractError::ArrowColumn { column: name })?;
+    let values = list
+        .values()
+        .as_primitive_opt::<Int32Type>()
+        .ok_or(ContractError::ArrowColumn { column: name })?;
+    Ok(list
+        .offsets()
+        .windows(2)
+        .map(|w| values.values()[w[0] as usize..w[1] as usize].to_vec())
+        .collect())
+}
+
+fn list_f32(batch: &RecordBatch, name: &'static str) -> Result<Vec<Vec<f32>>, ContractError> {
+    let list = column(batch, name)?
+        .as_list_opt::<i32>()
+        .ok_or(ContractError::ArrowColumn { column: name })?;
+    let values = list
+        .values()
+        .as_primitive_opt::<Float32Type>()
+        .ok_or(ContractError::ArrowColumn { column: name })?;
+    Ok(list
+        .offsets()
+        .windows(2)
+        .map(|w| values.values()[w[0] as usize..w[1] as usize].to_vec())
+        .collect())
+}
+
+/// Reads trajectories back from a record batch of [`trajectory_schema`] and
+/// validates each one.
+pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<Trajectory>, ContractError> {
+    let uuid = strs(batch, UUID)?;
+    let task = strs(batch, TASK_ID)?;
+    let group = strs(batch, GROUP_ID)?;
+    let worker = strs(batch, WORKER_ID)?;
+    let mut prompt = list_i32(batch, PROMPT_TOKEN_IDS)?.into_iter();
+    let mut completion = list_i32(batch, COMPLETION_TOKEN_IDS)?.into_iter();
+    let mut logprobs = list_f32(batch, BEHAVIOUR_LOGPROBS)?.into_iter();
+    let mut versions = list_i32(batch, POLICY_VERSIONS)?.into_iter();
+    let reward = column(batch, REWARD)?
+        .as_primitive_opt::<Float32Type>()
+        .ok_or(ContractError::ArrowColumn { column: REWARD })?;
+    let finish = strs(batch, FINISH_REASON)?;
+    let group_size = i32s(batch, GROUP_SIZE)?;
+    let index = i32s(batch, INDEX_IN_GROUP)?;
+    let admission = i32s(batch, ADMISSION_VERSION)?;
+    let started = i64s(batch, STARTED_AT_UNIX_MS)?;
+    let finished = i64s(batch, FINISHED_AT_UNIX_MS)?;
+    let gen_ms = i32s(batch, GENERATION_MS)?;
+    let reward_ms = i32s(batch, REWARD_MS)?;
+    let swaps = i32s(batch, WEIGHT_SWAPS)?;
+    let u32_of = |v: i32| u32::try_from(v).unwrap_or(0);
+    let mut out = Vec::with_capacity(batch.num_rows());
+    for i in 0..batch.num_rows() {
+        let failed = reward.is_null(i);
+        let t = Trajectory {
+            uuid: uuid.value(i).to_owned(),
+            task_id: task.value(i).to_owned(),
+            group_id: group.value(i).to_owned(),
+            prompt_token_ids: prompt.next().unwrap_or_default(),
+            completion_token_ids: completion.next().unwrap_or_default(),
+            behaviour_logprobs: logprobs.next().unwrap_or_default(),
+            policy_versions: versions.next().unwrap_or_default(),
+            reward: if failed { f32::NAN } else { reward.value(i) },
+            reward_status: if failed {
+                RewardStatus::Failed as i32
+            } else {
+                RewardStatus::Ok as i32
+            },
+            finish_reason: finish_reason_code(finish.value(i)),
+            worker_id: worker.value(i).to_owned(),
+            timings: Some(Timings {
+                started_at_unix_ms: started.value(i),
+                finished_at_unix_ms: finished.value(i),
+                generation_ms: u32_of(gen_ms.value(i)),
+                reward_ms: u32_of(reward_ms.value(i)),
+                weight_swaps: u32_of(swaps.value(i)),
+            }),
+            group_size: u32_of(group_size.value(i)),
+            index_in_group: u32_of(index.value(i)),
+            admission_version: admission.value(i),
+        };
+        t.validate()?;
+        out.push(t);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn traj(i: u32, completion_len: usize, failed: bool) -> Trajectory {
+        Trajectory {
+            uuid: uuid::Uuid::from_u128(u128::from(i) + 1).to_string(),
+            task_id: format!("task-{}", i / 2),
+            group_id: format!("lease-{}", i / 2),
+            prompt_token_ids: vec![1, 2, 3 + i as i32],
+            completion_token_ids: (0..completion_len as i32).collect(),
+            behaviour_logprobs: (0..completion_len).map(|k| -(k as f32) * 0.25).collect(),
+            policy_versions: (0..completion_len).map(|k| 7 + (k / 3) as i32).collect(),
+            reward: if failed { f32::NAN } else { i as f32 * 0.5 },
+            reward_status: if failed {
+                RewardStatus::Failed as i32
+            } else {
+                RewardStatus::Ok as i32
+            },
+            finish_reason: FinishReason::Length as i32,
+            worker_id: "w1".into(),
+            timings: Some(Timings {
+                started_at_unix_ms: 1_700_000_000_000,
+                finished_at_unix_ms: 1_700_000_000_500,
+                generation_ms: 500,
+                reward_ms: 3,
+                weight_swaps: 1,
+            }),
+            group_size: 2,
+            index_in_group: i % 2,
+            admission_version: 7,
+        }
+    }
+
+    #[test]
+    fn record_batch_round_trip() {
+        let trajs = vec![
+            traj(0, 5, false),
+            traj(1, 0, false),
+            traj(2, 9, true),
+            traj(3, 1, false),
+        ];
+        let batch = to_record_batch(&trajs).unwrap();
+        assert_eq!(batch.schema(), trajectory_schema());
+        assert_eq!(batch.num_rows(), 4);
+        let back = from_record_batch(&batch).unwrap();
+        for (a, b) in trajs.iter().zip(&back) {
+            // NaN != NaN: compare failed rewards by status.
+            let mut a = a.clone();
+            let mut b = b.clone();
+            if a.reward_status == RewardStatus::Failed as i32 {
+                assert!(b.reward.is_nan());
+                a.reward = 0.0;
+                b.reward = 0.0;
+            }
+            assert_eq!(a, b);
+        }
+        // A failed reward is null in Arrow, never a silent 0.
+        assert!(batch.column_by_name(REWARD).unwrap().is_null(2));
+    }
+
+    #[test]
+    fn missing_column_is_named() {
+        let batch = to_record_batch(&[traj(0, 2, false)]).unwrap();
+        let batch = batch.project(&[0, 1, 2]).unwrap();
+        let err = from_record_batch(&batch).unwrap_err();
+        assert_eq!(err, ContractError::ArrowColumn { column: WORKER_ID });
+    }
+}

@@ -1,0 +1,232 @@
+//! Test and bench helpers.
+//!
+//! [`NatsServer`] starts a real `nats-server` with JetStream on a free port and
+//! a temporary store directory, and can kill it (`SIGKILL`) and restart it on
+//! the same port and store, so that tests can check what survives a crash.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TestkitError {
+    #[error(
+        "nats-server binary not found (looked at $ASYNCRL_NATS_SERVER, {venv} and $PATH); run scripts/setup"
+    )]
+    NoBinary { venv: String },
+    #[error("io error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("nats-server on port {port} did not become ready within {timeout:?}: {log}")]
+    NotReady {
+        port: u16,
+        timeout: Duration,
+        log: String,
+    },
+}
+
+/// Root of the workspace this crate was built in.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_owned)
+        .unwrap_or_default()
+}
+
+/// Finds the nats-server binary: `$ASYNCRL_NATS_SERVER`, then the project's
+/// venv (`.venv/bin/nats-server`, installed by scripts/setup), then `$PATH`.
+pub fn nats_server_binary() -> Result<PathBuf, TestkitError> {
+    if let Some(p) = std::env::var_os("ASYNCRL_NATS_SERVER") {
+        return Ok(PathBuf::from(p));
+    }
+    let venv = workspace_root().join(".venv/bin/nats-server");
+    if venv.is_file() {
+        return Ok(venv);
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join("nats-server");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    Err(TestkitError::NoBinary {
+        venv: venv.display().to_string(),
+    })
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A real nats-server with JetStream, owned by a test. Killed on drop.
+pub struct NatsServer {
+    bin: PathBuf,
+    port: u16,
+    store: tempfile::TempDir,
+    log_path: PathBuf,
+    extra_args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts a server on a free port with a fresh store directory.
+    pub fn start() -> Result<Self, TestkitError> {
+        Self::start_with_args(&[])
+    }
+
+    /// Starts a server with extra command-line arguments (e.g. `--auth TOKEN`).
+    pub fn start_with_args(extra: &[&str]) -> Result<Self, TestkitError> {
+        let store = tempfile::Builder::new().prefix("asyncrl-nats-").tempdir()?;
+        let log_path = store.path().join("nats-server.log");
+        let mut server = Self {
+            bin: nats_server_binary()?,
+            port: free_port()?,
+            store,
+            log_path,
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            child: None,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn spawn(&mut self) -> Result<(), TestkitError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.args([
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &self.port.to_string(),
+            "-js",
+            "-sd",
+        ])
+        .arg(self.store.path().join("jetstream"))
+        .args(&self.extra_args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+        // SAFETY: prctl is async-signal-safe; it makes the server die with the
+        // test process, so a crashed test leaves no server behind.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        self.child = Some(cmd.spawn()?);
+        self.wait_ready(Duration::from_secs(30))
+    }
+
+    /// Waits until the server accepts connections and says JetStream is on.
+    fn wait_ready(&mut self, timeout: Duration) -> Result<(), TestkitError> {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(TestkitError::NotReady {
+                        port: self.port,
+                        timeout,
+                        log: format!("exited with {status}: {}", self.log_tail()),
+                    });
+                }
+            }
+            if let Ok(stream) = TcpStream::connect(("127.0.0.1", self.port)) {
+                stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+                let mut line = String::new();
+                if BufReader::new(stream).read_line(&mut line).is_ok()
+                    && line.contains("\"jetstream\":true")
+                {
+                    return Ok(());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(TestkitError::NotReady {
+            port: self.port,
+            timeout,
+            log: self.log_tail(),
+        })
+    }
+
+    fn log_tail(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log_path) {
+            let _ = f.read_to_string(&mut s);
+        }
+        let start = s.len().saturating_sub(2000);
+        s[s.floor_char_boundary(start)..].to_owned()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The JetStream store directory (survives kill/restart).
+    pub fn store_dir(&self) -> &Path {
+        self.store.path()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// Kills the server with SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops the server with SIGTERM (a clean shutdown) and waits for it.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port with the same store.
+    pub fn restart(&mut self) -> Result<(), TestkitError> {
+        self.kill();
+        self.spawn()
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_kills_and_restarts_on_the_same_port() {
+        let mut s = NatsServer::start().unwrap();
+        let port = s.port();
+        assert!(s.is_running());
+        s.kill();
+        assert!(!s.is_running());
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+        s.restart().unwrap();
+        assert_eq!(s.port(), port);
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+    }
+}
