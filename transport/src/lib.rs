@@ -1,1 +1,414 @@
+//! One async interface for everything the roles need from a message bus, and
+//! two implementations of it:
+//!
+//! - [`NatsBus`]: NATS with JetStream (streams, KV, object store), for
+//!   processes and pods;
+//! - [`LocalBus`]: in-process (tokio), for the one-process default.
+//!
+//! The conformance suite in `tests/conformance.rs` runs the same checks
+//! against both; a role never knows which one it talks to.
+//!
+//! What the interface offers:
+//! - plain publish/subscribe and request/reply with a timeout ([`Bus::request`],
+//!   [`Bus::serve`]);
+//! - durable streams with publish-with-id (server-side dedupe), and durable
+//!   pull consumers with explicit ack and redelivery after the ack wait;
+//! - key-value buckets whose watch yields the current value first, then
+//!   every update;
+//! - an object store for large blobs (chunked on NATS), sha256-checked on read.
 
+pub mod bench;
+mod local;
+mod metrics;
+mod nats;
+mod subject;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::stream::BoxStream;
+
+pub use local::LocalBus;
+pub use metrics::TransportMetrics;
+pub use nats::NatsBus;
+pub use subject::subject_matches;
+
+pub type Result<T> = std::result::Result<T, TransportError>;
+
+/// What can go wrong on the bus. Callers branch on the kind: a `Timeout` is
+/// retried, a `ChecksumMismatch` keeps the old weights, a `RevisionMismatch`
+/// re-reads and retries a compare-and-set.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum TransportError {
+    #[error("cannot connect to NATS at {url}: {reason}")]
+    Connect { url: String, reason: String },
+    #[error("no responder is listening on `{subject}`")]
+    NoResponders { subject: String },
+    #[error("request on `{subject}` timed out after {timeout:?}")]
+    Timeout { subject: String, timeout: Duration },
+    #[error("no stream `{stream}`")]
+    NoStream { stream: String },
+    #[error("no stream captures subject `{subject}`")]
+    NoStreamForSubject { subject: String },
+    #[error("key `{key}` already exists")]
+    KeyExists { key: String },
+    #[error("key `{key}` changed concurrently (expected revision {expected})")]
+    RevisionMismatch { key: String, expected: u64 },
+    #[error("object `{name}` not found in `{bucket}`")]
+    ObjectNotFound { bucket: String, name: String },
+    #[error("object `{name}` failed its checksum: expected sha256 {expected}, got {actual}")]
+    ChecksumMismatch {
+        name: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("payload of {size} bytes exceeds the bus limit of {max} bytes")]
+    PayloadTooLarge { size: usize, max: usize },
+    #[error("invalid name `{name}`: {reason}")]
+    InvalidName { name: String, reason: String },
+    #[error("the bus is closed")]
+    Closed,
+    #[error("{op} failed: {reason}")]
+    Backend { op: &'static str, reason: String },
+}
+
+impl TransportError {
+    pub(crate) fn backend(op: &'static str, e: impl std::fmt::Display) -> Self {
+        TransportError::Backend {
+            op,
+            reason: e.to_string(),
+        }
+    }
+
+    /// Whether retrying the same call later can succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            TransportError::NoResponders { .. }
+                | TransportError::Timeout { .. }
+                | TransportError::Backend { .. }
+                | TransportError::Connect { .. }
+        )
+    }
+}
+
+/// A plain (non-durable) message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    pub subject: String,
+    pub payload: Bytes,
+}
+
+/// An incoming request; answer it with [`Request::respond`].
+pub struct Request {
+    pub subject: String,
+    pub payload: Bytes,
+    replier: Replier,
+}
+
+pub(crate) enum Replier {
+    Nats {
+        client: async_nats::Client,
+        reply: Option<async_nats::Subject>,
+    },
+    Local(Option<tokio::sync::oneshot::Sender<Bytes>>),
+}
+
+impl Request {
+    /// Sends the reply. Errors only if the bus is gone; a requester that has
+    /// timed out meanwhile is not an error.
+    pub async fn respond(mut self, payload: Bytes) -> Result<()> {
+        match &mut self.replier {
+            Replier::Nats { client, reply } => match reply.take() {
+                Some(reply) => client
+                    .publish(reply, payload)
+                    .await
+                    .map_err(|e| TransportError::backend("reply", e)),
+                None => Ok(()),
+            },
+            Replier::Local(tx) => {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(payload);
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A durable stream: which subjects it captures and how long it keeps them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamSpec {
+    pub name: String,
+    pub subjects: Vec<String>,
+    /// A message whose id was seen within this window is dropped as a duplicate.
+    pub duplicate_window: Duration,
+    /// Messages older than this are removed (zero: kept until deleted).
+    pub max_age: Duration,
+    pub replicas: usize,
+}
+
+impl StreamSpec {
+    pub fn new(name: impl Into<String>, subjects: &[&str]) -> Self {
+        Self {
+            name: name.into(),
+            subjects: subjects.iter().map(|s| s.to_string()).collect(),
+            duplicate_window: Duration::from_secs(120),
+            max_age: Duration::ZERO,
+            replicas: 1,
+        }
+    }
+}
+
+/// The server's answer to a durable publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishAck {
+    pub stream: String,
+    pub sequence: u64,
+    /// The id was seen before: nothing was stored, `sequence` is the original's.
+    pub duplicate: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliverFrom {
+    /// Every message still in the stream.
+    All,
+    /// Only messages published after the consumer was created.
+    New,
+}
+
+/// A durable pull consumer: its position survives restarts of the consumer
+/// (and, on NATS, of the server).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConsumerSpec {
+    pub durable_name: String,
+    pub filter_subject: Option<String>,
+    /// An un-acked message is delivered again after this long.
+    pub ack_wait: Duration,
+    /// Give up on a message after this many deliveries (`None`: never).
+    pub max_deliver: Option<u32>,
+    /// At most this many delivered, un-acked messages at once.
+    pub max_ack_pending: usize,
+    pub deliver_from: DeliverFrom,
+}
+
+impl ConsumerSpec {
+    pub fn new(durable_name: impl Into<String>) -> Self {
+        Self {
+            durable_name: durable_name.into(),
+            filter_subject: None,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: None,
+            max_ack_pending: 10_000,
+            deliver_from: DeliverFrom::All,
+        }
+    }
+}
+
+/// A message from a durable stream. It is delivered again after the ack wait
+/// unless acked.
+pub struct Delivery {
+    pub subject: String,
+    pub payload: Bytes,
+    /// The publisher's message id (`Nats-Msg-Id`), if any.
+    pub msg_id: Option<String>,
+    pub stream_sequence: u64,
+    /// How many times this message has been delivered (1 the first time).
+    pub delivered: u64,
+    acker: Acker,
+}
+
+pub(crate) enum Acker {
+    Nats(async_nats::jetstream::Message),
+    Local(local::LocalAcker),
+}
+
+impl Delivery {
+    /// Acknowledges the message: it will not be delivered again.
+    pub async fn ack(&self) -> Result<()> {
+        match &self.acker {
+            Acker::Nats(m) => m
+                .double_ack()
+                .await
+                .map_err(|e| TransportError::backend("ack", e)),
+            Acker::Local(a) => a.ack(),
+        }
+    }
+
+    /// Asks for redelivery after `delay` (immediately when zero).
+    pub async fn nak(&self, delay: Duration) -> Result<()> {
+        match &self.acker {
+            Acker::Nats(m) => {
+                let kind = async_nats::jetstream::AckKind::Nak((!delay.is_zero()).then_some(delay));
+                m.ack_with(kind)
+                    .await
+                    .map_err(|e| TransportError::backend("nak", e))
+            }
+            Acker::Local(a) => a.nak(delay),
+        }
+    }
+
+    /// Says the message is still being worked on: restarts its ack wait.
+    pub async fn in_progress(&self) -> Result<()> {
+        match &self.acker {
+            Acker::Nats(m) => m
+                .ack_with(async_nats::jetstream::AckKind::Progress)
+                .await
+                .map_err(|e| TransportError::backend("in_progress", e)),
+            Acker::Local(a) => a.in_progress(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery")
+            .field("subject", &self.subject)
+            .field("msg_id", &self.msg_id)
+            .field("stream_sequence", &self.stream_sequence)
+            .field("delivered", &self.delivered)
+            .field("bytes", &self.payload.len())
+            .finish()
+    }
+}
+
+#[async_trait]
+pub trait Consumer: Send + Sync {
+    /// Returns up to `max` messages, waiting up to `wait` for the first one.
+    /// An empty vector means nothing arrived in time.
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>>;
+}
+
+/// A value in a KV bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEntry {
+    pub key: String,
+    pub value: Bytes,
+    pub revision: u64,
+}
+
+/// A change seen by a watch; `value` is `None` when the key was deleted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEvent {
+    pub key: String,
+    pub value: Option<Bytes>,
+    pub revision: u64,
+}
+
+#[async_trait]
+pub trait KvBucket: Send + Sync {
+    async fn get(&self, key: &str) -> Result<Option<KvEntry>>;
+    /// Writes unconditionally; returns the new revision.
+    async fn put(&self, key: &str, value: Bytes) -> Result<u64>;
+    /// Writes only if the key does not exist ([`TransportError::KeyExists`]).
+    async fn create(&self, key: &str, value: Bytes) -> Result<u64>;
+    /// Writes only if the key is at `revision` ([`TransportError::RevisionMismatch`]).
+    async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64>;
+    async fn delete(&self, key: &str) -> Result<()>;
+    async fn keys(&self) -> Result<Vec<String>>;
+    /// Watches `key` (NATS wildcards allowed: `a.*`, `a.>`): yields the current
+    /// value of every matching key first, then every change.
+    async fn watch(&self, key: &str) -> Result<BoxStream<'static, Result<KvEvent>>>;
+}
+
+/// What the object store knows about a blob.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectInfo {
+    pub name: String,
+    pub size: u64,
+    /// Lower-case hex SHA-256 of the bytes, computed by us at put time.
+    pub sha256: String,
+    pub chunks: usize,
+}
+
+#[async_trait]
+pub trait ObjectStore: Send + Sync {
+    /// Stores a blob (replacing one of the same name) and returns its info.
+    async fn put(&self, name: &str, data: Bytes) -> Result<ObjectInfo>;
+    /// Reads a blob and checks it against the sha256 recorded at put time.
+    async fn get(&self, name: &str) -> Result<Bytes>;
+    async fn info(&self, name: &str) -> Result<Option<ObjectInfo>>;
+    async fn delete(&self, name: &str) -> Result<()>;
+    async fn list(&self) -> Result<Vec<ObjectInfo>>;
+
+    /// Reads a blob and checks it against a sha256 announced by its producer
+    /// as well (e.g. a weight announcement).
+    async fn get_expecting(&self, name: &str, sha256: &str) -> Result<Bytes> {
+        let data = self.get(name).await?;
+        let actual = sha256_hex(&data);
+        if !actual.eq_ignore_ascii_case(sha256) {
+            return Err(TransportError::ChecksumMismatch {
+                name: name.into(),
+                expected: sha256.into(),
+                actual,
+            });
+        }
+        Ok(data)
+    }
+}
+
+/// The bus every role talks over.
+#[async_trait]
+pub trait Bus: Send + Sync {
+    /// "nats" or "local".
+    fn kind(&self) -> &'static str;
+
+    /// Fire-and-forget publish to plain subscribers.
+    async fn publish(&self, subject: &str, payload: Bytes) -> Result<()>;
+    /// Subscribes to a subject (wildcards allowed).
+    async fn subscribe(&self, subject: &str) -> Result<BoxStream<'static, Message>>;
+
+    /// Sends a request and waits up to `timeout` for the reply.
+    /// Fails fast with [`TransportError::NoResponders`] when nobody serves it.
+    async fn request(&self, subject: &str, payload: Bytes, timeout: Duration) -> Result<Bytes>;
+    /// Serves requests on a subject. With a queue group, each request goes to
+    /// one member of the group.
+    async fn serve(
+        &self,
+        subject: &str,
+        queue_group: Option<&str>,
+    ) -> Result<BoxStream<'static, Request>>;
+
+    /// Creates the stream, or updates it to `spec` if it exists.
+    async fn ensure_stream(&self, spec: &StreamSpec) -> Result<()>;
+    /// Publishes to a durable stream with a message id; a republished id
+    /// within the stream's duplicate window is acknowledged but not stored.
+    async fn publish_durable(
+        &self,
+        subject: &str,
+        msg_id: &str,
+        payload: Bytes,
+    ) -> Result<PublishAck>;
+    /// Number of messages held by a stream.
+    async fn stream_len(&self, stream: &str) -> Result<u64>;
+    /// Creates (or binds to) a durable pull consumer.
+    async fn consumer(&self, stream: &str, spec: &ConsumerSpec) -> Result<Box<dyn Consumer>>;
+
+    /// Opens a KV bucket, creating it if missing.
+    async fn kv(&self, bucket: &str) -> Result<Arc<dyn KvBucket>>;
+    /// Opens an object store, creating it if missing.
+    async fn object_store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>>;
+
+    /// Waits until everything published so far has reached the server.
+    async fn flush(&self) -> Result<()>;
+}
+
+/// Connects to the bus named by the config: the in-process bus for
+/// `url = "local"`, NATS otherwise.
+pub async fn connect(
+    config: &asyncrl_config::BusConfig,
+    metrics: TransportMetrics,
+) -> Result<Arc<dyn Bus>> {
+    match config.kind() {
+        asyncrl_config::BusKind::Local => Ok(Arc::new(LocalBus::new())),
+        asyncrl_config::BusKind::Nats => Ok(Arc::new(NatsBus::connect(config, metrics).await?)),
+    }
+}
+
+/// Lower-case hex SHA-256.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}

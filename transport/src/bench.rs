@@ -1,0 +1,213 @@
+//! `asyncrl bench transport`: JetStream publish-with-ack throughput through
+//! our [`Bus`](crate::Bus) against async-nats used directly, same server,
+//! same message size, same run. Each side publishes with a message id and
+//! waits for the stream's ack, once one at a time and once with many
+//! publishes in flight; rounds alternate between the two sides so that
+//! machine noise hits both.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+
+use crate::{Bus, NatsBus, Result, StreamSpec, TransportError, TransportMetrics};
+
+#[derive(Debug, Clone)]
+pub struct PublishBenchOptions {
+    /// NATS server to use; `None` starts a private nats-server (testkit).
+    pub nats_url: Option<String>,
+    /// Messages per measurement.
+    pub messages: usize,
+    pub message_bytes: usize,
+    /// Publishes in flight for the pipelined measurement.
+    pub in_flight: usize,
+    /// Alternating rounds per side; the best round counts.
+    pub rounds: usize,
+}
+
+impl Default for PublishBenchOptions {
+    fn default() -> Self {
+        Self {
+            nats_url: None,
+            messages: 2_000,
+            message_bytes: 16 * 1024,
+            in_flight: 64,
+            rounds: 3,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PublishBenchRow {
+    pub mode: String,
+    pub raw_msgs_per_s: f64,
+    pub ours_msgs_per_s: f64,
+}
+
+impl PublishBenchRow {
+    /// ours / raw: 1.0 means the abstraction costs nothing.
+    pub fn ratio(&self) -> f64 {
+        self.ours_msgs_per_s / self.raw_msgs_per_s
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PublishBenchReport {
+    pub options: PublishBenchOptions,
+    pub server: String,
+    pub rows: Vec<PublishBenchRow>,
+}
+
+impl fmt::Display for PublishBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let o = &self.options;
+        writeln!(
+            f,
+            "JetStream publish-with-ack, {} messages of {} B, best of {} alternating rounds ({})",
+            o.messages, o.message_bytes, o.rounds, self.server
+        )?;
+        writeln!(
+            f,
+            "{:<16} {:>14} {:>14} {:>12} {:>12}",
+            "mode", "raw msg/s", "ours msg/s", "ours MiB/s", "ours/raw"
+        )?;
+        for r in &self.rows {
+            let mib = r.ours_msgs_per_s * o.message_bytes as f64 / (1024.0 * 1024.0);
+            writeln!(
+                f,
+                "{:<16} {:>14.0} {:>14.0} {:>12.1} {:>12.3}",
+                r.mode,
+                r.raw_msgs_per_s,
+                r.ours_msgs_per_s,
+                mib,
+                r.ratio()
+            )?;
+        }
+        Ok(())
+    }
+}
+
+async fn ours(
+    bus: &NatsBus,
+    subject: &str,
+    payload: &Bytes,
+    n: usize,
+    in_flight: usize,
+    tag: &str,
+) -> Result<Duration> {
+    let start = Instant::now();
+    let results: Vec<Result<crate::PublishAck>> = futures::stream::iter(0..n)
+        .map(|i| {
+            let id = format!("{tag}-{i}");
+            let payload = payload.clone();
+            async move { bus.publish_durable(subject, &id, payload).await }
+        })
+        .buffer_unordered(in_flight)
+        .collect()
+        .await;
+    for r in results {
+        r?;
+    }
+    Ok(start.elapsed())
+}
+
+async fn raw(
+    bus: &NatsBus,
+    subject: &str,
+    payload: &Bytes,
+    n: usize,
+    in_flight: usize,
+    tag: &str,
+) -> Result<Duration> {
+    let js = bus.jetstream().clone();
+    let start = Instant::now();
+    let results: Vec<std::result::Result<_, async_nats::jetstream::context::PublishError>> =
+        futures::stream::iter(0..n)
+            .map(|i| {
+                let msg = async_nats::jetstream::message::PublishMessage::build()
+                    .payload(payload.clone())
+                    .message_id(format!("{tag}-{i}"));
+                let js = js.clone();
+                async move { js.send_publish(subject.to_owned(), msg).await?.await }
+            })
+            .buffer_unordered(in_flight)
+            .collect()
+            .await;
+    for r in results {
+        r.map_err(|e| TransportError::backend("bench_raw_publish", e))?;
+    }
+    Ok(start.elapsed())
+}
+
+/// Runs the benchmark and returns the figures.
+pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBenchReport> {
+    let mut own_server = None;
+    let url = match &opts.nats_url {
+        Some(url) => url.clone(),
+        None => {
+            let server = asyncrl_testkit::NatsServer::start()
+                .map_err(|e| TransportError::backend("bench: start nats-server", e))?;
+            let url = server.url();
+            own_server = Some(server);
+            url
+        }
+    };
+    let bus = NatsBus::connect(
+        &asyncrl_config::BusConfig::nats(url.clone()),
+        TransportMetrics::new(),
+    )
+    .await?;
+    let payload = Bytes::from(vec![0xA5u8; opts.message_bytes]);
+    let run_id = std::process::id();
+    let mut rows = Vec::new();
+    for (mode, in_flight) in [("sequential", 1usize), ("pipelined", opts.in_flight.max(1))] {
+        let mode = if in_flight == 1 {
+            mode.to_owned()
+        } else {
+            format!("{mode} x{in_flight}")
+        };
+        let (mut best_raw, mut best_ours) = (Duration::MAX, Duration::MAX);
+        for round in 0..opts.rounds.max(1) {
+            for side in ["raw", "ours"] {
+                let stream = format!("BENCH_{}_{}", side.to_uppercase(), run_id);
+                let subject = format!("bench.{side}.{run_id}");
+                let mut spec = StreamSpec::new(&stream, &[&subject]);
+                spec.duplicate_window = Duration::from_secs(30);
+                bus.ensure_stream(&spec).await?;
+                let tag = format!("{mode}-{round}-{side}");
+                let elapsed = if side == "raw" {
+                    raw(&bus, &subject, &payload, opts.messages, in_flight, &tag).await?
+                } else {
+                    ours(&bus, &subject, &payload, opts.messages, in_flight, &tag).await?
+                };
+                let best = if side == "raw" {
+                    &mut best_raw
+                } else {
+                    &mut best_ours
+                };
+                *best = (*best).min(elapsed);
+                bus.jetstream()
+                    .delete_stream(&stream)
+                    .await
+                    .map_err(|e| TransportError::backend("bench: delete stream", e))?;
+            }
+        }
+        let rate = |d: Duration| opts.messages as f64 / d.as_secs_f64();
+        rows.push(PublishBenchRow {
+            mode,
+            raw_msgs_per_s: rate(best_raw),
+            ours_msgs_per_s: rate(best_ours),
+        });
+    }
+    let server = match own_server {
+        Some(_) => format!("private nats-server at {url}"),
+        None => format!("nats-server at {url}"),
+    };
+    drop(own_server);
+    Ok(PublishBenchReport {
+        options: opts,
+        server,
+        rows,
+    })
+}

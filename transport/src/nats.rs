@@ -1,0 +1,745 @@
+//! The NATS implementation: core NATS for pub/sub and request/reply,
+//! JetStream for durable streams, KV buckets and the object store.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, kv, object_store, stream};
+use async_nats::{Client, ConnectOptions, Event, ServerAddr};
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use tokio::io::AsyncReadExt;
+
+use asyncrl_config::BusConfig;
+
+use crate::local::validate_key;
+use crate::subject::validate_publish_subject;
+use crate::{
+    Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, KvBucket, KvEntry, KvEvent, Message,
+    ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, StreamSpec, TransportError,
+    TransportMetrics, sha256_hex,
+};
+
+/// Object metadata key under which we record our own sha256 of an object.
+const SHA256_META: &str = "asyncrl-sha256";
+
+/// A connection to NATS with JetStream.
+#[derive(Clone)]
+pub struct NatsBus {
+    client: Client,
+    js: jetstream::Context,
+    replicas: usize,
+    metrics: TransportMetrics,
+}
+
+/// Exponential backoff for reconnects: 50 ms doubling, capped at `max`.
+fn reconnect_delay(attempts: usize, max: Duration) -> Duration {
+    let exp = attempts.min(16) as u32;
+    Duration::from_millis(50u64.saturating_mul(1 << exp)).min(max)
+}
+
+async fn connect_options(config: &BusConfig, metrics: &TransportMetrics) -> Result<ConnectOptions> {
+    let url = config.url.clone();
+    let mut opts = match (
+        &config.credentials_file,
+        &config.token,
+        &config.token_file,
+        &config.user,
+    ) {
+        (Some(path), ..) => ConnectOptions::with_credentials_file(path)
+            .await
+            .map_err(|e| TransportError::Connect {
+                url: url.clone(),
+                reason: format!("cannot read credentials file {}: {e}", path.display()),
+            })?,
+        (None, Some(token), ..) => ConnectOptions::with_token(token.clone()),
+        (None, None, Some(path), _) => {
+            let token = std::fs::read_to_string(path).map_err(|e| TransportError::Connect {
+                url: url.clone(),
+                reason: format!("cannot read token file {}: {e}", path.display()),
+            })?;
+            ConnectOptions::with_token(token.trim().to_owned())
+        }
+        (None, None, None, Some(user)) => ConnectOptions::with_user_and_password(
+            user.clone(),
+            config.password.clone().unwrap_or_default(),
+        ),
+        _ => ConnectOptions::new(),
+    };
+    if let Some(tls) = &config.tls {
+        opts = opts.require_tls(tls.required);
+        if let Some(ca) = &tls.ca_file {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+    }
+    let max_delay = config.reconnect_max_delay;
+    let m = metrics.clone();
+    Ok(opts
+        .name("asyncrl")
+        .subscription_capacity(config.subscription_capacity)
+        .connection_timeout(config.connect_timeout.min(Duration::from_secs(5)))
+        .request_timeout(Some(config.request_timeout))
+        .max_reconnects(None)
+        .reconnect_delay_callback(move |attempts| reconnect_delay(attempts, max_delay))
+        .event_callback(move |event| {
+            let m = m.clone();
+            async move { record_event(&m, &event) }
+        }))
+}
+
+fn record_event(metrics: &TransportMetrics, event: &Event) {
+    let name = match event {
+        Event::Connected => {
+            tracing::info!(event = "connected", "NATS connection (re)established");
+            "connected"
+        }
+        Event::Disconnected => {
+            tracing::warn!(
+                event = "disconnected",
+                "NATS connection lost; reconnecting with backoff"
+            );
+            "disconnected"
+        }
+        Event::LameDuckMode => {
+            tracing::warn!(event = "lame_duck", "NATS server entered lame duck mode");
+            "lame_duck"
+        }
+        Event::Draining => "draining",
+        Event::Closed => {
+            tracing::warn!(event = "closed", "NATS connection closed");
+            "closed"
+        }
+        Event::SlowConsumer(sid) => {
+            tracing::error!(
+                event = "slow_consumer",
+                sid,
+                "NATS subscription fell behind and the client dropped messages; raise bus.subscription_capacity"
+            );
+            "slow_consumer"
+        }
+        Event::ServerError(e) => {
+            tracing::error!(event = "server_error", error = %e, "NATS server error");
+            "server_error"
+        }
+        Event::ClientError(e) => {
+            tracing::error!(event = "client_error", error = %e, "NATS client error");
+            "client_error"
+        }
+    };
+    metrics.event(name);
+}
+
+impl NatsBus {
+    /// Connects, retrying until `bus.connect_timeout`; after that the error
+    /// names the URL and the last failure. Once connected, the client
+    /// reconnects on its own (with backoff) for as long as the process lives.
+    pub async fn connect(config: &BusConfig, metrics: TransportMetrics) -> Result<Self> {
+        let servers: Vec<ServerAddr> = config
+            .url
+            .split(',')
+            .map(|s| s.trim().parse::<ServerAddr>())
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| TransportError::Connect {
+                url: config.url.clone(),
+                reason: e.to_string(),
+            })?;
+        let deadline = tokio::time::Instant::now() + config.connect_timeout;
+        let mut attempt = 0usize;
+        let client = loop {
+            let opts = connect_options(config, &metrics).await?;
+            match opts.connect(servers.clone()).await {
+                Ok(client) => break client,
+                Err(e) => {
+                    attempt += 1;
+                    let wait = reconnect_delay(attempt, Duration::from_secs(1));
+                    if tokio::time::Instant::now() + wait >= deadline {
+                        return Err(TransportError::Connect {
+                            url: config.url.clone(),
+                            reason: format!(
+                                "{e} (gave up after {attempt} attempts in {:?})",
+                                config.connect_timeout
+                            ),
+                        });
+                    }
+                    tracing::debug!(url = %config.url, attempt, error = %e, "NATS connect failed; retrying");
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        };
+        let js = jetstream::new(client.clone());
+        Ok(Self {
+            client,
+            js,
+            replicas: config.replicas,
+            metrics,
+        })
+    }
+
+    /// The underlying client (benches compare against it).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    fn err(&self, op: &'static str, e: impl std::fmt::Display) -> TransportError {
+        self.metrics.error(op);
+        TransportError::backend(op, e)
+    }
+
+    async fn get_stream(&self, name: &str) -> Result<stream::Stream> {
+        self.js.get_stream(name).await.map_err(|e| match e.kind() {
+            jetstream::context::GetStreamErrorKind::JetStream(j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+            {
+                TransportError::NoStream {
+                    stream: name.into(),
+                }
+            }
+            _ => self.err("get_stream", e),
+        })
+    }
+}
+
+#[async_trait]
+impl Bus for NatsBus {
+    fn kind(&self) -> &'static str {
+        "nats"
+    }
+
+    async fn publish(&self, subject: &str, payload: Bytes) -> Result<()> {
+        validate_publish_subject(subject)?;
+        self.client
+            .publish(subject.to_owned(), payload)
+            .await
+            .map_err(|e| self.err("publish", e))
+    }
+
+    async fn subscribe(&self, subject: &str) -> Result<BoxStream<'static, Message>> {
+        let sub = self
+            .client
+            .subscribe(subject.to_owned())
+            .await
+            .map_err(|e| self.err("subscribe", e))?;
+        Ok(sub
+            .map(|m| Message {
+                subject: m.subject.to_string(),
+                payload: m.payload,
+            })
+            .boxed())
+    }
+
+    async fn request(&self, subject: &str, payload: Bytes, timeout: Duration) -> Result<Bytes> {
+        validate_publish_subject(subject)?;
+        let req = async_nats::Request::new()
+            .payload(payload)
+            .timeout(Some(timeout));
+        match self.client.send_request(subject.to_owned(), req).await {
+            Ok(msg) => Ok(msg.payload),
+            Err(e) => Err(match e.kind() {
+                async_nats::RequestErrorKind::NoResponders => TransportError::NoResponders {
+                    subject: subject.into(),
+                },
+                async_nats::RequestErrorKind::TimedOut => TransportError::Timeout {
+                    subject: subject.into(),
+                    timeout,
+                },
+                _ => self.err("request", e),
+            }),
+        }
+    }
+
+    async fn serve(
+        &self,
+        subject: &str,
+        queue_group: Option<&str>,
+    ) -> Result<BoxStream<'static, Request>> {
+        let sub = match queue_group {
+            Some(q) => {
+                self.client
+                    .queue_subscribe(subject.to_owned(), q.to_owned())
+                    .await
+            }
+            None => self.client.subscribe(subject.to_owned()).await,
+        }
+        .map_err(|e| self.err("serve", e))?;
+        let client = self.client.clone();
+        Ok(sub
+            .map(move |m| Request {
+                subject: m.subject.to_string(),
+                payload: m.payload,
+                replier: Replier::Nats {
+                    client: client.clone(),
+                    reply: m.reply,
+                },
+            })
+            .boxed())
+    }
+
+    async fn ensure_stream(&self, spec: &StreamSpec) -> Result<()> {
+        let config = stream::Config {
+            name: spec.name.clone(),
+            subjects: spec.subjects.clone(),
+            duplicate_window: spec.duplicate_window,
+            max_age: spec.max_age,
+            num_replicas: spec.replicas.max(self.replicas),
+            storage: stream::StorageType::File,
+            ..Default::default()
+        };
+        self.js
+            .create_or_update_stream(config)
+            .await
+            .map_err(|e| self.err("ensure_stream", e))?;
+        Ok(())
+    }
+
+    async fn publish_durable(
+        &self,
+        subject: &str,
+        msg_id: &str,
+        payload: Bytes,
+    ) -> Result<PublishAck> {
+        validate_publish_subject(subject)?;
+        let size = payload.len();
+        let msg = jetstream::message::PublishMessage::build()
+            .payload(payload)
+            .message_id(msg_id);
+        let map = |e: jetstream::context::PublishError| match e.kind() {
+            jetstream::context::PublishErrorKind::StreamNotFound => {
+                TransportError::NoStreamForSubject {
+                    subject: subject.into(),
+                }
+            }
+            jetstream::context::PublishErrorKind::MaxPayloadExceeded => {
+                TransportError::PayloadTooLarge {
+                    size,
+                    max: self.client.server_info().max_payload,
+                }
+            }
+            _ => self.err("publish_durable", e),
+        };
+        let ack = self
+            .js
+            .send_publish(subject.to_owned(), msg)
+            .await
+            .map_err(map)?
+            .await
+            .map_err(map)?;
+        Ok(PublishAck {
+            stream: ack.stream,
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+
+    async fn stream_len(&self, stream: &str) -> Result<u64> {
+        let mut s = self.get_stream(stream).await?;
+        let info = s.info().await.map_err(|e| self.err("stream_info", e))?;
+        Ok(info.state.messages)
+    }
+
+    async fn consumer(&self, stream: &str, spec: &ConsumerSpec) -> Result<Box<dyn Consumer>> {
+        let s = self.get_stream(stream).await?;
+        let config = pull::Config {
+            durable_name: Some(spec.durable_name.clone()),
+            filter_subject: spec.filter_subject.clone().unwrap_or_default(),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: spec.ack_wait,
+            max_deliver: spec.max_deliver.map_or(-1, i64::from),
+            max_ack_pending: i64::try_from(spec.max_ack_pending).unwrap_or(i64::MAX),
+            deliver_policy: match spec.deliver_from {
+                DeliverFrom::All => jetstream::consumer::DeliverPolicy::All,
+                DeliverFrom::New => jetstream::consumer::DeliverPolicy::New,
+            },
+            ..Default::default()
+        };
+        let consumer = s
+            .create_consumer(config)
+            .await
+            .map_err(|e| self.err("consumer", e))?;
+        Ok(Box::new(NatsConsumer {
+            consumer,
+            metrics: self.metrics.clone(),
+        }))
+    }
+
+    async fn kv(&self, bucket: &str) -> Result<Arc<dyn KvBucket>> {
+        let store = match self.js.get_key_value(bucket).await {
+            Ok(store) => store,
+            Err(_) => {
+                let config = kv::Config {
+                    bucket: bucket.to_owned(),
+                    history: 1,
+                    storage: stream::StorageType::File,
+                    num_replicas: self.replicas,
+                    ..Default::default()
+                };
+                match self.js.create_key_value(config).await {
+                    Ok(store) => store,
+                    // Another process may have created it meanwhile.
+                    Err(create) => self.js.get_key_value(bucket).await.map_err(|_| {
+                        self.err(
+                            "kv",
+                            format!("cannot open or create bucket `{bucket}`: {create}"),
+                        )
+                    })?,
+                }
+            }
+        };
+        Ok(Arc::new(NatsKv {
+            store,
+            metrics: self.metrics.clone(),
+        }))
+    }
+
+    async fn object_store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+        let store = match self.js.get_object_store(bucket).await {
+            Ok(store) => store,
+            Err(_) => {
+                let config = object_store::Config {
+                    bucket: bucket.to_owned(),
+                    storage: stream::StorageType::File,
+                    num_replicas: self.replicas,
+                    ..Default::default()
+                };
+                match self.js.create_object_store(config).await {
+                    Ok(store) => store,
+                    Err(create) => self.js.get_object_store(bucket).await.map_err(|_| {
+                        self.err(
+                            "object_store",
+                            format!("cannot open or create bucket `{bucket}`: {create}"),
+                        )
+                    })?,
+                }
+            }
+        };
+        Ok(Arc::new(NatsObjects {
+            store,
+            bucket: bucket.to_owned(),
+            metrics: self.metrics.clone(),
+        }))
+    }
+
+    async fn flush(&self) -> Result<()> {
+        self.client.flush().await.map_err(|e| self.err("flush", e))
+    }
+}
+
+// ---------------------------------------------------------------- consumer
+
+struct NatsConsumer {
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    metrics: TransportMetrics,
+}
+
+impl NatsConsumer {
+    fn delivery(&self, m: jetstream::Message) -> Result<Delivery> {
+        let info = m.info().map_err(|e| TransportError::backend("fetch", e))?;
+        let (stream_sequence, delivered) = (
+            info.stream_sequence,
+            u64::try_from(info.delivered).unwrap_or(1),
+        );
+        let msg_id = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+            .map(|v| v.as_str().to_owned());
+        Ok(Delivery {
+            subject: m.subject.to_string(),
+            payload: m.payload.clone(),
+            msg_id,
+            stream_sequence,
+            delivered,
+            acker: Acker::Nats(m),
+        })
+    }
+}
+
+#[async_trait]
+impl Consumer for NatsConsumer {
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+        let max = max.max(1);
+        let err = |e: &dyn std::fmt::Display| {
+            self.metrics.error("fetch");
+            TransportError::backend("fetch", e)
+        };
+        let mut out = Vec::new();
+        // Whatever is ready now, without waiting.
+        let mut ready = self
+            .consumer
+            .fetch()
+            .max_messages(max)
+            .messages()
+            .await
+            .map_err(|e| err(&e))?;
+        while let Some(m) = ready.next().await {
+            out.push(self.delivery(m.map_err(|e| err(&e))?)?);
+        }
+        if !out.is_empty() || wait.is_zero() {
+            return Ok(out);
+        }
+        // Nothing ready: wait for one message, then take what else is ready.
+        let mut one = self
+            .consumer
+            .batch()
+            .max_messages(1)
+            .expires(wait.max(Duration::from_millis(10)))
+            .messages()
+            .await
+            .map_err(|e| err(&e))?;
+        while let Some(m) = one.next().await {
+            out.push(self.delivery(m.map_err(|e| err(&e))?)?);
+        }
+        if !out.is_empty() && max > 1 {
+            let mut rest = self
+                .consumer
+                .fetch()
+                .max_messages(max - 1)
+                .messages()
+                .await
+                .map_err(|e| err(&e))?;
+            while let Some(m) = rest.next().await {
+                out.push(self.delivery(m.map_err(|e| err(&e))?)?);
+            }
+        }
+        Ok(out)
+    }
+}
+
+// ---------------------------------------------------------------- KV
+
+struct NatsKv {
+    store: kv::Store,
+    metrics: TransportMetrics,
+}
+
+impl NatsKv {
+    fn err(&self, op: &'static str, e: impl std::fmt::Display) -> TransportError {
+        self.metrics.error(op);
+        TransportError::backend(op, e)
+    }
+}
+
+#[async_trait]
+impl KvBucket for NatsKv {
+    async fn get(&self, key: &str) -> Result<Option<KvEntry>> {
+        validate_key(key)?;
+        let entry = self
+            .store
+            .entry(key.to_owned())
+            .await
+            .map_err(|e| self.err("kv_get", e))?;
+        Ok(entry
+            .filter(|e| e.operation == kv::Operation::Put)
+            .map(|e| KvEntry {
+                key: e.key,
+                value: e.value,
+                revision: e.revision,
+            }))
+    }
+
+    async fn put(&self, key: &str, value: Bytes) -> Result<u64> {
+        validate_key(key)?;
+        self.store
+            .put(key, value)
+            .await
+            .map_err(|e| self.err("kv_put", e))
+    }
+
+    async fn create(&self, key: &str, value: Bytes) -> Result<u64> {
+        validate_key(key)?;
+        self.store
+            .create(key, value)
+            .await
+            .map_err(|e| match e.kind() {
+                kv::CreateErrorKind::AlreadyExists => TransportError::KeyExists { key: key.into() },
+                _ => self.err("kv_create", e),
+            })
+    }
+
+    async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64> {
+        validate_key(key)?;
+        self.store
+            .update(key, value, revision)
+            .await
+            .map_err(|e| match e.kind() {
+                kv::UpdateErrorKind::WrongLastRevision => TransportError::RevisionMismatch {
+                    key: key.into(),
+                    expected: revision,
+                },
+                _ => self.err("kv_update", e),
+            })
+    }
+
+    async fn delete(&self, key: &str) -> Result<()> {
+        validate_key(key)?;
+        self.store
+            .delete(key)
+            .await
+            .map_err(|e| self.err("kv_delete", e))
+    }
+
+    async fn keys(&self) -> Result<Vec<String>> {
+        let keys = self
+            .store
+            .keys()
+            .await
+            .map_err(|e| self.err("kv_keys", e))?;
+        let keys: Vec<std::result::Result<String, _>> = keys.collect().await;
+        keys.into_iter()
+            .map(|k| k.map_err(|e| self.err("kv_keys", e)))
+            .collect()
+    }
+
+    async fn watch(&self, key: &str) -> Result<BoxStream<'static, Result<KvEvent>>> {
+        // watch_with_history delivers the last value of each matching key
+        // first (a plain watch would not), then every update.
+        let watch = self
+            .store
+            .watch_with_history(key)
+            .await
+            .map_err(|e| self.err("kv_watch", e))?;
+        let metrics = self.metrics.clone();
+        Ok(watch
+            .map(move |entry| match entry {
+                Ok(e) => Ok(KvEvent {
+                    key: e.key,
+                    value: (e.operation == kv::Operation::Put).then_some(e.value),
+                    revision: e.revision,
+                }),
+                Err(e) => {
+                    metrics.error("kv_watch");
+                    Err(TransportError::backend("kv_watch", e))
+                }
+            })
+            .boxed())
+    }
+}
+
+// ---------------------------------------------------------------- objects
+
+struct NatsObjects {
+    store: object_store::ObjectStore,
+    bucket: String,
+    metrics: TransportMetrics,
+}
+
+impl NatsObjects {
+    fn err(&self, op: &'static str, e: impl std::fmt::Display) -> TransportError {
+        self.metrics.error(op);
+        TransportError::backend(op, e)
+    }
+
+    fn not_found(&self, name: &str) -> TransportError {
+        TransportError::ObjectNotFound {
+            bucket: self.bucket.clone(),
+            name: name.into(),
+        }
+    }
+
+    fn info_of(info: &object_store::ObjectInfo) -> ObjectInfo {
+        ObjectInfo {
+            name: info.name.clone(),
+            size: info.size as u64,
+            sha256: info.metadata.get(SHA256_META).cloned().unwrap_or_default(),
+            chunks: info.chunks,
+        }
+    }
+}
+
+#[async_trait]
+impl ObjectStore for NatsObjects {
+    async fn put(&self, name: &str, data: Bytes) -> Result<ObjectInfo> {
+        if name.is_empty() {
+            return Err(TransportError::InvalidName {
+                name: name.into(),
+                reason: "empty object name".into(),
+            });
+        }
+        let sha256 = sha256_hex(&data);
+        let meta = object_store::ObjectMetadata {
+            name: name.to_owned(),
+            metadata: HashMap::from([(SHA256_META.to_owned(), sha256.clone())]),
+            ..Default::default()
+        };
+        let mut reader: &[u8] = &data;
+        let info = self
+            .store
+            .put(meta, &mut reader)
+            .await
+            .map_err(|e| self.err("object_put", e))?;
+        Ok(ObjectInfo {
+            name: info.name,
+            size: info.size as u64,
+            sha256,
+            chunks: info.chunks,
+        })
+    }
+
+    async fn get(&self, name: &str) -> Result<Bytes> {
+        let mut object = self.store.get(name).await.map_err(|e| match e.kind() {
+            object_store::GetErrorKind::NotFound => self.not_found(name),
+            _ => self.err("object_get", e),
+        })?;
+        let expected = object.info.metadata.get(SHA256_META).cloned();
+        let mut buf = Vec::with_capacity(object.info.size);
+        // The client also checks the server-side digest as it reads.
+        object
+            .read_to_end(&mut buf)
+            .await
+            .map_err(|e| self.err("object_get", e))?;
+        if let Some(expected) = expected {
+            let actual = sha256_hex(&buf);
+            if actual != expected {
+                self.metrics.error("object_checksum");
+                return Err(TransportError::ChecksumMismatch {
+                    name: name.into(),
+                    expected,
+                    actual,
+                });
+            }
+        }
+        Ok(Bytes::from(buf))
+    }
+
+    async fn info(&self, name: &str) -> Result<Option<ObjectInfo>> {
+        match self.store.info(name).await {
+            Ok(info) if !info.deleted => Ok(Some(Self::info_of(&info))),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == object_store::InfoErrorKind::NotFound => Ok(None),
+            Err(e) => Err(self.err("object_info", e)),
+        }
+    }
+
+    async fn delete(&self, name: &str) -> Result<()> {
+        self.store.delete(name).await.map_err(|e| match e.kind() {
+            object_store::DeleteErrorKind::NotFound => self.not_found(name),
+            _ => self.err("object_delete", e),
+        })
+    }
+
+    async fn list(&self) -> Result<Vec<ObjectInfo>> {
+        let list = self
+            .store
+            .list()
+            .await
+            .map_err(|e| self.err("object_list", e))?;
+        let items: Vec<_> = list.collect().await;
+        let mut out = Vec::new();
+        for item in items {
+            let info = item.map_err(|e| self.err("object_list", e))?;
+            if !info.deleted {
+                out.push(Self::info_of(&info));
+            }
+        }
+        Ok(out)
+    }
+}
