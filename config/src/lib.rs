@@ -4,15 +4,29 @@
 //! out-of-range value is reported with its full key (`coordinator.eta`), so
 //! that a typo never silently falls back to a default.
 
+mod buffer;
 mod bus;
+mod coordinator;
+mod learner;
+mod model;
+mod run;
+mod tasks;
 mod telemetry;
+mod worker;
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+pub use buffer::BufferConfig;
 pub use bus::{BusConfig, BusKind, TlsConfig};
+pub use coordinator::CoordinatorConfig;
+pub use learner::LearnerConfig;
+pub use model::ModelConfig;
+pub use run::{RunConfig, StalenessConfig};
+pub use tasks::TasksConfig;
 pub use telemetry::{LogFormat, TelemetryConfig};
+pub use worker::WorkerConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -44,8 +58,16 @@ impl ConfigError {
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    pub run: RunConfig,
+    pub staleness: StalenessConfig,
     pub bus: BusConfig,
     pub telemetry: TelemetryConfig,
+    pub tasks: TasksConfig,
+    pub model: ModelConfig,
+    pub coordinator: CoordinatorConfig,
+    pub buffer: BufferConfig,
+    pub learner: LearnerConfig,
+    pub worker: WorkerConfig,
 }
 
 impl Config {
@@ -80,8 +102,16 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.run.validate()?;
+        self.staleness.validate()?;
         self.bus.validate()?;
         self.telemetry.validate()?;
+        self.tasks.validate()?;
+        self.model.validate()?;
+        self.coordinator.validate()?;
+        self.buffer.validate()?;
+        self.learner.validate()?;
+        self.worker.validate()?;
         Ok(())
     }
 }
