@@ -1,0 +1,26 @@
+//! Links the `asyncrl` binary (and this package's tests) so that it starts
+//! without LD_LIBRARY_PATH: `-Wl,--no-as-needed -ltorch` keeps libtorch (and
+//! through it libtorch_cuda, so CUDA is found at run time) as a needed
+//! library although no Rust symbol refers to it, and an rpath points at the
+//! libtorch that torch-sys built against. asyncrl-learner passes that
+//! directory on as `DEP_ASYNCRL_LIBTORCH_LIBTORCH_LIB` (its `links` key).
+
+#[path = "learner/libtorch_link.rs"]
+mod libtorch_link;
+
+use std::path::Path;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=learner/libtorch_link.rs");
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
+    match libtorch_link::libtorch_lib_dir(
+        &["DEP_ASYNCRL_LIBTORCH_LIBTORCH_LIB"],
+        Path::new(&manifest),
+    ) {
+        Ok(dir) => libtorch_link::emit_link_args(&dir),
+        Err(e) => println!(
+            "cargo:warning=cannot locate libtorch's lib dir ({e}); `asyncrl` will need LD_LIBRARY_PATH"
+        ),
+    }
+}
