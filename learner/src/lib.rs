@@ -3,6 +3,9 @@
 //! For now this crate only reports what libtorch the process linked and which
 //! devices it sees; the training loop lands with its own issue.
 
+pub mod advantages;
+pub mod objective;
+
 use std::fmt;
 
 use tch::{Cuda, Device, Kind, Tensor};

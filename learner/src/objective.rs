@@ -1,0 +1,793 @@
+//! The learner's objective (DESIGN.md, "The learner's objective").
+//!
+//! Per token t: behaviour log-prob `b` (from the worker, at the sampling
+//! temperature), proximal log-prob `p`, current log-prob `c` (with
+//! gradient), advantage `A`, behaviour version `v_b`.
+//!
+//! ```text
+//! u = exp(c − p)                    trust-region ratio
+//! w = exp(p − b)                    off-policy weight (detached); w > cap ⇒ token masked
+//! loss = −agg[ w · min(u·A, clip(u, lo, hi)·A) ]
+//! ```
+//!
+//! Proximal log-probs come from an extra forward pass (`recompute`, passed in)
+//! or from A-3PO's interpolation (`approx`): with `v_p = v`, `v_θ = v + 1`,
+//! `α = clamp((v_p − v_b)/(v_θ − v_b), 0, 1)` and `p = b + α·(c.detach() − b)`;
+//! a fresh token (`v_b = v`) gets `α = 0`, i.e. `p = b`.
+//!
+//! Clip modes: `ppo` (`lo = 1 − ε_lo`, `hi = 1 + ε_hi`); `adaptive`
+//! (staleness-adaptive: `d = |p − b|`, `q` the batch quantile of `d`,
+//! `κ = exp(−max(0, d − q)/τ)`; `A > 0` contracts only `hi = 1 + ε_hi·κ`,
+//! `A < 0` only `lo = 1 − ε_lo·κ`); `m2po` (mask the tokens with the largest
+//! `(b − p)²` until the mean of the rest is at most a threshold, then plain
+//! PPO clipping on the rest).
+//!
+//! Masked tokens (weight cap, m2po) contribute nothing but stay in the
+//! denominator of the mean, so masking removes a token's gradient without
+//! rescaling the others.
+
+use serde::Deserialize;
+use tch::{Kind, Tensor};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClipMode {
+    Ppo,
+    #[default]
+    Adaptive,
+    M2po,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProximalMode {
+    /// One extra forward pass with the weights before the step.
+    Recompute,
+    /// A-3PO interpolation from the token's version lag; no extra pass.
+    #[default]
+    Approx,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossAggregation {
+    /// Mean over all valid tokens of the batch.
+    #[default]
+    Token,
+    /// Mean over sequences of each sequence's token mean.
+    Sequence,
+}
+
+/// The knobs of the objective (live knobs from the coordinator land here).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectiveConfig {
+    pub eps_low: f64,
+    pub eps_high: f64,
+    pub clip_mode: ClipMode,
+    /// Tokens whose off-policy weight `exp(p − b)` exceeds this are masked.
+    pub importance_weight_cap: f64,
+    /// Batch quantile `q` of `|p − b|` above which `κ < 1` (adaptive).
+    pub adaptive_quantile: f64,
+    /// Temperature `τ` of the contraction (adaptive).
+    pub adaptive_temperature: f64,
+    /// Mean `(b − p)²` the unmasked tokens must stay under (m2po).
+    pub m2po_threshold: f64,
+    pub aggregation: LossAggregation,
+}
+
+impl Default for ObjectiveConfig {
+    fn default() -> Self {
+        Self {
+            eps_low: 0.2,
+            eps_high: 0.2,
+            clip_mode: ClipMode::Adaptive,
+            importance_weight_cap: 5.0,
+            adaptive_quantile: 0.9,
+            adaptive_temperature: 0.1,
+            m2po_threshold: 0.04,
+            aggregation: LossAggregation::Token,
+        }
+    }
+}
+
+/// Per-token inputs, all `[N, T]` on one device. Padding positions are
+/// `false` in `mask`; their values are ignored.
+pub struct TokenInputs<'a> {
+    /// Behaviour log-probs `b` (float).
+    pub behaviour: &'a Tensor,
+    /// Current log-probs `c` (float, with gradient).
+    pub current: &'a Tensor,
+    /// Proximal log-probs `p` from a recompute pass; `None` ⇒ A-3PO approx.
+    pub proximal: Option<&'a Tensor>,
+    /// Advantage of each token (the sequence's advantage, broadcast).
+    pub advantages: &'a Tensor,
+    /// Behaviour version `v_b` of each token (any numeric kind).
+    pub versions: &'a Tensor,
+    /// Valid (non-padding, not reward-failed) tokens (bool).
+    pub mask: &'a Tensor,
+}
+
+/// The loss and what a dashboard wants to know about it. Fractions are over
+/// the valid tokens of the batch.
+#[derive(Debug)]
+pub struct ObjectiveOutput {
+    pub loss: Tensor,
+    pub stats: ObjectiveStats,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ObjectiveStats {
+    pub tokens: i64,
+    /// Tokens whose ratio hit the lower / upper bound.
+    pub clip_low_fraction: f64,
+    pub clip_high_fraction: f64,
+    /// Tokens masked by the importance-weight cap.
+    pub weight_masked_fraction: f64,
+    /// Tokens masked by m2po.
+    pub m2po_masked_fraction: f64,
+    /// `mean 0.5·(c − p)²` over valid tokens.
+    pub approx_kl: f64,
+    pub mean_importance_weight: f64,
+    /// `v − v_b` over valid tokens.
+    pub mean_version_lag: f64,
+    pub max_version_lag: f64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ObjectiveError {
+    #[error("input `{name}` has shape {got:?}, expected {want:?}")]
+    Shape {
+        name: &'static str,
+        got: Vec<i64>,
+        want: Vec<i64>,
+    },
+}
+
+/// A-3PO's proximal approximation (detached): `p = b + α·(c − b)` with
+/// `α = clamp((v − v_b)/(v + 1 − v_b), 0, 1)`.
+pub fn approx_proximal(
+    behaviour: &Tensor,
+    current: &Tensor,
+    versions: &Tensor,
+    learner_version: i64,
+) -> Tensor {
+    let vb = versions.to_kind(Kind::Double);
+    let v = learner_version as f64;
+    // Tokens from a version the learner has not reached (possible only after
+    // a learner restart) are treated as fresh: α = 0.
+    let alpha = ((-&vb + v) / (-&vb + (v + 1.0)))
+        .clamp(0.0, 1.0)
+        .where_self(&vb.lt(v), &vb.zeros_like())
+        .to_kind(behaviour.kind());
+    (behaviour + alpha * (current.detach() - behaviour)).detach()
+}
+
+fn fraction(count: &Tensor, total: f64) -> f64 {
+    if total > 0.0 {
+        count.double_value(&[]) / total
+    } else {
+        0.0
+    }
+}
+
+/// m2po: masks the valid tokens with the largest `m2 = (b − p)²` until the
+/// mean of the rest is at most `threshold`. Returns the keep mask (bool).
+fn m2po_keep(m2: &Tensor, valid: &Tensor, threshold: f64) -> Tensor {
+    let flat_valid: Vec<bool> =
+        Vec::<bool>::try_from(valid.flatten(0, -1).to_device(tch::Device::Cpu)).unwrap_or_default();
+    let flat_m2: Vec<f64> = Vec::<f64>::try_from(
+        m2.flatten(0, -1)
+            .to_kind(Kind::Double)
+            .to_device(tch::Device::Cpu),
+    )
+    .unwrap_or_default();
+    let mut idx: Vec<usize> = (0..flat_m2.len()).filter(|i| flat_valid[*i]).collect();
+    idx.sort_by(|a, b| flat_m2[*b].total_cmp(&flat_m2[*a]));
+    let mut rest_sum: f64 = idx.iter().map(|i| flat_m2[*i]).sum();
+    let mut rest_n = idx.len();
+    let mut keep = flat_valid.clone();
+    for i in &idx {
+        if rest_n == 0 || rest_sum / rest_n as f64 <= threshold {
+            break;
+        }
+        keep[*i] = false;
+        rest_sum -= flat_m2[*i];
+        rest_n -= 1;
+    }
+    Tensor::from_slice(&keep)
+        .view(valid.size().as_slice())
+        .to_device(valid.device())
+}
+
+/// Computes the decoupled PPO loss at learner version `learner_version`
+/// (the version whose weights produce `current`).
+pub fn decoupled_ppo_loss(
+    inputs: &TokenInputs<'_>,
+    learner_version: i64,
+    cfg: &ObjectiveConfig,
+) -> Result<ObjectiveOutput, ObjectiveError> {
+    let shape = inputs.behaviour.size();
+    let check = |name: &'static str, t: &Tensor| -> Result<(), ObjectiveError> {
+        if t.size() != shape {
+            return Err(ObjectiveError::Shape {
+                name,
+                got: t.size(),
+                want: shape.clone(),
+            });
+        }
+        Ok(())
+    };
+    check("current", inputs.current)?;
+    check("advantages", inputs.advantages)?;
+    check("versions", inputs.versions)?;
+    check("mask", inputs.mask)?;
+    if let Some(p) = inputs.proximal {
+        check("proximal", p)?;
+    }
+    let kind = inputs.current.kind();
+    let b = inputs.behaviour.to_kind(kind).detach();
+    let c = inputs.current;
+    let a = inputs.advantages.to_kind(kind).detach();
+    let valid = inputs.mask.to_kind(Kind::Bool);
+    let valid_f = valid.to_kind(kind);
+    let n_valid = valid_f.sum(Kind::Double).double_value(&[]);
+
+    let p = match inputs.proximal {
+        Some(p) => p.to_kind(kind).detach(),
+        None => approx_proximal(&b, c, inputs.versions, learner_version),
+    };
+    let log_w = (&p - &b).detach();
+    let w = log_w.exp();
+    let over_cap = w.gt(cfg.importance_weight_cap).logical_and(&valid);
+    let mut keep = valid.logical_and(&over_cap.logical_not());
+    let mut m2po_masked = 0.0;
+    if cfg.clip_mode == ClipMode::M2po {
+        let m2 = log_w.square();
+        let kept = m2po_keep(&m2, &keep, cfg.m2po_threshold);
+        m2po_masked = fraction(
+            &keep.logical_and(&kept.logical_not()).sum(Kind::Double),
+            n_valid,
+        );
+        keep = kept;
+    }
+    let keep_f = keep.to_kind(kind);
+
+    let u = (c - &p).exp();
+    let ones = u.ones_like().detach();
+    let (lo, hi) = match cfg.clip_mode {
+        ClipMode::Ppo | ClipMode::M2po => {
+            (&ones * (1.0 - cfg.eps_low), &ones * (1.0 + cfg.eps_high))
+        }
+        ClipMode::Adaptive => {
+            let d = log_w.abs();
+            let q = if n_valid > 0.0 {
+                d.masked_select(&valid)
+                    .to_kind(Kind::Double)
+                    .quantile_scalar(cfg.adaptive_quantile, None, false, "linear")
+                    .double_value(&[])
+            } else {
+                0.0
+            };
+            let kappa = ((&d - q).relu() / -cfg.adaptive_temperature.max(1e-12)).exp();
+            let hi_contracted = &kappa * cfg.eps_high + 1.0;
+            let lo_contracted = -(&kappa * cfg.eps_low) + 1.0;
+            let hi = hi_contracted.where_self(&a.gt(0.0), &(&ones * (1.0 + cfg.eps_high)));
+            let lo = lo_contracted.where_self(&a.lt(0.0), &(&ones * (1.0 - cfg.eps_low)));
+            (lo.detach(), hi.detach())
+        }
+    };
+    let clipped = u.clamp_tensor(Some(&lo), Some(&hi));
+    let surrogate = (&u * &a).minimum(&(&clipped * &a));
+    let per_token = &w * surrogate * &keep_f;
+
+    let objective = match cfg.aggregation {
+        LossAggregation::Token => per_token.sum(kind) / n_valid.max(1.0),
+        LossAggregation::Sequence => {
+            let per_seq_n = valid_f.sum_dim_intlist(-1, false, kind);
+            let has = per_seq_n.gt(0.0).to_kind(kind);
+            let per_seq = per_token.sum_dim_intlist(-1, false, kind) / per_seq_n.clamp_min(1.0);
+            let n_seq = has.sum(Kind::Double).double_value(&[]);
+            (per_seq * has).sum(kind) / n_seq.max(1.0)
+        }
+    };
+    let loss = -objective;
+
+    let clip_high = keep
+        .logical_and(&a.gt(0.0))
+        .logical_and(&u.gt_tensor(&hi))
+        .sum(Kind::Double);
+    let clip_low = keep
+        .logical_and(&a.lt(0.0))
+        .logical_and(&u.lt_tensor(&lo))
+        .sum(Kind::Double);
+    let lag = (-inputs.versions.to_kind(Kind::Double) + learner_version as f64)
+        * valid.to_kind(Kind::Double);
+    let stats = ObjectiveStats {
+        tokens: n_valid as i64,
+        clip_low_fraction: fraction(&clip_low, n_valid),
+        clip_high_fraction: fraction(&clip_high, n_valid),
+        weight_masked_fraction: fraction(&over_cap.sum(Kind::Double), n_valid),
+        m2po_masked_fraction: m2po_masked,
+        approx_kl: fraction(
+            &((c.detach() - &p).square() * 0.5 * &valid_f).sum(Kind::Double),
+            n_valid,
+        ),
+        mean_importance_weight: fraction(&(&w * &valid_f).sum(Kind::Double), n_valid),
+        mean_version_lag: fraction(&lag.sum(Kind::Double), n_valid),
+        max_version_lag: if n_valid > 0.0 {
+            lag.max().double_value(&[])
+        } else {
+            0.0
+        },
+    };
+    Ok(ObjectiveOutput { loss, stats })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One token of a hand-computed case.
+    #[derive(Clone, Copy)]
+    struct Tok {
+        b: f64,
+        /// Proximal log-prob; `None` in every token of a case ⇒ approx mode.
+        p: Option<f64>,
+        c: f64,
+        a: f64,
+        v: i64,
+    }
+
+    fn tok(b: f64, p: f64, c: f64, a: f64) -> Tok {
+        Tok {
+            b,
+            p: Some(p),
+            c,
+            a,
+            v: 10,
+        }
+    }
+
+    const LN2: f64 = std::f64::consts::LN_2;
+
+    struct Case {
+        name: &'static str,
+        /// Sequences of tokens (ragged; padded in `check`).
+        seqs: Vec<Vec<Tok>>,
+        cfg: ObjectiveConfig,
+        version: i64,
+        loss: f64,
+        clip_low: f64,
+        clip_high: f64,
+        masked: f64,
+        m2po_masked: f64,
+        /// Expected sign of d loss / d c at token (0, 0): -1, 0 or +1.
+        grad_sign: i32,
+    }
+
+    fn base(name: &'static str, seqs: Vec<Vec<Tok>>, loss: f64) -> Case {
+        Case {
+            name,
+            seqs,
+            cfg: ObjectiveConfig {
+                clip_mode: ClipMode::Ppo,
+                ..Default::default()
+            },
+            version: 10,
+            loss,
+            clip_low: 0.0,
+            clip_high: 0.0,
+            masked: 0.0,
+            m2po_masked: 0.0,
+            grad_sign: -1,
+        }
+    }
+
+    fn check(case: Case) {
+        let n = case.seqs.len();
+        let t = case.seqs.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut b = vec![0f64; n * t];
+        let mut p = vec![0f64; n * t];
+        let mut c = vec![0f64; n * t];
+        let mut a = vec![0f64; n * t];
+        let mut v = vec![0i64; n * t];
+        let mut m = vec![false; n * t];
+        let mut approx = false;
+        for (i, seq) in case.seqs.iter().enumerate() {
+            for (j, tk) in seq.iter().enumerate() {
+                let k = i * t + j;
+                b[k] = tk.b;
+                c[k] = tk.c;
+                a[k] = tk.a;
+                v[k] = tk.v;
+                m[k] = true;
+                match tk.p {
+                    Some(pv) => p[k] = pv,
+                    None => approx = true,
+                }
+            }
+        }
+        let shape = [n as i64, t as i64];
+        let tb = Tensor::from_slice(&b).view(shape);
+        let tp = Tensor::from_slice(&p).view(shape);
+        let tc = Tensor::from_slice(&c).view(shape).set_requires_grad(true);
+        let ta = Tensor::from_slice(&a).view(shape);
+        let tv = Tensor::from_slice(&v).view(shape);
+        let tm = Tensor::from_slice(&m).view(shape);
+        let inputs = TokenInputs {
+            behaviour: &tb,
+            current: &tc,
+            proximal: if approx { None } else { Some(&tp) },
+            advantages: &ta,
+            versions: &tv,
+            mask: &tm,
+        };
+        let out = decoupled_ppo_loss(&inputs, case.version, &case.cfg).unwrap();
+        let loss = out.loss.double_value(&[]);
+        let name = case.name;
+        let close = |what: &str, got: f64, want: f64| {
+            assert!(
+                (got - want).abs() < 1e-6,
+                "{name}: {what} = {got}, expected {want}"
+            );
+        };
+        close("loss", loss, case.loss);
+        close(
+            "clip_low_fraction",
+            out.stats.clip_low_fraction,
+            case.clip_low,
+        );
+        close(
+            "clip_high_fraction",
+            out.stats.clip_high_fraction,
+            case.clip_high,
+        );
+        close(
+            "weight_masked_fraction",
+            out.stats.weight_masked_fraction,
+            case.masked,
+        );
+        close(
+            "m2po_masked_fraction",
+            out.stats.m2po_masked_fraction,
+            case.m2po_masked,
+        );
+        assert!(loss.is_finite(), "{name}: loss not finite");
+        out.loss.backward();
+        let g = tc.grad();
+        let g00 = if g.defined() {
+            g.double_value(&[0, 0])
+        } else {
+            0.0
+        };
+        let sign = if g00 > 1e-9 {
+            1
+        } else if g00 < -1e-9 {
+            -1
+        } else {
+            0
+        };
+        assert_eq!(sign, case.grad_sign, "{name}: d loss/d c[0,0] = {g00}");
+    }
+
+    #[test]
+    fn objective_table() {
+        let l = (0.5f64).ln();
+        // On-policy, fresh: u = w = 1, loss = −A.
+        check(base("on-policy", vec![vec![tok(l, l, l, 1.0)]], -1.0));
+        // A > 0, ratio 1.5 above 1 + 0.2: clipped to 1.2, no gradient.
+        check(Case {
+            clip_high: 1.0,
+            grad_sign: 0,
+            ..base(
+                "upper clip",
+                vec![vec![tok(-1.0, -1.0, -1.0 + 1.5f64.ln(), 1.0)]],
+                -1.2,
+            )
+        });
+        // A < 0, ratio 0.5 below 1 − 0.2: clipped to 0.8, no gradient.
+        check(Case {
+            clip_low: 1.0,
+            grad_sign: 0,
+            ..base(
+                "lower clip",
+                vec![vec![tok(-1.0, -1.0, -1.0 + 0.5f64.ln(), -1.0)]],
+                0.8,
+            )
+        });
+        // A > 0 with a low ratio is not clipped (pessimistic min picks u·A).
+        check(base(
+            "low ratio, positive advantage",
+            vec![vec![tok(-1.0, -1.0, -1.0 + 0.5f64.ln(), 1.0)]],
+            -0.5,
+        ));
+        // A < 0 with a high ratio is not clipped either; the gradient pushes c down.
+        check(Case {
+            grad_sign: 1,
+            ..base(
+                "high ratio, negative advantage",
+                vec![vec![tok(-1.0, -1.0, -1.0 + 1.5f64.ln(), -1.0)]],
+                1.5,
+            )
+        });
+        // Off-policy weight w = 2 scales the token.
+        check(base(
+            "off-policy weight",
+            vec![vec![tok(-2.0, -2.0 + LN2, -2.0 + LN2, 1.0)]],
+            -2.0,
+        ));
+        // w = 6 > cap 5: that token is masked but stays in the denominator.
+        check(Case {
+            masked: 0.5,
+            grad_sign: 0,
+            ..base(
+                "weight above cap",
+                vec![vec![
+                    tok(-3.0, -3.0 + 6f64.ln(), -3.0 + 6f64.ln(), 1.0),
+                    tok(-1.0, -1.0, -1.0, 1.0),
+                ]],
+                -0.5,
+            )
+        });
+        // Every token masked: loss 0, no gradient, no NaN.
+        check(Case {
+            masked: 1.0,
+            grad_sign: 0,
+            ..base(
+                "all masked",
+                vec![vec![tok(-3.0, -3.0 + 6f64.ln(), -3.0 + 6f64.ln(), 1.0)]],
+                0.0,
+            )
+        });
+        // A = 0: nothing to learn.
+        check(Case {
+            grad_sign: 0,
+            ..base(
+                "zero advantage",
+                vec![vec![tok(-1.0, -1.0, -1.0, 0.0)]],
+                0.0,
+            )
+        });
+        // A zero-length completion next to a normal one.
+        check(base(
+            "zero-length completion",
+            vec![vec![tok(-1.0, -1.0, -1.0, 1.0)], vec![]],
+            -1.0,
+        ));
+        check(Case {
+            cfg: ObjectiveConfig {
+                clip_mode: ClipMode::Ppo,
+                aggregation: LossAggregation::Sequence,
+                ..Default::default()
+            },
+            ..base(
+                "zero-length completion, sequence mean",
+                vec![vec![tok(-1.0, -1.0, -1.0, 1.0)], vec![]],
+                -1.0,
+            )
+        });
+        check(Case {
+            grad_sign: 0,
+            ..base("only zero-length completions", vec![vec![], vec![]], 0.0)
+        });
+        // Token mean vs sequence mean.
+        let one = vec![tok(-1.0, -1.0, -1.0, 1.0)];
+        let three = vec![tok(-1.0, -1.0, -1.0, -1.0); 3];
+        check(base("token mean", vec![one.clone(), three.clone()], 0.5));
+        check(Case {
+            cfg: ObjectiveConfig {
+                clip_mode: ClipMode::Ppo,
+                aggregation: LossAggregation::Sequence,
+                ..Default::default()
+            },
+            ..base("sequence mean", vec![one, three], 0.0)
+        });
+    }
+
+    #[test]
+    fn approx_proximal_table() {
+        // Version lag 0: α = 0, p = b, so u = exp(c − b) = 1.5 is clipped to 1.2.
+        let fresh = Tok {
+            b: -1.0,
+            p: None,
+            c: -1.0 + 1.5f64.ln(),
+            a: 1.0,
+            v: 10,
+        };
+        check(Case {
+            clip_high: 1.0,
+            grad_sign: 0,
+            ..base("approx, lag 0", vec![vec![fresh]], -1.2)
+        });
+        // Lag 1: α = 1/2. c − b = ln 4 ⇒ p = b + ln 2: w = 2, u = 2 → clip 1.2, obj 2.4.
+        let stale = Tok {
+            b: -2.0,
+            p: None,
+            c: -2.0 + 4f64.ln(),
+            a: 1.0,
+            v: 9,
+        };
+        check(Case {
+            clip_high: 1.0,
+            grad_sign: 0,
+            ..base("approx, lag 1", vec![vec![stale]], -2.4)
+        });
+        // Same with a wide trust region: unclipped, obj = w·u = 4, gradient flows.
+        check(Case {
+            cfg: ObjectiveConfig {
+                clip_mode: ClipMode::Ppo,
+                eps_high: 3.0,
+                ..Default::default()
+            },
+            ..base("approx, lag 1, unclipped", vec![vec![stale]], -4.0)
+        });
+        // A token from the future (v_b > v) is treated as fresh (α clamped to 0).
+        // (α = 1 would give w = 1.5, u = 1 and a loss of −1.5.)
+        let future = Tok {
+            b: -1.0,
+            p: None,
+            c: -1.0 + 1.5f64.ln(),
+            a: 1.0,
+            v: 12,
+        };
+        check(Case {
+            clip_high: 1.0,
+            grad_sign: 0,
+            ..base("approx, future version", vec![vec![future]], -1.2)
+        });
+        // α itself.
+        let b = Tensor::from_slice(&[0.0f64, 0.0, 0.0, 0.0]);
+        let c = Tensor::from_slice(&[-1.0f64, -1.0, -1.0, -1.0]);
+        let v = Tensor::from_slice(&[10i64, 9, 7, 11, 12]);
+        let b = Tensor::cat(&[b, Tensor::from_slice(&[0.0f64])], 0);
+        let c = Tensor::cat(&[c, Tensor::from_slice(&[-1.0f64])], 0);
+        let p = Vec::<f64>::try_from(approx_proximal(&b, &c, &v, 10)).unwrap();
+        let want = [0.0, -0.5, -0.75, 0.0, 0.0];
+        for (g, w) in p.iter().zip(want) {
+            assert!((g - w).abs() < 1e-12, "{p:?}");
+        }
+    }
+
+    #[test]
+    fn adaptive_clipping_table() {
+        let adaptive = ObjectiveConfig {
+            clip_mode: ClipMode::Adaptive,
+            adaptive_quantile: 0.9,
+            adaptive_temperature: 0.05,
+            ..Default::default()
+        };
+        // d = [0, ln 2]; q = 0.9·ln 2; κ₂ = exp(−0.1·ln 2/0.05) = 0.25.
+        let fresh_pos = tok(-1.0, -1.0, -1.0, 1.0);
+        let stale_pos = tok(-2.0, -2.0 + LN2, -2.0 + LN2 + 1.1f64.ln(), 1.0);
+        // A > 0: upper bound 1 + 0.2·0.25 = 1.05 < 1.1 → clipped: obj₂ = 2·1.05.
+        check(Case {
+            cfg: adaptive.clone(),
+            clip_high: 0.5,
+            ..base(
+                "adaptive contracts the upper bound",
+                vec![vec![fresh_pos, stale_pos]],
+                -(1.0 + 2.1) / 2.0,
+            )
+        });
+        // Plain PPO leaves u = 1.1 alone: obj₂ = 2·1.1.
+        check(base(
+            "ppo keeps the upper bound",
+            vec![vec![fresh_pos, stale_pos]],
+            -(1.0 + 2.2) / 2.0,
+        ));
+        // A < 0: lower bound 1 − 0.2·0.25 = 0.95 > 0.9 → clipped: obj₂ = 2·(−0.95).
+        let fresh_neg = tok(-1.0, -1.0, -1.0, -1.0);
+        let stale_neg = tok(-2.0, -2.0 + LN2, -2.0 + LN2 + 0.9f64.ln(), -1.0);
+        check(Case {
+            cfg: adaptive.clone(),
+            clip_low: 0.5,
+            grad_sign: 1,
+            ..base(
+                "adaptive contracts the lower bound",
+                vec![vec![fresh_neg, stale_neg]],
+                (1.0 + 1.9) / 2.0,
+            )
+        });
+        // A < 0 with a high ratio: only the lower bound is contracted, so u = 1.1 is untouched.
+        let stale_neg_high = tok(-2.0, -2.0 + LN2, -2.0 + LN2 + 1.1f64.ln(), -1.0);
+        check(Case {
+            cfg: adaptive,
+            grad_sign: 1,
+            ..base(
+                "adaptive leaves the other endpoint",
+                vec![vec![fresh_neg, stale_neg_high]],
+                (1.0 + 2.2) / 2.0,
+            )
+        });
+    }
+
+    #[test]
+    fn m2po_table() {
+        let m2po = ObjectiveConfig {
+            clip_mode: ClipMode::M2po,
+            m2po_threshold: 0.04,
+            ..Default::default()
+        };
+        // (b − p)² = [0, 0, 0.25]: mean 0.083 > 0.04 → mask the largest; the rest has mean 0.
+        let toks = vec![
+            tok(-1.0, -1.0, -1.0, 1.0),
+            tok(-1.0, -1.0, -1.0, 1.0),
+            tok(-2.0, -1.5, -1.5, 1.0),
+        ];
+        check(Case {
+            cfg: m2po.clone(),
+            m2po_masked: 1.0 / 3.0,
+            ..base("m2po masks the outlier", vec![toks], -2.0 / 3.0)
+        });
+        // (b − p)² = 0.01 everywhere: below the threshold, nothing masked.
+        let toks = vec![tok(-1.1, -1.0, -1.0, 1.0), tok(-1.1, -1.0, -1.0, 1.0)];
+        check(Case {
+            cfg: m2po,
+            ..base("m2po keeps a calm batch", vec![toks], -(0.1f64).exp())
+        });
+    }
+
+    #[test]
+    fn shape_mismatch_is_an_error() {
+        let a = Tensor::zeros([2, 3], (Kind::Float, tch::Device::Cpu));
+        let b = Tensor::zeros([2, 2], (Kind::Float, tch::Device::Cpu));
+        let m = Tensor::ones([2, 3], (Kind::Bool, tch::Device::Cpu));
+        let inputs = TokenInputs {
+            behaviour: &a,
+            current: &a,
+            proximal: None,
+            advantages: &b,
+            versions: &a,
+            mask: &m,
+        };
+        let err = decoupled_ppo_loss(&inputs, 0, &ObjectiveConfig::default()).unwrap_err();
+        assert!(matches!(
+            err,
+            ObjectiveError::Shape {
+                name: "advantages",
+                ..
+            }
+        ));
+    }
+
+    proptest::proptest! {
+        /// With b = p = c the loss is −mean(A) and nothing is clipped or masked.
+        #[test]
+        fn on_policy_loss_is_minus_mean_advantage(
+            rows in proptest::collection::vec(
+                proptest::collection::vec((-8.0f64..0.0, -3.0f64..3.0, proptest::bool::ANY), 1..6), 1..5),
+            mode in 0usize..3,
+            approx in proptest::bool::ANY,
+        ) {
+            let t = rows.iter().map(Vec::len).max().unwrap_or(1);
+            let n = rows.len();
+            let mut lp = vec![0f64; n * t];
+            let mut adv = vec![0f64; n * t];
+            let mut mask = vec![false; n * t];
+            for (i, row) in rows.iter().enumerate() {
+                for (j, (l, a, m)) in row.iter().enumerate() {
+                    lp[i * t + j] = *l;
+                    adv[i * t + j] = *a;
+                    mask[i * t + j] = *m;
+                }
+            }
+            let shape = [n as i64, t as i64];
+            let b = Tensor::from_slice(&lp).view(shape);
+            let c = b.copy().set_requires_grad(true);
+            let a = Tensor::from_slice(&adv).view(shape);
+            let m = Tensor::from_slice(&mask).view(shape);
+            let v = Tensor::full(shape, 3, (Kind::Int64, tch::Device::Cpu));
+            let inputs = TokenInputs { behaviour: &b, current: &c, proximal: if approx { None } else { Some(&b) }, advantages: &a, versions: &v, mask: &m };
+            let clip_mode = [ClipMode::Ppo, ClipMode::Adaptive, ClipMode::M2po][mode];
+            let cfg = ObjectiveConfig { clip_mode, ..Default::default() };
+            let out = decoupled_ppo_loss(&inputs, 3, &cfg).unwrap();
+            let valid: Vec<f64> = adv.iter().zip(&mask).filter(|(_, m)| **m).map(|(a, _)| *a).collect();
+            let want = if valid.is_empty() { 0.0 } else { -valid.iter().sum::<f64>() / valid.len() as f64 };
+            proptest::prop_assert!((out.loss.double_value(&[]) - want).abs() < 1e-9);
+            proptest::prop_assert_eq!(out.stats.clip_low_fraction, 0.0);
+            proptest::prop_assert_eq!(out.stats.clip_high_fraction, 0.0);
+            proptest::prop_assert_eq!(out.stats.weight_masked_fraction, 0.0);
+            proptest::prop_assert_eq!(out.stats.m2po_masked_fraction, 0.0);
+        }
+    }
+}
