@@ -1,0 +1,173 @@
+//! Deterministic generators for the built-in tasks.
+
+use crate::TaskItem;
+
+/// SplitMix64: a tiny PRNG whose output is fixed by its definition, so a
+/// data set generated from a seed is the same on every machine and with
+/// every version of every dependency.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, n)` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n.max(1))) >> 64) as u64
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The built-in tasks, each with a verifier in [`crate::score`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuiltinTask {
+    /// `37+58=` → `95`: integer addition and subtraction of numbers below
+    /// 100. Reward 1 for the exact answer, else 0.
+    Arith,
+    /// `rev:31415=` → `51413`: write a digit string back reversed. Lengths
+    /// follow a heavy-tailed (discrete Pareto, α = 1.1) distribution from 2
+    /// to 64, so a few completions are far longer than the rest: the
+    /// workload where asynchronous rollouts pay. Reward = fraction of
+    /// positions right.
+    Reverse,
+}
+
+impl BuiltinTask {
+    pub fn name(self) -> &'static str {
+        match self {
+            BuiltinTask::Arith => "arith",
+            BuiltinTask::Reverse => "reverse",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "arith" => Some(BuiltinTask::Arith),
+            "reverse" => Some(BuiltinTask::Reverse),
+            _ => None,
+        }
+    }
+
+    /// Every character a prompt or answer of this task can contain.
+    pub fn alphabet(self) -> &'static str {
+        match self {
+            BuiltinTask::Arith => "0123456789+-=",
+            BuiltinTask::Reverse => "0123456789rev:=",
+        }
+    }
+}
+
+/// Longest list of the reverse task.
+pub const REVERSE_MAX_LEN: u64 = 64;
+
+fn reverse_len(rng: &mut SplitMix64) -> u64 {
+    // Discrete Pareto: floor(x_min / U^(1/α)), x_min = 2, α = 1.1, capped.
+    let u = rng.unit().max(1e-12);
+    let x = 2.0 / u.powf(1.0 / 1.1);
+    (x as u64).clamp(2, REVERSE_MAX_LEN)
+}
+
+/// Generates `n` items of `task` from `seed`; ids are `<task>-<index>`.
+pub fn generate(task: BuiltinTask, n: usize, seed: u64) -> Vec<TaskItem> {
+    let mut rng = SplitMix64::new(seed ^ (task as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+    (0..n)
+        .map(|i| {
+            let (prompt, answer) = match task {
+                BuiltinTask::Arith => {
+                    let a = rng.below(100) as i64;
+                    let b = rng.below(100) as i64;
+                    if rng.below(2) == 0 {
+                        (format!("{a}+{b}="), (a + b).to_string())
+                    } else {
+                        (format!("{a}-{b}="), (a - b).to_string())
+                    }
+                }
+                BuiltinTask::Reverse => {
+                    let len = reverse_len(&mut rng);
+                    let digits: String = (0..len)
+                        .map(|_| char::from(b'0' + rng.below(10) as u8))
+                        .collect();
+                    (format!("rev:{digits}="), digits.chars().rev().collect())
+                }
+            };
+            TaskItem {
+                id: format!("{}-{i:06}", task.name()),
+                prompt,
+                answer,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generators_are_deterministic_and_seeded() {
+        for task in [BuiltinTask::Arith, BuiltinTask::Reverse] {
+            assert_eq!(generate(task, 100, 3), generate(task, 100, 3));
+            assert_ne!(generate(task, 100, 3), generate(task, 100, 4));
+        }
+        // Pinned: the definition of SplitMix64 fixes the data set.
+        let first = &generate(BuiltinTask::Arith, 1, 0)[0];
+        assert_eq!(first.id, "arith-000000");
+        let mut rng = SplitMix64::new(1234567);
+        assert_eq!(rng.next_u64(), 6457827717110365317);
+    }
+
+    #[test]
+    fn arith_answers_are_right() {
+        for item in generate(BuiltinTask::Arith, 500, 1) {
+            let p = item.prompt.trim_end_matches('=');
+            let (a, b, sum) = if let Some((a, b)) = p.split_once('+') {
+                (a, b, true)
+            } else {
+                let (a, b) = p.split_once('-').unwrap();
+                (a, b, false)
+            };
+            let (a, b): (i64, i64) = (a.parse().unwrap(), b.parse().unwrap());
+            assert_eq!(item.answer, if sum { a + b } else { a - b }.to_string());
+            assert!(
+                item.prompt
+                    .chars()
+                    .all(|c| BuiltinTask::Arith.alphabet().contains(c))
+            );
+        }
+    }
+
+    #[test]
+    fn reverse_lengths_are_long_tailed() {
+        let items = generate(BuiltinTask::Reverse, 4000, 2);
+        let lens: Vec<usize> = items.iter().map(|i| i.answer.len()).collect();
+        let mut sorted = lens.clone();
+        sorted.sort_unstable();
+        let median = sorted[sorted.len() / 2];
+        let p99 = sorted[sorted.len() * 99 / 100];
+        assert!(median <= 4, "median {median}");
+        assert!(
+            p99 >= 8 * median,
+            "tail too light: median {median}, p99 {p99}"
+        );
+        assert!(*sorted.first().unwrap() >= 2 && *sorted.last().unwrap() as u64 <= REVERSE_MAX_LEN);
+        for item in &items {
+            let digits = item.prompt.trim_start_matches("rev:").trim_end_matches('=');
+            assert_eq!(item.answer, digits.chars().rev().collect::<String>());
+        }
+    }
+}
