@@ -18,7 +18,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use buffer::BufferConfig;
+pub use buffer::{
+    BufferConfig, DEFAULT_REUSE_MAX, FsyncPolicy, RetentionPolicy, SamplingPolicy,
+    SegmentCompression,
+};
 pub use bus::{BusConfig, BusKind, TlsConfig};
 pub use coordinator::CoordinatorConfig;
 pub use learner::LearnerConfig;
