@@ -1,1 +1,3 @@
+//! The rollout worker.
 
+pub mod reward;
