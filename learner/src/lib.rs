@@ -4,6 +4,7 @@
 //! devices it sees; the training loop lands with its own issue.
 
 pub mod advantages;
+pub mod batch;
 pub mod objective;
 
 use std::fmt;

@@ -1,0 +1,399 @@
+//! From the buffer's Arrow record batches to padded training tensors.
+//!
+//! Sequences are right-padded: with causal attention a pad after the last
+//! real token can never influence a real one, so the model needs no
+//! attention mask and positions are simply `0..L`. Token ids, log-probs and
+//! versions are copied row by row (one slice copy per row out of Arrow's
+//! contiguous value buffers), never element by element.
+
+use std::collections::HashMap;
+
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::datatypes::{Float32Type, Int32Type};
+use asyncrl_protos::arrow_schema as cols;
+use tch::{Device, Kind, Tensor};
+
+use crate::advantages::{AdvantageNorm, grpo_advantages};
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum BatchError {
+    #[error("record batch column `{0}` is missing or has the wrong type")]
+    Column(&'static str),
+    #[error("row {row}: {reason}")]
+    Row { row: usize, reason: String },
+    #[error("the batch holds no trajectories")]
+    Empty,
+}
+
+/// A training batch on the host, ready to move to a device.
+#[derive(Debug)]
+pub struct TrainBatch {
+    /// `[N, L]` prompt + completion token ids, right-padded with `pad_id`.
+    pub input_ids: Tensor,
+    /// `[N, T]`: position in the shifted log-prob matrix (`[N, L−1]`, entry
+    /// `j` = log-prob of token `j+1`) of completion token `t`, i.e.
+    /// `prompt_len − 1 + t`; 0 on padding.
+    pub gather_index: Tensor,
+    /// `[N, T]` behaviour log-probs, versions, advantages; padding 0.
+    pub behaviour: Tensor,
+    pub versions: Tensor,
+    pub advantages: Tensor,
+    /// `[N, T]` bool: real completion tokens of trajectories with a reward.
+    pub mask: Tensor,
+    /// Per row.
+    pub uuids: Vec<String>,
+    pub group_ids: Vec<String>,
+    pub rewards: Vec<Option<f32>>,
+    pub groups: usize,
+    /// Valid (masked-in) completion tokens.
+    pub tokens: i64,
+    /// Oldest token version in the batch.
+    pub min_version: i32,
+}
+
+fn list_rows<'a, T: arrow::datatypes::ArrowPrimitiveType>(
+    batch: &'a RecordBatch,
+    name: &'static str,
+) -> Result<(&'a [T::Native], &'a [i32]), BatchError> {
+    let list = batch
+        .column_by_name(name)
+        .and_then(|c| c.as_list_opt::<i32>())
+        .ok_or(BatchError::Column(name))?;
+    let values = list
+        .values()
+        .as_primitive_opt::<T>()
+        .ok_or(BatchError::Column(name))?;
+    Ok((values.values(), list.value_offsets()))
+}
+
+struct Row<'a> {
+    prompt: &'a [i32],
+    completion: &'a [i32],
+    logprobs: &'a [f32],
+    versions: &'a [i32],
+    reward: Option<f32>,
+    uuid: String,
+    group: String,
+}
+
+/// Assembles record batches (whole groups) into a [`TrainBatch`].
+pub fn assemble(
+    batches: &[RecordBatch],
+    pad_id: i64,
+    norm: AdvantageNorm,
+) -> Result<TrainBatch, BatchError> {
+    let mut rows: Vec<Row<'_>> = Vec::new();
+    for batch in batches {
+        let (p_vals, p_off) = list_rows::<Int32Type>(batch, cols::PROMPT_TOKEN_IDS)?;
+        let (c_vals, c_off) = list_rows::<Int32Type>(batch, cols::COMPLETION_TOKEN_IDS)?;
+        let (l_vals, l_off) = list_rows::<Float32Type>(batch, cols::BEHAVIOUR_LOGPROBS)?;
+        let (v_vals, v_off) = list_rows::<Int32Type>(batch, cols::POLICY_VERSIONS)?;
+        let reward = batch
+            .column_by_name(cols::REWARD)
+            .and_then(|c| c.as_primitive_opt::<Float32Type>())
+            .ok_or(BatchError::Column(cols::REWARD))?;
+        let uuid = batch
+            .column_by_name(cols::UUID)
+            .and_then(|c| c.as_string_opt::<i32>())
+            .ok_or(BatchError::Column(cols::UUID))?;
+        let group = batch
+            .column_by_name(cols::GROUP_ID)
+            .and_then(|c| c.as_string_opt::<i32>())
+            .ok_or(BatchError::Column(cols::GROUP_ID))?;
+        for i in 0..batch.num_rows() {
+            let span = |off: &[i32]| off[i] as usize..off[i + 1] as usize;
+            let row = Row {
+                prompt: &p_vals[span(p_off)],
+                completion: &c_vals[span(c_off)],
+                logprobs: &l_vals[span(l_off)],
+                versions: &v_vals[span(v_off)],
+                reward: (!reward.is_null(i)).then(|| reward.value(i)),
+                uuid: uuid.value(i).to_owned(),
+                group: group.value(i).to_owned(),
+            };
+            let n = rows.len();
+            if row.prompt.is_empty() {
+                return Err(BatchError::Row {
+                    row: n,
+                    reason: "empty prompt".into(),
+                });
+            }
+            if row.logprobs.len() != row.completion.len()
+                || row.versions.len() != row.completion.len()
+            {
+                return Err(BatchError::Row {
+                    row: n,
+                    reason: "log-probs/versions do not match the completion".into(),
+                });
+            }
+            rows.push(row);
+        }
+    }
+    if rows.is_empty() {
+        return Err(BatchError::Empty);
+    }
+
+    // Advantages per group, in first-seen group order.
+    let mut group_rows: Vec<(String, Vec<usize>)> = Vec::new();
+    let mut group_index: HashMap<&str, usize> = HashMap::new();
+    for (i, r) in rows.iter().enumerate() {
+        let g = *group_index.entry(r.group.as_str()).or_insert_with(|| {
+            group_rows.push((r.group.clone(), Vec::new()));
+            group_rows.len() - 1
+        });
+        group_rows[g].1.push(i);
+    }
+    let mut adv = vec![None; rows.len()];
+    for (_, members) in &group_rows {
+        let rewards: Vec<Option<f32>> = members.iter().map(|i| rows[*i].reward).collect();
+        for (i, a) in members.iter().zip(grpo_advantages(&rewards, norm)) {
+            adv[*i] = a;
+        }
+    }
+
+    let n = rows.len();
+    let l = rows
+        .iter()
+        .map(|r| r.prompt.len() + r.completion.len())
+        .max()
+        .unwrap_or(1);
+    let t = rows
+        .iter()
+        .map(|r| r.completion.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut ids = vec![pad_id; n * l];
+    let mut gather = vec![0i64; n * t];
+    let mut behaviour = vec![0f32; n * t];
+    let mut versions = vec![0i64; n * t];
+    let mut advantages = vec![0f32; n * t];
+    let mut mask = vec![false; n * t];
+    let mut tokens = 0i64;
+    let mut min_version = i32::MAX;
+    for (i, r) in rows.iter().enumerate() {
+        let (p, c) = (r.prompt.len(), r.completion.len());
+        for (dst, src) in ids[i * l..i * l + p].iter_mut().zip(r.prompt) {
+            *dst = i64::from(*src);
+        }
+        for (dst, src) in ids[i * l + p..i * l + p + c].iter_mut().zip(r.completion) {
+            *dst = i64::from(*src);
+        }
+        let row = i * t..i * t + c;
+        behaviour[row.clone()].copy_from_slice(r.logprobs);
+        for (dst, src) in versions[row.clone()].iter_mut().zip(r.versions) {
+            *dst = i64::from(*src);
+        }
+        for (k, g) in gather[row.clone()].iter_mut().enumerate() {
+            *g = (p - 1 + k) as i64;
+        }
+        min_version = r.versions.iter().copied().fold(min_version, i32::min);
+        if let Some(a) = adv[i] {
+            advantages[row.clone()].fill(a);
+            mask[row].fill(true);
+            tokens += c as i64;
+        }
+    }
+    let shape_l = [n as i64, l as i64];
+    let shape_t = [n as i64, t as i64];
+    Ok(TrainBatch {
+        input_ids: Tensor::from_slice(&ids).view(shape_l),
+        gather_index: Tensor::from_slice(&gather).view(shape_t),
+        behaviour: Tensor::from_slice(&behaviour).view(shape_t),
+        versions: Tensor::from_slice(&versions).view(shape_t),
+        advantages: Tensor::from_slice(&advantages).view(shape_t),
+        mask: Tensor::from_slice(&mask).view(shape_t),
+        rewards: rows.iter().map(|r| r.reward).collect(),
+        uuids: rows.iter().map(|r| r.uuid.clone()).collect(),
+        group_ids: rows.into_iter().map(|r| r.group).collect(),
+        groups: group_rows.len(),
+        tokens,
+        min_version: if min_version == i32::MAX {
+            0
+        } else {
+            min_version
+        },
+    })
+}
+
+impl TrainBatch {
+    /// Moves the tensors to `device`.
+    pub fn to_device(&self, device: Device) -> TrainBatch {
+        TrainBatch {
+            input_ids: self.input_ids.to_device(device),
+            gather_index: self.gather_index.to_device(device),
+            behaviour: self.behaviour.to_device(device),
+            versions: self.versions.to_device(device),
+            advantages: self.advantages.to_device(device),
+            mask: self.mask.to_device(device),
+            uuids: self.uuids.clone(),
+            group_ids: self.group_ids.clone(),
+            rewards: self.rewards.clone(),
+            groups: self.groups,
+            tokens: self.tokens,
+            min_version: self.min_version,
+        }
+    }
+
+    /// Rows `rows` of the batch (a mini-batch).
+    pub fn rows(&self, rows: &[i64]) -> TrainBatch {
+        let idx = Tensor::from_slice(rows).to_device(self.input_ids.device());
+        let pick = |t: &Tensor| t.index_select(0, &idx);
+        let mask = pick(&self.mask);
+        let tokens = mask.sum(Kind::Int64).int64_value(&[]);
+        let sel = |v: &Vec<String>| rows.iter().map(|r| v[*r as usize].clone()).collect();
+        TrainBatch {
+            input_ids: pick(&self.input_ids),
+            gather_index: pick(&self.gather_index),
+            behaviour: pick(&self.behaviour),
+            versions: pick(&self.versions),
+            advantages: pick(&self.advantages),
+            mask,
+            uuids: sel(&self.uuids),
+            group_ids: sel(&self.group_ids),
+            rewards: rows.iter().map(|r| self.rewards[*r as usize]).collect(),
+            groups: 0,
+            tokens,
+            min_version: self.min_version,
+        }
+    }
+}
+
+/// Log-probs of the completion tokens, `[N, T]`, from logits `[N, L, V]` of
+/// the whole padded sequences, at sampling temperature `temperature` (the
+/// same distribution the worker's behaviour log-probs refer to).
+pub fn completion_logprobs(logits: &Tensor, batch: &TrainBatch, temperature: f64) -> Tensor {
+    let l = logits.size()[1];
+    let scaled = if (temperature - 1.0).abs() > f64::EPSILON {
+        logits / temperature
+    } else {
+        logits.shallow_clone()
+    };
+    let logp = scaled.narrow(1, 0, l - 1).log_softmax(-1, Kind::Float);
+    let next = batch.input_ids.narrow(1, 1, l - 1).unsqueeze(-1);
+    let per_position = logp.gather(-1, &next, false).squeeze_dim(-1);
+    per_position.gather(1, &batch.gather_index, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use asyncrl_protos::v1::{FinishReason, RewardStatus, Timings, Trajectory};
+
+    fn traj(
+        i: u128,
+        group: &str,
+        prompt: Vec<i32>,
+        completion: Vec<i32>,
+        reward: Option<f32>,
+    ) -> Trajectory {
+        let n = completion.len();
+        Trajectory {
+            uuid: uuid::Uuid::from_u128(i + 1).to_string(),
+            task_id: format!("task-{group}"),
+            group_id: group.into(),
+            prompt_token_ids: prompt,
+            completion_token_ids: completion,
+            behaviour_logprobs: (0..n).map(|k| -0.1 * (k as f32 + 1.0)).collect(),
+            policy_versions: (0..n).map(|k| 3 + k as i32 / 2).collect(),
+            reward: reward.unwrap_or(f32::NAN),
+            reward_status: if reward.is_some() {
+                RewardStatus::Ok
+            } else {
+                RewardStatus::Failed
+            } as i32,
+            finish_reason: FinishReason::Stop as i32,
+            worker_id: "w".into(),
+            timings: Some(Timings::default()),
+            group_size: 2,
+            index_in_group: (i % 2) as u32,
+            admission_version: 3,
+        }
+    }
+
+    #[test]
+    fn assembles_right_padded_aligned_tensors() {
+        let rb = asyncrl_protos::arrow_schema::to_record_batch(&[
+            traj(0, "g1", vec![1, 2, 3], vec![7, 8], Some(1.0)),
+            traj(1, "g1", vec![1, 2, 3], vec![9], Some(0.0)),
+            traj(2, "g2", vec![4], vec![5, 6, 7], Some(0.5)),
+            traj(3, "g2", vec![4], vec![], None),
+        ])
+        .unwrap();
+        let b = assemble(&[rb], 0, AdvantageNorm::Mean).unwrap();
+        assert_eq!(b.input_ids.size(), [4, 5]);
+        assert_eq!(
+            Vec::<i64>::try_from(b.input_ids.view([-1])).unwrap(),
+            vec![
+                1, 2, 3, 7, 8, //
+                1, 2, 3, 9, 0, //
+                4, 5, 6, 7, 0, //
+                4, 0, 0, 0, 0,
+            ]
+        );
+        assert_eq!(
+            Vec::<i64>::try_from(b.gather_index.view([-1])).unwrap(),
+            vec![2, 3, 0, 2, 0, 0, 0, 1, 2, 0, 0, 0]
+        );
+        // g1: rewards 1, 0 → ±0.5; g2: one scored member → 0, the failed one masked.
+        assert_eq!(
+            Vec::<f32>::try_from(b.advantages.view([-1])).unwrap(),
+            vec![0.5, 0.5, 0.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        assert_eq!(
+            Vec::<bool>::try_from(b.mask.view([-1])).unwrap(),
+            vec![
+                true, true, false, true, false, false, true, true, true, false, false, false
+            ]
+        );
+        assert_eq!(b.tokens, 6);
+        assert_eq!(b.groups, 2);
+        assert_eq!(b.min_version, 3);
+        assert_eq!(b.rewards, vec![Some(1.0), Some(0.0), Some(0.5), None]);
+    }
+
+    #[test]
+    fn completion_logprobs_pick_the_right_positions() {
+        let rb = asyncrl_protos::arrow_schema::to_record_batch(&[
+            traj(0, "g", vec![1, 2], vec![3, 1], Some(1.0)),
+            traj(1, "g", vec![2], vec![0], Some(0.0)),
+        ])
+        .unwrap();
+        let b = assemble(&[rb], 0, AdvantageNorm::Mean).unwrap();
+        // Random logits: every (row, position, token) has its own value, so a
+        // misaligned gather picks a different number.
+        let v = 4;
+        let logits = Tensor::randn([2, 4, v], (Kind::Float, Device::Cpu));
+        let lp = completion_logprobs(&logits, &b, 1.0);
+        let full = logits.log_softmax(-1, Kind::Float);
+        let want = |row: i64, pos: i64, tok: i64| full.double_value(&[row, pos, tok]);
+        assert!((lp.double_value(&[0, 0]) - want(0, 1, 3)).abs() < 1e-6);
+        assert!((lp.double_value(&[0, 1]) - want(0, 2, 1)).abs() < 1e-6);
+        assert!((lp.double_value(&[1, 0]) - want(1, 0, 0)).abs() < 1e-6);
+        // Temperature scales the logits before the softmax.
+        let hot = completion_logprobs(&logits, &b, 2.0);
+        let full2 = (&logits / 2.0).log_softmax(-1, Kind::Float);
+        assert!((hot.double_value(&[0, 1]) - full2.double_value(&[0, 2, 1])).abs() < 1e-6);
+    }
+
+    #[test]
+    fn empty_and_bad_batches_are_errors() {
+        assert_eq!(
+            assemble(&[], 0, AdvantageNorm::Mean).unwrap_err(),
+            BatchError::Empty
+        );
+        let rb = asyncrl_protos::arrow_schema::to_record_batch(&[traj(
+            0,
+            "g",
+            vec![1],
+            vec![2],
+            Some(1.0),
+        )])
+        .unwrap();
+        let rb = rb.project(&[0, 1, 2]).unwrap();
+        assert!(matches!(
+            assemble(&[rb], 0, AdvantageNorm::Mean),
+            Err(BatchError::Column(_))
+        ));
+    }
+}
