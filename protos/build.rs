@@ -4,17 +4,17 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("proto");
-    let files: Vec<PathBuf> = [
-        "trajectory",
-        "tasks",
-        "weights",
-        "buffer",
-        "admin",
-        "reward",
-    ]
-    .iter()
-    .map(|f| root.join("asyncrl/v1").join(format!("{f}.proto")))
-    .collect();
+    let dir = root.join("asyncrl/v1");
+    // Every .proto file of the package, in a stable order: a role that adds a
+    // file (e.g. coordinator.proto) does not have to touch this script.
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "proto"))
+        .collect();
+    files.sort();
+    println!("cargo:rerun-if-changed={}", dir.display());
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
     }

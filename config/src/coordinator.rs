@@ -1,16 +1,454 @@
-//! `[coordinator]`: settings of the coordinator (owned by the coordinator's crate; fields are
-//! added as the coordinator grows).
+//! `[coordinator]`: task data sets, leases, worker liveness, the admin API,
+//! the knob journal, and the starting values of the live knobs (owned by the
+//! coordinator's crate).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::ConfigError;
+use crate::{ConfigError, check_range};
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CoordinatorConfig {
+    /// The prompt data sets, issued in this order (JSONL files, one
+    /// `{"prompt": ..., "answer": ...}` per line; an optional `"id"`).
+    /// Relative paths are relative to the working directory.
+    pub datasets: Vec<DatasetConfig>,
+    /// A lease not extended by a heartbeat for this long expires and its task
+    /// goes back to the front of the queue.
+    #[serde(with = "humantime_serde")]
+    pub lease_timeout: Duration,
+    /// How often workers are told to send heartbeats.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
+    /// A worker without a heartbeat for this long is marked dead and its
+    /// leases expire at once.
+    #[serde(with = "humantime_serde")]
+    pub dead_after: Duration,
+    /// When no task can be granted, workers are told to ask again after this.
+    #[serde(with = "humantime_serde")]
+    pub retry_after: Duration,
+    /// At most this many tasks per acquire request.
+    pub max_tasks_per_acquire: u32,
+    /// Address of the admin gRPC API (`host:port`; port 0 picks a free one;
+    /// empty disables it).
+    pub admin_listen: String,
+    /// Bearer token of the mutating admin calls (inline, or read from a file).
+    /// Without one, every mutating call is refused.
+    pub admin_token: Option<String>,
+    pub admin_token_file: Option<PathBuf>,
+    /// TLS of the admin API. Without it the API speaks plain HTTP/2.
+    pub admin_tls: Option<AdminTlsConfig>,
+    /// The JSONL journal of knob and control requests; default
+    /// `<run.output_dir>/coordinator-journal.jsonl`.
+    pub journal_path: Option<PathBuf>,
+    /// How many recent completions the coordinator remembers (persisted):
+    /// a completion retried after a coordinator restart is recognised, and a
+    /// group the buffer drops as stale returns its capacity and is re-issued.
+    /// Keep it above (η + 1) · B.
+    pub completed_memory: usize,
+    /// Upper bound of `asyncrl_rollout_workers_recommended`.
+    pub max_recommended_workers: u32,
+    /// The live knobs a new run starts with (η comes from `[staleness]`).
+    /// Once a run has stored knobs, the stored ones win.
+    pub initial_knobs: InitialKnobs,
+}
+
+impl Default for CoordinatorConfig {
+    fn default() -> Self {
+        Self {
+            datasets: Vec::new(),
+            lease_timeout: Duration::from_secs(120),
+            heartbeat_interval: Duration::from_secs(2),
+            dead_after: Duration::from_secs(10),
+            retry_after: Duration::from_millis(250),
+            max_tasks_per_acquire: 64,
+            admin_listen: "127.0.0.1:7461".into(),
+            admin_token: None,
+            admin_token_file: None,
+            admin_tls: None,
+            journal_path: None,
+            completed_memory: 1024,
+            max_recommended_workers: 1024,
+            initial_knobs: InitialKnobs::default(),
+        }
+    }
+}
+
+/// One prompt data set.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetConfig {
+    /// Name of the data set and of its verifier (e.g. `arith`); it prefixes
+    /// the task ids, so only `[A-Za-z0-9_-]`.
+    pub name: String,
+    pub path: PathBuf,
+}
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct CoordinatorConfig {}
+pub struct AdminTlsConfig {
+    /// Server certificate chain and key (PEM); both or neither.
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    /// For `asyncrl ctl`: the CA that signed the server certificate (PEM).
+    pub ca_file: Option<PathBuf>,
+    /// For `asyncrl ctl`: the name the server certificate is checked against
+    /// (default: the host of the endpoint).
+    pub domain: Option<String>,
+}
+
+/// The clipping mode of the learner's objective.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ClipModeName {
+    Ppo,
+    #[default]
+    Adaptive,
+    M2po,
+}
+
+/// Starting values of the live knobs.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct InitialKnobs {
+    pub eps_low: f64,
+    pub eps_high: f64,
+    pub clip_mode: ClipModeName,
+    pub adaptive_quantile: f64,
+    pub adaptive_temperature: f64,
+    pub importance_weight_cap: f64,
+    pub learning_rate: f64,
+    pub paused: bool,
+}
+
+impl Default for InitialKnobs {
+    fn default() -> Self {
+        Self {
+            eps_low: 0.2,
+            eps_high: 0.28,
+            clip_mode: ClipModeName::Adaptive,
+            adaptive_quantile: 0.9,
+            adaptive_temperature: 0.1,
+            importance_weight_cap: 5.0,
+            learning_rate: 1e-6,
+            paused: false,
+        }
+    }
+}
+
+/// The allowed range of a numeric knob; the config and the live API check
+/// the same ranges.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KnobRange {
+    /// The knob's name in the admin API and `asyncrl ctl set`.
+    pub name: &'static str,
+    pub lo: f64,
+    pub hi: f64,
+}
+
+impl KnobRange {
+    pub fn contains(&self, value: f64) -> bool {
+        value.is_finite() && value >= self.lo && value <= self.hi
+    }
+}
+
+/// Ranges of the live knobs.
+pub mod knob_ranges {
+    use super::KnobRange;
+
+    pub const ETA: KnobRange = KnobRange {
+        name: "eta",
+        lo: 0.0,
+        hi: crate::StalenessConfig::MAX_ETA as f64,
+    };
+    pub const EPS_LOW: KnobRange = KnobRange {
+        name: "eps_low",
+        lo: 0.0,
+        hi: 0.99,
+    };
+    pub const EPS_HIGH: KnobRange = KnobRange {
+        name: "eps_high",
+        lo: 0.0,
+        hi: 10.0,
+    };
+    pub const ADAPTIVE_QUANTILE: KnobRange = KnobRange {
+        name: "adaptive_quantile",
+        lo: 0.01,
+        hi: 0.999,
+    };
+    pub const ADAPTIVE_TEMPERATURE: KnobRange = KnobRange {
+        name: "adaptive_temperature",
+        lo: 1e-4,
+        hi: 100.0,
+    };
+    pub const IMPORTANCE_WEIGHT_CAP: KnobRange = KnobRange {
+        name: "importance_weight_cap",
+        lo: 1.0,
+        hi: 1000.0,
+    };
+    pub const LEARNING_RATE: KnobRange = KnobRange {
+        name: "learning_rate",
+        lo: 1e-9,
+        hi: 1.0,
+    };
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
 
 impl CoordinatorConfig {
+    /// The admin listen address, or None when the admin API is disabled.
+    pub fn admin_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        if self.admin_listen.is_empty() {
+            return Ok(None);
+        }
+        self.admin_listen.parse().map(Some).map_err(|e| {
+            ConfigError::invalid(
+                "coordinator.admin_listen",
+                format!("= {:?} is not host:port ({e})", self.admin_listen),
+            )
+        })
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut names = std::collections::HashSet::new();
+        for (i, d) in self.datasets.iter().enumerate() {
+            let key = format!("coordinator.datasets[{i}].name");
+            if !valid_name(&d.name) {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "= {:?} must be 1-64 characters of [A-Za-z0-9_-] (it prefixes task ids)",
+                        d.name
+                    ),
+                ));
+            }
+            if !names.insert(d.name.as_str()) {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("= {:?} names two data sets", d.name),
+                ));
+            }
+            if d.path.as_os_str().is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("coordinator.datasets[{i}].path"),
+                    "is empty",
+                ));
+            }
+        }
+        for (key, d) in [
+            ("coordinator.lease_timeout", self.lease_timeout),
+            ("coordinator.heartbeat_interval", self.heartbeat_interval),
+            ("coordinator.dead_after", self.dead_after),
+            ("coordinator.retry_after", self.retry_after),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::invalid(key, "must be longer than 0s"));
+            }
+        }
+        if self.lease_timeout < self.heartbeat_interval * 2 {
+            return Err(ConfigError::invalid(
+                "coordinator.lease_timeout",
+                format!(
+                    "= {:?} must be at least twice coordinator.heartbeat_interval ({:?}), or a single late heartbeat expires every lease",
+                    self.lease_timeout, self.heartbeat_interval
+                ),
+            ));
+        }
+        if self.dead_after < self.heartbeat_interval * 2 {
+            return Err(ConfigError::invalid(
+                "coordinator.dead_after",
+                format!(
+                    "= {:?} must be at least twice coordinator.heartbeat_interval ({:?})",
+                    self.dead_after, self.heartbeat_interval
+                ),
+            ));
+        }
+        check_range(
+            "coordinator.max_tasks_per_acquire",
+            self.max_tasks_per_acquire,
+            1,
+            4096,
+        )?;
+        self.admin_addr()?;
+        if self.admin_token.is_some() && self.admin_token_file.is_some() {
+            return Err(ConfigError::invalid(
+                "coordinator.admin_token_file",
+                "cannot be set together with coordinator.admin_token",
+            ));
+        }
+        if self
+            .admin_token
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
+            return Err(ConfigError::invalid("coordinator.admin_token", "is empty"));
+        }
+        if let Some(tls) = &self.admin_tls {
+            if tls.cert_file.is_some() != tls.key_file.is_some() {
+                let missing = if tls.cert_file.is_some() {
+                    "coordinator.admin_tls.key_file"
+                } else {
+                    "coordinator.admin_tls.cert_file"
+                };
+                return Err(ConfigError::invalid(
+                    missing,
+                    "is required when the other of cert_file/key_file is set",
+                ));
+            }
+        }
+        check_range(
+            "coordinator.completed_memory",
+            self.completed_memory,
+            0,
+            65_536,
+        )?;
+        check_range(
+            "coordinator.max_recommended_workers",
+            self.max_recommended_workers,
+            1,
+            100_000,
+        )?;
+        let k = &self.initial_knobs;
+        for (range, value) in [
+            (knob_ranges::EPS_LOW, k.eps_low),
+            (knob_ranges::EPS_HIGH, k.eps_high),
+            (knob_ranges::ADAPTIVE_QUANTILE, k.adaptive_quantile),
+            (knob_ranges::ADAPTIVE_TEMPERATURE, k.adaptive_temperature),
+            (knob_ranges::IMPORTANCE_WEIGHT_CAP, k.importance_weight_cap),
+            (knob_ranges::LEARNING_RATE, k.learning_rate),
+        ] {
+            if !range.contains(value) {
+                return Err(ConfigError::invalid(
+                    format!("coordinator.initial_knobs.{}", range.name),
+                    format!("= {value} is out of range [{}, {}]", range.lo, range.hi),
+                ));
+            }
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Config;
+
+    /// One case: config text, and either Ok or a fragment the error must contain.
+    fn check(text: &str, expect_err: Option<&str>) {
+        match (Config::parse(text, None), expect_err) {
+            (Ok(_), None) => {}
+            (Err(e), Some(want)) => {
+                let got = e.to_string();
+                assert!(got.contains(want), "error `{got}` should mention `{want}`");
+                assert!(!got.contains('\n'), "error should be one line: {got:?}");
+            }
+            (got, want) => panic!("config {text:?}: expected {want:?}, got {got:?}"),
+        }
+    }
+
+    #[test]
+    fn coordinator_table() {
+        check("[coordinator]", None);
+        check(
+            "[coordinator]\nlease_timeout = \"30s\"\nheartbeat_interval = \"1s\"\ndead_after = \"5s\"\nadmin_listen = \"127.0.0.1:0\"\nadmin_token = \"t\"\n[[coordinator.datasets]]\nname = \"arith\"\npath = \"data/arith.jsonl\"\n[coordinator.initial_knobs]\nclip_mode = \"m2po\"\nlearning_rate = 3e-6",
+            None,
+        );
+        check(
+            "[coordinator]\nlease_timeout = \"0s\"",
+            Some("coordinator.lease_timeout"),
+        );
+        check(
+            "[coordinator]\nlease_timeout = \"3s\"\nheartbeat_interval = \"2s\"",
+            Some("coordinator.lease_timeout"),
+        );
+        check(
+            "[coordinator]\ndead_after = \"1s\"",
+            Some("coordinator.dead_after"),
+        );
+        check(
+            "[coordinator]\nheartbeat_interval = \"0s\"",
+            Some("coordinator.heartbeat_interval"),
+        );
+        check(
+            "[coordinator]\nretry_after = \"soon\"",
+            Some("coordinator.retry_after"),
+        );
+        check(
+            "[coordinator]\nmax_tasks_per_acquire = 0",
+            Some("coordinator.max_tasks_per_acquire"),
+        );
+        check(
+            "[coordinator]\nadmin_listen = \"nowhere\"",
+            Some("coordinator.admin_listen"),
+        );
+        check("[coordinator]\nadmin_listen = \"\"", None);
+        check(
+            "[coordinator]\nadmin_token = \"a\"\nadmin_token_file = \"/t\"",
+            Some("coordinator.admin_token_file"),
+        );
+        check(
+            "[coordinator]\nadmin_token = \" \"",
+            Some("coordinator.admin_token"),
+        );
+        check(
+            "[coordinator.admin_tls]\ncert_file = \"c.pem\"",
+            Some("coordinator.admin_tls.key_file"),
+        );
+        check(
+            "[coordinator.admin_tls]\nkey_file = \"k.pem\"",
+            Some("coordinator.admin_tls.cert_file"),
+        );
+        check(
+            "[[coordinator.datasets]]\nname = \"a.b\"\npath = \"x\"",
+            Some("coordinator.datasets[0].name"),
+        );
+        check(
+            "[[coordinator.datasets]]\nname = \"a\"\npath = \"x\"\n[[coordinator.datasets]]\nname = \"a\"\npath = \"y\"",
+            Some("coordinator.datasets[1].name"),
+        );
+        check(
+            "[[coordinator.datasets]]\nname = \"a\"\npath = \"\"",
+            Some("coordinator.datasets[0].path"),
+        );
+        check(
+            "[[coordinator.datasets]]\nname = \"a\"",
+            Some("missing field `path`"),
+        );
+        check(
+            "[coordinator]\ncompleted_memory = 100000",
+            Some("coordinator.completed_memory"),
+        );
+        check(
+            "[coordinator]\nmax_recommended_workers = 0",
+            Some("coordinator.max_recommended_workers"),
+        );
+        check(
+            "[coordinator.initial_knobs]\neps_low = 1.5",
+            Some("coordinator.initial_knobs.eps_low"),
+        );
+        check(
+            "[coordinator.initial_knobs]\nlearning_rate = 0.0",
+            Some("coordinator.initial_knobs.learning_rate"),
+        );
+        check(
+            "[coordinator.initial_knobs]\nadaptive_quantile = 1.0",
+            Some("coordinator.initial_knobs.adaptive_quantile"),
+        );
+        check(
+            "[coordinator.initial_knobs]\nclip_mode = \"fancy\"",
+            Some("clip_mode"),
+        );
+        check(
+            "[coordinator]\nlease_timout = \"1s\"",
+            Some("`coordinator.lease_timout`: unknown field"),
+        );
     }
 }

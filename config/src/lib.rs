@@ -23,7 +23,10 @@ pub use buffer::{
     SegmentCompression,
 };
 pub use bus::{BusConfig, BusKind, TlsConfig};
-pub use coordinator::CoordinatorConfig;
+pub use coordinator::{
+    AdminTlsConfig, ClipModeName, CoordinatorConfig, DatasetConfig, InitialKnobs, KnobRange,
+    knob_ranges,
+};
 pub use learner::LearnerConfig;
 pub use model::ModelConfig;
 pub use run::{RunConfig, StalenessConfig};
