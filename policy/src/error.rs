@@ -1,0 +1,75 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the policy crate.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// A file of a model folder could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `config.json` (or another JSON file of a model folder) is not valid.
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A configuration value is missing, has the wrong type or an unsupported
+    /// value; `key` names it as it appears in `config.json`.
+    #[error("model config: `{key}`: {message}")]
+    Config { key: String, message: String },
+    /// `model_type` is neither `llama` nor `qwen2`.
+    #[error(
+        "model config: `model_type` = {0:?} is not supported (this crate implements \"llama\" and \"qwen2\")"
+    )]
+    UnsupportedModelType(String),
+    /// `rope_scaling` / `rope_parameters` asks for a RoPE variant this crate
+    /// does not implement.
+    #[error("model config: rope type {0:?} is not supported (supported: default, linear, llama3)")]
+    UnsupportedRopeScaling(String),
+    /// The safetensors data is malformed or does not match the model.
+    #[error("weights: {0}")]
+    Weights(String),
+    /// The tokenizer could not be loaded or failed on an input.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A request was invalid (empty prompt, prompt too long, no free slot...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// libtorch reported an error.
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    /// A decoding step failed; the sequences in flight were ended.
+    #[error("decoding step failed: {0}")]
+    StepFailed(String),
+    /// The model thread has stopped (it panicked or was shut down).
+    #[error("the model thread is not running")]
+    ModelThreadGone,
+    /// The model thread caught a panic while serving a request.
+    #[error("the model thread panicked: {0}")]
+    Panic(String),
+}
+
+impl PolicyError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn config(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Config {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The crate's result type.
+pub type Result<T, E = PolicyError> = std::result::Result<T, E>;
