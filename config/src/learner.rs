@@ -1,16 +1,126 @@
-//! `[learner]`: settings of the learner (owned by the learner's crate; fields are
-//! added as the learner grows).
+//! `[learner]`: the optimiser, the objective's static settings and
+//! checkpoints. The live knobs (ε, clip mode, learning rate, ...) start from
+//! `[coordinator.initial_knobs]` and change through the admin API.
+
+use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::ConfigError;
+use crate::{ConfigError, check_range};
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ProximalName {
+    /// One extra forward pass with the weights before the step.
+    Recompute,
+    /// A-3PO interpolation from each token's version lag (no extra pass).
+    #[default]
+    Approx,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageNormName {
+    /// reward − group mean.
+    Mean,
+    /// (reward − group mean) / group std.
+    #[default]
+    MeanStd,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LossAggregationName {
+    /// Mean over the batch's tokens.
+    #[default]
+    Token,
+    /// Mean over sequences of each sequence's token mean.
+    Sequence,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct LearnerConfig {}
+pub struct LearnerConfig {
+    pub proximal: ProximalName,
+    pub advantage_norm: AdvantageNormName,
+    pub loss_aggregation: LossAggregationName,
+    /// m2po: mean (b − p)² the unmasked tokens must stay under.
+    pub m2po_threshold: f64,
+    /// Optimizer steps per batch (the batch is split into this many mini-batches).
+    pub minibatches: usize,
+    /// Linear learning-rate warmup over this many steps.
+    pub warmup_steps: u64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub adam_eps: f64,
+    /// Clip the global gradient norm to this (0: no clipping).
+    pub grad_clip: f64,
+    /// Checkpoint directory (default: `<run.output_dir>/checkpoints`).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint every N steps (and on SIGTERM).
+    pub checkpoint_every: u64,
+    /// Complete checkpoints kept on disk.
+    pub keep_checkpoints: usize,
+    /// Weight versions kept in the object store (older ones are deleted).
+    pub keep_weight_versions: usize,
+    /// How long to wait between batch requests when the buffer has too few groups.
+    #[serde(with = "humantime_serde")]
+    pub batch_poll_interval: Duration,
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        Self {
+            proximal: ProximalName::Approx,
+            advantage_norm: AdvantageNormName::MeanStd,
+            loss_aggregation: LossAggregationName::Token,
+            m2po_threshold: 0.04,
+            minibatches: 1,
+            warmup_steps: 0,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            adam_eps: 1e-8,
+            grad_clip: 1.0,
+            checkpoint_dir: None,
+            checkpoint_every: 10,
+            keep_checkpoints: 2,
+            keep_weight_versions: 8,
+            batch_poll_interval: Duration::from_millis(50),
+        }
+    }
+}
 
 impl LearnerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        check_range("learner.m2po_threshold", self.m2po_threshold, 0.0, 100.0)?;
+        check_range("learner.minibatches", self.minibatches, 1, 1024)?;
+        check_range("learner.weight_decay", self.weight_decay, 0.0, 1.0)?;
+        check_range("learner.beta1", self.beta1, 0.0, 0.999_999)?;
+        check_range("learner.beta2", self.beta2, 0.0, 0.999_999_9)?;
+        check_range("learner.adam_eps", self.adam_eps, 1e-20, 1.0)?;
+        check_range("learner.grad_clip", self.grad_clip, 0.0, 1e6)?;
+        check_range(
+            "learner.checkpoint_every",
+            self.checkpoint_every,
+            1,
+            u64::MAX,
+        )?;
+        check_range("learner.keep_checkpoints", self.keep_checkpoints, 1, 1000)?;
+        check_range(
+            "learner.keep_weight_versions",
+            self.keep_weight_versions,
+            1,
+            1000,
+        )?;
+        if self.batch_poll_interval.is_zero() {
+            return Err(ConfigError::invalid(
+                "learner.batch_poll_interval",
+                "must be longer than 0s",
+            ));
+        }
         Ok(())
     }
 }

@@ -10,7 +10,6 @@ mod coordinator;
 mod learner;
 mod model;
 mod run;
-mod tasks;
 mod telemetry;
 mod worker;
 
@@ -27,10 +26,9 @@ pub use coordinator::{
     AdminTlsConfig, ClipModeName, CoordinatorConfig, DatasetConfig, InitialKnobs, KnobRange,
     knob_ranges,
 };
-pub use learner::LearnerConfig;
-pub use model::ModelConfig;
+pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, ProximalName};
+pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};
-pub use tasks::TasksConfig;
 pub use telemetry::{LogFormat, TelemetryConfig};
 pub use worker::WorkerConfig;
 
@@ -68,7 +66,6 @@ pub struct Config {
     pub staleness: StalenessConfig,
     pub bus: BusConfig,
     pub telemetry: TelemetryConfig,
-    pub tasks: TasksConfig,
     pub model: ModelConfig,
     pub coordinator: CoordinatorConfig,
     pub buffer: BufferConfig,
@@ -112,7 +109,6 @@ impl Config {
         self.staleness.validate()?;
         self.bus.validate()?;
         self.telemetry.validate()?;
-        self.tasks.validate()?;
         self.model.validate()?;
         self.coordinator.validate()?;
         self.buffer.validate()?;
