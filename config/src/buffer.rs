@@ -159,13 +159,13 @@ impl BufferConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if let Some(dir) = &self.data_dir {
-            if dir.as_os_str().is_empty() {
-                return Err(ConfigError::invalid(
-                    "buffer.data_dir",
-                    "is empty (leave it out for <run.output_dir>/buffer)",
-                ));
-            }
+        if let Some(dir) = &self.data_dir
+            && dir.as_os_str().is_empty()
+        {
+            return Err(ConfigError::invalid(
+                "buffer.data_dir",
+                "is empty (leave it out for <run.output_dir>/buffer)",
+            ));
         }
         check_range(
             "buffer.segment_max_bytes",

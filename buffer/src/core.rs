@@ -1,0 +1,1035 @@
+//! The buffer's state machine, free of IO: which trajectories are held,
+//! which groups are complete, what to serve for a learner step, what is
+//! consumed, which segments hold nothing live any more.
+//!
+//! The same [`Core::apply`] runs for live ingest and for recovery from the
+//! segments, in segment order, so a restarted buffer reaches the state the
+//! crashed one had for everything that was acked. Decisions that depend on
+//! the learner (what was served for which step, stale drops) come from the
+//! served log ([`crate::statelog`]), which is written before they take
+//! effect.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use arrow::array::{RecordBatch, UInt32Array};
+use rand::Rng;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+use asyncrl_config::SamplingPolicy;
+use asyncrl_protos::Trajectory;
+
+use crate::statelog::{DropReason, GroupRef, Record};
+
+/// What the core needs to know about one stored trajectory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowMeta {
+    pub uuid: u128,
+    pub task: Arc<str>,
+    pub group: Arc<str>,
+    pub index: u32,
+    pub group_size: u32,
+    pub admission_version: i32,
+    pub oldest_version: i32,
+    /// Prompt and completion tokens.
+    pub tokens: u64,
+}
+
+impl RowMeta {
+    /// The metadata of a validated trajectory (`None` if its uuid does not parse).
+    pub fn of(t: &Trajectory) -> Option<Self> {
+        Some(Self {
+            uuid: uuid::Uuid::parse_str(&t.uuid).ok()?.as_u128(),
+            task: Arc::from(t.task_id.as_str()),
+            group: Arc::from(t.group_id.as_str()),
+            index: t.index_in_group,
+            group_size: t.group_size,
+            admission_version: t.admission_version,
+            oldest_version: t.oldest_version(),
+            tokens: (t.prompt_token_ids.len() + t.completion_token_ids.len()) as u64,
+        })
+    }
+}
+
+/// Record batches and `(batch, row)` indices into them.
+pub type Gathered = (Vec<RecordBatch>, Vec<(usize, usize)>);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RowRef {
+    batch: u64,
+    row: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Member {
+    index: u32,
+    uuid: u128,
+    at: RowRef,
+    segment: u64,
+    tokens: u64,
+    oldest: i32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GroupState {
+    /// Fewer than G members so far.
+    Collecting,
+    /// Complete and servable.
+    Ready,
+    /// Served K times (or expired after serving): never served again, held
+    /// only until the last step it was served for is trained.
+    Exhausted,
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    task: Arc<str>,
+    id: Arc<str>,
+    size: u32,
+    admission: i32,
+    members: Vec<Member>,
+    state: GroupState,
+    /// Ingest ordinal of the member that completed the group.
+    order: u64,
+    serves: u32,
+    /// The latest step this group was served for (0: never).
+    last_step: u64,
+}
+
+impl Group {
+    fn oldest(&self) -> i32 {
+        self.members
+            .iter()
+            .map(|m| m.oldest)
+            .min()
+            .unwrap_or(i32::MAX)
+    }
+
+    fn gref(&self) -> GroupRef {
+        GroupRef {
+            task: self.task.to_string(),
+            group: self.id.to_string(),
+        }
+    }
+}
+
+struct MemBatch {
+    batch: RecordBatch,
+    /// The group owning each row; `None` for rows that are not live.
+    owners: Vec<Option<Arc<str>>>,
+    live: usize,
+    bytes: usize,
+}
+
+/// A group the buffer gave up on, to be counted and reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DroppedGroup {
+    pub task: String,
+    pub group: String,
+    pub reason: &'static str,
+    pub trajectories: u32,
+}
+
+/// Reason strings of [`DroppedGroup`] (and of `GroupDropped.reason`).
+pub mod reason {
+    /// Another attempt of the task completed first; this one was incomplete.
+    pub const SUPERSEDED: &str = "superseded";
+    /// A complete attempt of a task that another attempt had completed before.
+    pub const DUPLICATE_ATTEMPT: &str = "duplicate_attempt";
+    /// Never served and older than `v − η`.
+    pub const STALE: &str = "stale";
+    /// Served before (reuse) and now older than `v − η`.
+    pub const EXPIRED: &str = "expired";
+}
+
+/// What [`Core::apply`] did with a record batch.
+#[derive(Debug, Default)]
+pub struct Applied {
+    pub stored: usize,
+    pub duplicates: usize,
+    /// Trajectories of an attempt whose task another attempt completed.
+    pub superseded: usize,
+    /// Rows that break the group contract, with the reason (dead-lettered).
+    pub violations: Vec<(usize, String)>,
+    pub dropped: Vec<DroppedGroup>,
+    pub newly_ready: usize,
+}
+
+#[derive(Debug, Clone)]
+struct ServedStep {
+    version: i32,
+    eta: u32,
+    groups: Vec<Arc<str>>,
+}
+
+/// A learner's batch request, as the core sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ask {
+    pub step: u64,
+    pub version: i32,
+    pub eta: u32,
+    pub num_groups: usize,
+}
+
+/// A decision about a batch request, made without changing the core; the
+/// caller persists [`Plan::records`] and then calls [`Core::commit`].
+#[derive(Debug)]
+pub struct Plan {
+    pub ask: Ask,
+    pub outcome: Outcome,
+    /// Groups to drop for staleness (persisted, then applied).
+    pub drops: Vec<(Arc<str>, DropReason)>,
+    reuse_queue: Option<VecDeque<Arc<str>>>,
+    rng: Option<StdRng>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Serve these groups (in this order) for the step.
+    Serve(Vec<Arc<str>>),
+    /// The step was served before: serve the same groups again.
+    Replay(Vec<Arc<str>>),
+    /// Fewer than the asked number of groups are ready.
+    NotReady { ready: usize },
+    /// The request cannot be answered (the reason goes back to the learner).
+    Refused(String),
+}
+
+/// A point-in-time view of the core, for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub ready_groups: usize,
+    pub collecting_groups: usize,
+    pub exhausted_groups: usize,
+    pub live_trajectories: usize,
+    pub live_tokens: u64,
+    pub resident_bytes: u64,
+    pub memory_batches: usize,
+    pub done_through: u64,
+    pub pending_steps: usize,
+    pub completed_tasks: usize,
+}
+
+#[derive(Debug, Default)]
+struct Restore {
+    serves: u32,
+    last_step: u64,
+    expired: bool,
+}
+
+pub struct Core {
+    sampling: SamplingPolicy,
+    max_serves: u32,
+    batches: HashMap<u64, MemBatch>,
+    next_batch: u64,
+    groups: HashMap<Arc<str>, Group>,
+    /// Incomplete groups of each task that has not completed.
+    task_groups: HashMap<Arc<str>, Vec<Arc<str>>>,
+    /// Completed tasks: the group kept for it, and whether that group is
+    /// consumed (will never be served again and is released).
+    task_done: HashMap<Arc<str>, (Arc<str>, bool)>,
+    live_uuids: HashSet<u128>,
+    /// Trajectories dropped so far of each attempt that lost its task.
+    late: HashMap<Arc<str>, u32>,
+    /// Ready groups by (admission version, completion order).
+    ready: BTreeSet<(i32, u64, Arc<str>)>,
+    reuse_queue: VecDeque<Arc<str>>,
+    rng: StdRng,
+    served: BTreeMap<u64, ServedStep>,
+    done_through: u64,
+    /// Live rows per segment (every known segment has an entry).
+    seg_live: BTreeMap<u64, u64>,
+    active_segment: u64,
+    next_order: u64,
+    resident_bytes: u64,
+    live_tokens: u64,
+    live_rows: usize,
+    /// Served-log facts about groups, waiting for their rows during recovery.
+    restore: HashMap<Arc<str>, Restore>,
+}
+
+impl Core {
+    pub fn new(sampling: SamplingPolicy, max_serves: u32, seed: u64) -> Self {
+        Self {
+            sampling,
+            max_serves: max_serves.max(1),
+            batches: HashMap::new(),
+            next_batch: 0,
+            groups: HashMap::new(),
+            task_groups: HashMap::new(),
+            task_done: HashMap::new(),
+            live_uuids: HashSet::new(),
+            late: HashMap::new(),
+            ready: BTreeSet::new(),
+            reuse_queue: VecDeque::new(),
+            rng: StdRng::seed_from_u64(seed),
+            served: BTreeMap::new(),
+            done_through: 0,
+            seg_live: BTreeMap::new(),
+            active_segment: 0,
+            next_order: 0,
+            resident_bytes: 0,
+            live_tokens: 0,
+            live_rows: 0,
+            restore: HashMap::new(),
+        }
+    }
+
+    // ------------------------------------------------------------ ingest
+
+    /// Whether a trajectory with this uuid is held now.
+    pub fn is_live(&self, uuid: u128) -> bool {
+        self.live_uuids.contains(&uuid)
+    }
+
+    /// Registers a segment (so that it is reported deletable once nothing
+    /// live is in it) and, if `active`, makes it the one being written.
+    pub fn add_segment(&mut self, id: u64, active: bool) {
+        self.seg_live.entry(id).or_insert(0);
+        if active {
+            self.active_segment = id;
+        }
+    }
+
+    /// Takes in a record batch that was written to `segment`, row by row in
+    /// order. `replay` is set during recovery (no reports, no late-attempt
+    /// bookkeeping).
+    pub fn apply(
+        &mut self,
+        batch: RecordBatch,
+        metas: &[RowMeta],
+        segment: u64,
+        replay: bool,
+    ) -> Applied {
+        let mut out = Applied::default();
+        let batch_id = self.next_batch;
+        self.next_batch += 1;
+        let mut owners: Vec<Option<Arc<str>>> = vec![None; metas.len()];
+        self.seg_live.entry(segment).or_insert(0);
+        for (row, m) in metas.iter().enumerate() {
+            let order = self.next_order;
+            self.next_order += 1;
+            if self.live_uuids.contains(&m.uuid) {
+                out.duplicates += 1;
+                continue;
+            }
+            if let Some((kept, consumed)) = self.task_done.get(&m.task) {
+                if *kept != m.group {
+                    out.superseded += 1;
+                    if !replay {
+                        let n = self.late.entry(m.group.clone()).or_insert(0);
+                        *n += 1;
+                        if *n == m.group_size {
+                            out.dropped.push(DroppedGroup {
+                                task: m.task.to_string(),
+                                group: m.group.to_string(),
+                                reason: reason::DUPLICATE_ATTEMPT,
+                                trajectories: m.group_size,
+                            });
+                        }
+                    }
+                } else if *consumed {
+                    // A copy of a trajectory of a group already trained on.
+                    out.duplicates += 1;
+                } else {
+                    out.violations.push((
+                        row,
+                        format!(
+                            "group `{}` is already complete; index_in_group {} is one member too many",
+                            m.group, m.index
+                        ),
+                    ));
+                }
+                continue;
+            }
+            if let Some(g) = self.groups.get(&m.group) {
+                let problem = if g.task != m.task {
+                    Some(format!(
+                        "group `{}` belongs to task `{}`, not `{}`",
+                        m.group, g.task, m.task
+                    ))
+                } else if g.size != m.group_size {
+                    Some(format!(
+                        "group_size {} differs from {} of the group's first member",
+                        m.group_size, g.size
+                    ))
+                } else if g.members.iter().any(|x| x.index == m.index) {
+                    Some(format!(
+                        "index_in_group {} of group `{}` is already taken by another trajectory",
+                        m.index, m.group
+                    ))
+                } else {
+                    None
+                };
+                if let Some(problem) = problem {
+                    out.violations.push((row, problem));
+                    continue;
+                }
+            }
+            // Stored.
+            let member = Member {
+                index: m.index,
+                uuid: m.uuid,
+                at: RowRef {
+                    batch: batch_id,
+                    row: row as u32,
+                },
+                segment,
+                tokens: m.tokens,
+                oldest: m.oldest_version,
+            };
+            owners[row] = Some(m.group.clone());
+            self.live_uuids.insert(m.uuid);
+            *self.seg_live.entry(segment).or_insert(0) += 1;
+            self.live_tokens += m.tokens;
+            self.live_rows += 1;
+            out.stored += 1;
+            let group = self.groups.entry(m.group.clone()).or_insert_with(|| {
+                self.task_groups
+                    .entry(m.task.clone())
+                    .or_default()
+                    .push(m.group.clone());
+                Group {
+                    task: m.task.clone(),
+                    id: m.group.clone(),
+                    size: m.group_size,
+                    admission: m.admission_version,
+                    members: Vec::with_capacity(m.group_size as usize),
+                    state: GroupState::Collecting,
+                    order: 0,
+                    serves: 0,
+                    last_step: 0,
+                }
+            });
+            group.members.push(member);
+            if group.members.len() as u32 == group.size {
+                group.state = GroupState::Ready;
+                group.order = order;
+                group.members.sort_by_key(|x| x.index);
+                let (task, id, admission) = (group.task.clone(), group.id.clone(), group.admission);
+                self.task_done.insert(task.clone(), (id.clone(), false));
+                self.ready.insert((admission, order, id.clone()));
+                out.newly_ready += 1;
+                if !replay && self.sampling == SamplingPolicy::Reuse {
+                    let at = self.rng.random_range(0..=self.reuse_queue.len());
+                    self.reuse_queue.insert(at, id.clone());
+                }
+                // Every other attempt of this task is superseded.
+                let others = self.task_groups.remove(&task).unwrap_or_default();
+                for other in others.into_iter().filter(|o| *o != id) {
+                    if let Some(g) = self.release(&other) {
+                        out.dropped.push(DroppedGroup {
+                            task: g.task.to_string(),
+                            group: g.id.to_string(),
+                            reason: reason::SUPERSEDED,
+                            trajectories: g.members.len() as u32,
+                        });
+                    }
+                }
+            }
+        }
+        let live = owners.iter().filter(|o| o.is_some()).count();
+        if live > 0 {
+            let bytes = batch.get_array_memory_size();
+            self.resident_bytes += bytes as u64;
+            self.batches.insert(
+                batch_id,
+                MemBatch {
+                    batch,
+                    owners,
+                    live,
+                    bytes,
+                },
+            );
+        }
+        out
+    }
+
+    /// Removes a group and frees its rows. Returns it.
+    fn release(&mut self, id: &Arc<str>) -> Option<Group> {
+        let g = self.groups.remove(id)?;
+        self.ready.remove(&(g.admission, g.order, g.id.clone()));
+        if g.state == GroupState::Collecting
+            && let Some(list) = self.task_groups.get_mut(&g.task)
+        {
+            list.retain(|x| x != id);
+            if list.is_empty() {
+                self.task_groups.remove(&g.task);
+            }
+        }
+        let mut touched = BTreeSet::new();
+        for m in &g.members {
+            self.live_uuids.remove(&m.uuid);
+            self.live_tokens -= m.tokens;
+            self.live_rows -= 1;
+            if let Some(n) = self.seg_live.get_mut(&m.segment) {
+                *n = n.saturating_sub(1);
+            }
+            if let Some(b) = self.batches.get_mut(&m.at.batch) {
+                if b.owners[m.at.row as usize].take().is_some() {
+                    b.live -= 1;
+                }
+                touched.insert(m.at.batch);
+            }
+        }
+        for batch in touched {
+            self.tidy_batch(batch);
+        }
+        Some(g)
+    }
+
+    /// Drops an empty memory batch; rewrites a mostly dead one with only its
+    /// live rows, so that resident memory follows live data.
+    fn tidy_batch(&mut self, id: u64) {
+        let Some(b) = self.batches.get(&id) else {
+            return;
+        };
+        if b.live == 0 {
+            if let Some(b) = self.batches.remove(&id) {
+                self.resident_bytes -= b.bytes as u64;
+            }
+            return;
+        }
+        let rows = b.owners.len();
+        if rows < 8 || b.live * 4 > rows {
+            return;
+        }
+        let keep: Vec<u32> = (0..rows as u32)
+            .filter(|r| b.owners[*r as usize].is_some())
+            .collect();
+        let Ok(compact) =
+            arrow::compute::take_record_batch(&b.batch, &UInt32Array::from(keep.clone()))
+        else {
+            return; // keep the sparse batch; correct, just larger
+        };
+        let Some(old) = self.batches.remove(&id) else {
+            return;
+        };
+        let new_id = self.next_batch;
+        self.next_batch += 1;
+        let mut owners = Vec::with_capacity(keep.len());
+        for (new_row, old_row) in keep.iter().enumerate() {
+            let owner = old.owners[*old_row as usize].clone();
+            if let Some(g) = owner.as_ref().and_then(|o| self.groups.get_mut(o)) {
+                for m in g.members.iter_mut() {
+                    if m.at
+                        == (RowRef {
+                            batch: id,
+                            row: *old_row,
+                        })
+                    {
+                        m.at = RowRef {
+                            batch: new_id,
+                            row: new_row as u32,
+                        };
+                    }
+                }
+            }
+            owners.push(owner);
+        }
+        let bytes = compact.get_array_memory_size();
+        self.resident_bytes = self.resident_bytes - old.bytes as u64 + bytes as u64;
+        self.batches.insert(
+            new_id,
+            MemBatch {
+                batch: compact,
+                live: owners.len(),
+                owners,
+                bytes,
+            },
+        );
+    }
+
+    /// Segments that hold nothing live and are not being written: safe to
+    /// delete once the records that consumed their groups are durable.
+    pub fn deletable_segments(&self) -> Vec<u64> {
+        self.seg_live
+            .iter()
+            .filter(|(id, live)| **live == 0 && **id != self.active_segment)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Forgets a deleted segment.
+    pub fn forget_segment(&mut self, id: u64) {
+        if self.seg_live.get(&id) == Some(&0) {
+            self.seg_live.remove(&id);
+        }
+    }
+
+    // ------------------------------------------------------------ serving
+
+    fn eligible(&self, g: &Group) -> bool {
+        g.state == GroupState::Ready && g.serves < self.max_serves
+    }
+
+    /// Decides what to answer to a batch request, without changing anything.
+    pub fn plan(&self, ask: Ask) -> Plan {
+        let mut plan = Plan {
+            ask,
+            outcome: Outcome::NotReady { ready: 0 },
+            drops: Vec::new(),
+            reuse_queue: None,
+            rng: None,
+        };
+        if ask.step == 0 {
+            plan.outcome = Outcome::Refused("step must be 1 or more".into());
+            return plan;
+        }
+        if let Some(s) = self.served.get(&ask.step) {
+            let missing: Vec<&Arc<str>> = s
+                .groups
+                .iter()
+                .filter(|g| !self.groups.contains_key(*g))
+                .collect();
+            plan.outcome = if missing.is_empty() {
+                Outcome::Replay(s.groups.clone())
+            } else {
+                Outcome::Refused(format!(
+                    "step {} was served before, but {} of its groups are not held any more ({})",
+                    ask.step,
+                    missing.len(),
+                    missing[0]
+                ))
+            };
+            return plan;
+        }
+        if ask.step <= self.done_through {
+            plan.outcome = Outcome::Refused(format!(
+                "step {} is already trained (a request for step {} came before)",
+                ask.step,
+                self.done_through + 1
+            ));
+            return plan;
+        }
+        if ask.num_groups == 0 {
+            plan.outcome = Outcome::Refused("num_groups is 0".into());
+            return plan;
+        }
+        // Staleness: no token older than v − η is ever served.
+        let floor = i64::from(ask.version) - i64::from(ask.eta);
+        let mut dropped = HashSet::new();
+        for (_, _, id) in &self.ready {
+            if let Some(g) = self.groups.get(id)
+                && i64::from(g.oldest()) < floor
+            {
+                let why = if g.serves == 0 {
+                    DropReason::Stale
+                } else {
+                    DropReason::Expired
+                };
+                plan.drops.push((id.clone(), why));
+                dropped.insert(id.clone());
+            }
+        }
+        let usable = |id: &Arc<str>| {
+            !dropped.contains(id) && self.groups.get(id).is_some_and(|g| self.eligible(g))
+        };
+        let ready = self.ready.iter().filter(|(_, _, id)| usable(id)).count();
+        if ready < ask.num_groups {
+            plan.outcome = Outcome::NotReady { ready };
+            return plan;
+        }
+        let chosen: Vec<Arc<str>> = match self.sampling {
+            SamplingPolicy::Fifo => self
+                .ready
+                .iter()
+                .map(|(_, _, id)| id)
+                .filter(|id| usable(id))
+                .take(ask.num_groups)
+                .cloned()
+                .collect(),
+            SamplingPolicy::FreshFirst => self
+                .ready
+                .iter()
+                .rev()
+                .map(|(_, _, id)| id)
+                .filter(|id| usable(id))
+                .take(ask.num_groups)
+                .cloned()
+                .collect(),
+            SamplingPolicy::Reuse => {
+                let mut queue = self.reuse_queue.clone();
+                let mut rng = self.rng.clone();
+                let mut chosen = Vec::with_capacity(ask.num_groups);
+                let mut taken = HashSet::new();
+                let mut deferred = Vec::new();
+                while chosen.len() < ask.num_groups {
+                    match queue.pop_front() {
+                        Some(id) if !usable(&id) => {}
+                        Some(id) if taken.contains(&id) => deferred.push(id),
+                        Some(id) => {
+                            taken.insert(id.clone());
+                            chosen.push(id);
+                        }
+                        None => {
+                            // The pass is over: a new random permutation of
+                            // every eligible group.
+                            let mut pass: Vec<Arc<str>> = self
+                                .ready
+                                .iter()
+                                .map(|(_, _, id)| id)
+                                .filter(|id| usable(id))
+                                .cloned()
+                                .collect();
+                            pass.shuffle(&mut rng);
+                            queue = pass.into();
+                            if queue.iter().all(|id| taken.contains(id)) {
+                                break; // cannot happen: ready >= num_groups
+                            }
+                        }
+                    }
+                }
+                for id in deferred.into_iter().rev() {
+                    queue.push_front(id);
+                }
+                plan.reuse_queue = Some(queue);
+                plan.rng = Some(rng);
+                chosen
+            }
+        };
+        plan.outcome = Outcome::Serve(chosen);
+        plan
+    }
+
+    /// The records that make a plan durable (append them before [`Core::commit`]).
+    pub fn records(&self, plan: &Plan, unix_ms: i64) -> Vec<Record> {
+        let mut out = Vec::new();
+        for (id, why) in &plan.drops {
+            if let Some(g) = self.groups.get(id) {
+                out.push(Record::Dropped {
+                    group: g.gref(),
+                    reason: *why,
+                    trajectories: g.members.len() as u32,
+                    version: plan.ask.version,
+                });
+            }
+        }
+        if let Outcome::Serve(groups) = &plan.outcome {
+            out.push(Record::Served {
+                step: plan.ask.step,
+                version: plan.ask.version,
+                eta: plan.ask.eta,
+                groups: groups
+                    .iter()
+                    .filter_map(|id| self.groups.get(id).map(Group::gref))
+                    .collect(),
+                unix_ms,
+            });
+        }
+        out
+    }
+
+    /// Applies a plan whose records are durable. Returns the groups dropped.
+    pub fn commit(&mut self, plan: Plan) -> Vec<DroppedGroup> {
+        let mut dropped = Vec::new();
+        for (id, why) in &plan.drops {
+            let Some(g) = self.groups.get_mut(id) else {
+                continue;
+            };
+            let info = DroppedGroup {
+                task: g.task.to_string(),
+                group: g.id.to_string(),
+                reason: match why {
+                    DropReason::Stale => reason::STALE,
+                    DropReason::Expired => reason::EXPIRED,
+                },
+                trajectories: g.members.len() as u32,
+            };
+            g.state = GroupState::Exhausted;
+            let key = (g.admission, g.order, g.id.clone());
+            self.ready.remove(&key);
+            self.settle(id);
+            dropped.push(info);
+        }
+        if let Outcome::Serve(groups) = plan.outcome {
+            let step = plan.ask.step;
+            self.served.insert(
+                step,
+                ServedStep {
+                    version: plan.ask.version,
+                    eta: plan.ask.eta,
+                    groups: groups.clone(),
+                },
+            );
+            self.mark_done(step - 1);
+            for id in &groups {
+                if let Some(g) = self.groups.get_mut(id) {
+                    g.serves += 1;
+                    g.last_step = step;
+                    if g.serves >= self.max_serves {
+                        g.state = GroupState::Exhausted;
+                        let key = (g.admission, g.order, g.id.clone());
+                        self.ready.remove(&key);
+                    }
+                }
+            }
+            if let Some(queue) = plan.reuse_queue {
+                self.reuse_queue = queue;
+            }
+            if let Some(rng) = plan.rng {
+                self.rng = rng;
+            }
+        }
+        dropped
+    }
+
+    /// Steps up to `through` are trained: release what only they held.
+    fn mark_done(&mut self, through: u64) {
+        if through <= self.done_through {
+            return;
+        }
+        self.done_through = through;
+        let done: Vec<u64> = self.served.range(..=through).map(|(s, _)| *s).collect();
+        let mut touched = Vec::new();
+        for s in done {
+            if let Some(step) = self.served.remove(&s) {
+                touched.extend(step.groups);
+            }
+        }
+        for id in touched {
+            self.settle(&id);
+        }
+    }
+
+    /// Releases an exhausted group once no untrained step may ask for it again.
+    fn settle(&mut self, id: &Arc<str>) {
+        let final_ = self
+            .groups
+            .get(id)
+            .is_some_and(|g| g.state == GroupState::Exhausted && g.last_step <= self.done_through);
+        if final_ && let Some(g) = self.release(id) {
+            self.task_done.insert(g.task.clone(), (g.id.clone(), true));
+        }
+    }
+
+    /// The rows of `groups` (members in index order, groups in the given
+    /// order): the batches to gather from and `(batch, row)` indices into
+    /// that list, ready for `arrow::compute::interleave_record_batch`.
+    pub fn gather(&self, groups: &[Arc<str>]) -> Result<Gathered, String> {
+        let mut slots: HashMap<u64, usize> = HashMap::new();
+        let mut batches = Vec::new();
+        let mut indices = Vec::new();
+        for id in groups {
+            let g = self
+                .groups
+                .get(id)
+                .ok_or_else(|| format!("group `{id}` is not held"))?;
+            for m in &g.members {
+                let b = self
+                    .batches
+                    .get(&m.at.batch)
+                    .ok_or_else(|| format!("rows of group `{id}` are not in memory"))?;
+                let slot = *slots.entry(m.at.batch).or_insert_with(|| {
+                    batches.push(b.batch.clone());
+                    batches.len() - 1
+                });
+                indices.push((slot, m.at.row as usize));
+            }
+        }
+        Ok((batches, indices))
+    }
+
+    /// The learner version a served step was asked at (for a replay).
+    pub fn served_version(&self, step: u64) -> Option<(i32, u32)> {
+        self.served.get(&step).map(|s| (s.version, s.eta))
+    }
+
+    // ------------------------------------------------------------ recovery
+
+    /// Seeds the core from the served log, before the segments are replayed.
+    pub fn seed(&mut self, records: &[Record]) {
+        let mut serves: HashMap<GroupRef, Restore> = HashMap::new();
+        let mut steps: BTreeMap<u64, ServedStep> = BTreeMap::new();
+        for r in records {
+            match r {
+                Record::Snapshot {
+                    done_through,
+                    consumed,
+                    reused,
+                } => {
+                    self.done_through = self.done_through.max(*done_through);
+                    for g in consumed {
+                        self.task_done.insert(
+                            Arc::from(g.task.as_str()),
+                            (Arc::from(g.group.as_str()), true),
+                        );
+                    }
+                    for u in reused {
+                        let e = serves.entry(u.group.clone()).or_default();
+                        e.serves += u.serves;
+                        e.expired |= u.expired;
+                    }
+                }
+                Record::Served {
+                    step,
+                    version,
+                    eta,
+                    groups,
+                    ..
+                } => {
+                    self.done_through = self.done_through.max(step.saturating_sub(1));
+                    for g in groups {
+                        let e = serves.entry(g.clone()).or_default();
+                        e.serves += 1;
+                        e.last_step = e.last_step.max(*step);
+                    }
+                    steps.insert(
+                        *step,
+                        ServedStep {
+                            version: *version,
+                            eta: *eta,
+                            groups: groups.iter().map(|g| Arc::from(g.group.as_str())).collect(),
+                        },
+                    );
+                }
+                Record::Dropped { group, reason, .. } => {
+                    let e = serves.entry(group.clone()).or_default();
+                    match reason {
+                        DropReason::Stale => {
+                            e.expired = true;
+                            e.serves = e.serves.max(self.max_serves);
+                        }
+                        DropReason::Expired => e.expired = true,
+                    }
+                }
+            }
+        }
+        self.served = steps.split_off(&(self.done_through + 1));
+        for (g, r) in serves {
+            let exhausted = r.expired || r.serves >= self.max_serves;
+            if exhausted && r.last_step <= self.done_through {
+                // Final: never served again, rows not needed.
+                self.task_done.insert(
+                    Arc::from(g.task.as_str()),
+                    (Arc::from(g.group.as_str()), true),
+                );
+            } else {
+                self.restore.insert(Arc::from(g.group.as_str()), r);
+            }
+        }
+    }
+
+    /// Ends recovery: applies the served log to the replayed groups.
+    /// Returns the groups the log names whose rows are missing.
+    pub fn finish_recovery(&mut self) -> Vec<String> {
+        let mut missing = Vec::new();
+        for (id, r) in std::mem::take(&mut self.restore) {
+            let Some(g) = self.groups.get_mut(&id) else {
+                missing.push(id.to_string());
+                continue;
+            };
+            if g.state == GroupState::Collecting {
+                missing.push(id.to_string());
+                continue;
+            }
+            g.serves = r.serves;
+            g.last_step = r.last_step;
+            if r.expired || g.serves >= self.max_serves {
+                g.state = GroupState::Exhausted;
+                let key = (g.admission, g.order, g.id.clone());
+                self.ready.remove(&key);
+            }
+            self.settle(&id);
+        }
+        if self.sampling == SamplingPolicy::Reuse {
+            let mut pool: Vec<Arc<str>> = self
+                .ready
+                .iter()
+                .filter(|(_, _, id)| self.groups.get(id).is_some_and(|g| self.eligible(g)))
+                .map(|(_, _, id)| id.clone())
+                .collect();
+            pool.shuffle(&mut self.rng);
+            self.reuse_queue = pool.into();
+        }
+        missing
+    }
+
+    /// The records that replace the whole served log (compaction): one
+    /// snapshot, then the served steps that are not trained yet.
+    pub fn snapshot(&self) -> Vec<Record> {
+        let mut pending: HashMap<&Arc<str>, u32> = HashMap::new();
+        for s in self.served.values() {
+            for g in &s.groups {
+                *pending.entry(g).or_default() += 1;
+            }
+        }
+        let mut consumed: Vec<GroupRef> = self
+            .task_done
+            .iter()
+            .filter(|(_, (_, c))| *c)
+            .map(|(t, (g, _))| GroupRef {
+                task: t.to_string(),
+                group: g.to_string(),
+            })
+            .collect();
+        consumed.sort_by(|a, b| a.group.cmp(&b.group));
+        let mut reused: Vec<crate::statelog::Reused> = self
+            .groups
+            .values()
+            .filter(|g| g.serves > 0 || g.state == GroupState::Exhausted)
+            .filter_map(|g| {
+                let in_steps = pending.get(&g.id).copied().unwrap_or(0);
+                let before = g.serves.saturating_sub(in_steps);
+                let expired = g.state == GroupState::Exhausted && g.serves < self.max_serves;
+                (before > 0 || expired).then(|| crate::statelog::Reused {
+                    group: g.gref(),
+                    serves: before,
+                    expired,
+                })
+            })
+            .collect();
+        reused.sort_by(|a, b| a.group.group.cmp(&b.group.group));
+        let mut out = vec![Record::Snapshot {
+            done_through: self.done_through,
+            consumed,
+            reused,
+        }];
+        for (step, s) in &self.served {
+            out.push(Record::Served {
+                step: *step,
+                version: s.version,
+                eta: s.eta,
+                groups: s
+                    .groups
+                    .iter()
+                    .filter_map(|id| self.groups.get(id).map(Group::gref))
+                    .collect(),
+                unix_ms: 0,
+            });
+        }
+        out
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut s = Stats {
+            ready_groups: self.ready.len(),
+            live_trajectories: self.live_rows,
+            live_tokens: self.live_tokens,
+            resident_bytes: self.resident_bytes,
+            memory_batches: self.batches.len(),
+            done_through: self.done_through,
+            pending_steps: self.served.len(),
+            completed_tasks: self.task_done.len(),
+            ..Default::default()
+        };
+        for g in self.groups.values() {
+            match g.state {
+                GroupState::Collecting => s.collecting_groups += 1,
+                GroupState::Ready => {}
+                GroupState::Exhausted => s.exhausted_groups += 1,
+            }
+        }
+        s
+    }
+
+    /// The oldest policy version of a held group (for staleness metrics).
+    pub fn group_oldest(&self, id: &str) -> Option<i32> {
+        self.groups.get(id).map(Group::oldest)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,485 @@
+use asyncrl_protos::arrow_schema::{from_record_batch, to_record_batch};
+
+use super::*;
+use crate::testing::{traj, traj_of};
+
+fn core(sampling: SamplingPolicy, k: u32) -> Core {
+    let mut c = Core::new(sampling, k, 7);
+    c.add_segment(1, true);
+    c
+}
+
+/// Applies trajectories as one written batch to `segment`.
+fn feed(c: &mut Core, trajs: &[Trajectory], segment: u64) -> Applied {
+    let batch = to_record_batch(trajs).unwrap();
+    let metas: Vec<RowMeta> = trajs.iter().map(|t| RowMeta::of(t).unwrap()).collect();
+    c.apply(batch, &metas, segment, false)
+}
+
+/// `n` complete groups of size `g`, numbered from `first`, at `version`.
+fn groups(first: u32, n: u32, g: u32, version: i32) -> Vec<Trajectory> {
+    (first * g..(first + n) * g)
+        .map(|i| traj(i, g, version, 4))
+        .collect()
+}
+
+fn ask(step: u64, version: i32, eta: u32, n: usize) -> Ask {
+    Ask {
+        step,
+        version,
+        eta,
+        num_groups: n,
+    }
+}
+
+/// plan + commit, as the server does (records are not persisted here).
+fn serve(c: &mut Core, a: Ask) -> (Outcome, Vec<DroppedGroup>) {
+    let plan = c.plan(a);
+    let outcome = plan.outcome.clone();
+    let dropped = c.commit(plan);
+    (outcome, dropped)
+}
+
+fn served(outcome: &Outcome) -> Vec<String> {
+    match outcome {
+        Outcome::Serve(g) | Outcome::Replay(g) => g.iter().map(|s| s.to_string()).collect(),
+        other => panic!("expected a batch, got {other:?}"),
+    }
+}
+
+fn names(ids: &[u32]) -> Vec<String> {
+    ids.iter().map(|i| format!("lease-{i}")).collect()
+}
+
+#[test]
+fn groups_complete_at_g_members_and_duplicates_are_dropped() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    let t = groups(0, 2, 4, 0);
+    let a = feed(&mut c, &t[..3], 1);
+    assert_eq!((a.stored, a.newly_ready), (3, 0));
+    assert_eq!(c.stats().collecting_groups, 1);
+    // The same trajectory again (a redelivery) is a duplicate.
+    let a = feed(&mut c, &t[..1], 1);
+    assert_eq!((a.stored, a.duplicates), (0, 1));
+    let a = feed(&mut c, &t[3..], 1);
+    assert_eq!((a.stored, a.newly_ready), (5, 2));
+    let s = c.stats();
+    assert_eq!(
+        (s.ready_groups, s.collecting_groups, s.live_trajectories),
+        (2, 0, 8)
+    );
+    assert_eq!(s.live_tokens, 8 * (16 + 4));
+}
+
+#[test]
+fn group_contract_violations_are_reported_not_stored() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    let ok = traj_of("t", "g", 0, 0, 3, 0, 4);
+    let same_index = traj_of("t", "g", 1, 0, 3, 0, 4);
+    let other_size = traj_of("t", "g", 2, 1, 4, 0, 4);
+    let other_task = traj_of("u", "g", 3, 1, 3, 0, 4);
+    let a = feed(&mut c, &[ok, same_index, other_size, other_task], 1);
+    assert_eq!(a.stored, 1);
+    let rows: Vec<usize> = a.violations.iter().map(|(r, _)| *r).collect();
+    assert_eq!(rows, vec![1, 2, 3]);
+    assert!(
+        a.violations[0].1.contains("index_in_group 0"),
+        "{:?}",
+        a.violations
+    );
+    assert!(
+        a.violations[1].1.contains("group_size"),
+        "{:?}",
+        a.violations
+    );
+    assert!(
+        a.violations[2].1.contains("belongs to task"),
+        "{:?}",
+        a.violations
+    );
+    // A member beyond G of a complete group.
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    feed(&mut c, &groups(0, 1, 2, 0), 1);
+    let extra = traj_of("task-0", "lease-0", 99, 1, 2, 0, 4);
+    let a = feed(&mut c, &[extra], 1);
+    assert_eq!(a.violations.len(), 1);
+    assert!(a.violations[0].1.contains("already complete"));
+}
+
+#[test]
+fn first_complete_attempt_wins_and_others_are_dropped() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    // Attempt A of task T: 1 of 2; attempt B: complete; then A's second and
+    // a late attempt C, complete.
+    let a0 = traj_of("T", "A", 0, 0, 2, 0, 4);
+    let b = [
+        traj_of("T", "B", 1, 0, 2, 0, 4),
+        traj_of("T", "B", 2, 1, 2, 0, 4),
+    ];
+    let a1 = traj_of("T", "A", 3, 1, 2, 0, 4);
+    let cc = [
+        traj_of("T", "C", 4, 0, 2, 0, 4),
+        traj_of("T", "C", 5, 1, 2, 0, 4),
+    ];
+    feed(&mut c, &[a0], 1);
+    let r = feed(&mut c, &b, 1);
+    assert_eq!(r.newly_ready, 1);
+    assert_eq!(
+        r.dropped,
+        vec![DroppedGroup {
+            task: "T".into(),
+            group: "A".into(),
+            reason: reason::SUPERSEDED,
+            trajectories: 1
+        }]
+    );
+    let r = feed(&mut c, &[a1], 1);
+    assert_eq!((r.stored, r.superseded), (0, 1));
+    let r = feed(&mut c, &cc, 1);
+    assert_eq!((r.stored, r.superseded), (0, 2));
+    assert_eq!(r.dropped.len(), 1);
+    assert_eq!(r.dropped[0].reason, reason::DUPLICATE_ATTEMPT);
+    let s = c.stats();
+    assert_eq!((s.ready_groups, s.live_trajectories), (1, 2));
+    let (out, _) = serve(&mut c, ask(1, 0, 0, 1));
+    assert_eq!(served(&out), vec!["B".to_string()]);
+}
+
+#[test]
+fn fifo_serves_oldest_admission_first_each_group_once() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    // Admitted at versions 2, 1, 3 (completion order 0, 1, 2).
+    feed(&mut c, &groups(0, 1, 2, 2), 1);
+    feed(&mut c, &groups(1, 1, 2, 1), 1);
+    feed(&mut c, &groups(2, 1, 2, 3), 1);
+    let (out, _) = serve(&mut c, ask(1, 3, 4, 2));
+    assert_eq!(served(&out), names(&[1, 0]));
+    assert_eq!(
+        c.plan(ask(2, 3, 4, 2)).outcome,
+        Outcome::NotReady { ready: 1 }
+    );
+    let (out, _) = serve(&mut c, ask(2, 3, 4, 1));
+    assert_eq!(served(&out), names(&[2]));
+}
+
+#[test]
+fn fresh_first_serves_newest_first() {
+    let mut c = core(SamplingPolicy::FreshFirst, 1);
+    feed(&mut c, &groups(0, 1, 2, 1), 1);
+    feed(&mut c, &groups(1, 1, 2, 3), 1);
+    feed(&mut c, &groups(2, 1, 2, 2), 1);
+    let (out, _) = serve(&mut c, ask(1, 3, 4, 2));
+    assert_eq!(served(&out), names(&[1, 2]));
+}
+
+#[test]
+fn stale_groups_are_never_served_and_are_dropped() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    feed(&mut c, &groups(0, 2, 2, 1), 1); // oldest token version 1
+    feed(&mut c, &groups(2, 2, 2, 4), 1);
+    // v = 5, η = 2: floor 3, so the version-1 groups are stale.
+    let plan = c.plan(ask(1, 5, 2, 2));
+    assert_eq!(plan.drops.len(), 2);
+    let recs = c.records(&plan, 0);
+    assert!(matches!(
+        recs[0],
+        Record::Dropped {
+            reason: DropReason::Stale,
+            ..
+        }
+    ));
+    let outcome = plan.outcome.clone();
+    let dropped = c.commit(plan);
+    assert_eq!(served(&outcome), names(&[2, 3]));
+    assert_eq!(dropped.len(), 2);
+    assert!(dropped.iter().all(|d| d.reason == reason::STALE));
+    // Dropped groups are released and never come back, even re-delivered.
+    assert_eq!(c.stats().live_trajectories, 4);
+    let again = feed(&mut c, &groups(0, 1, 2, 1), 1);
+    assert_eq!((again.stored, again.duplicates), (0, 2));
+    assert_eq!(
+        c.plan(ask(2, 5, 2, 1)).outcome,
+        Outcome::NotReady { ready: 0 }
+    );
+}
+
+#[test]
+fn a_group_with_one_old_token_is_stale() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    let mut t = groups(0, 1, 2, 6);
+    t[1].policy_versions[0] = 2; // one token sampled by version 2
+    t[1].policy_versions[1] = 2;
+    feed(&mut c, &t, 1);
+    assert_eq!(
+        c.plan(ask(1, 6, 3, 1)).outcome,
+        Outcome::NotReady { ready: 0 }
+    );
+    assert_eq!(c.plan(ask(1, 6, 4, 1)).drops.len(), 0);
+}
+
+#[test]
+fn a_repeated_step_gets_the_same_groups_and_nothing_twice() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    feed(&mut c, &groups(0, 4, 2, 0), 1);
+    let (first, _) = serve(&mut c, ask(1, 0, 2, 2));
+    let (again, _) = serve(&mut c, ask(1, 0, 2, 2));
+    assert_eq!(served(&first), served(&again));
+    assert!(matches!(again, Outcome::Replay(_)));
+    let (second, _) = serve(&mut c, ask(2, 1, 2, 2));
+    assert_eq!(served(&second), names(&[2, 3]));
+    // Step 1 is trained now (step 2 was asked): it is gone, not served again.
+    assert!(matches!(
+        c.plan(ask(1, 0, 2, 2)).outcome,
+        Outcome::Refused(_)
+    ));
+    // Step 2 can still be repeated (the learner may restart before training it).
+    assert_eq!(served(&serve(&mut c, ask(2, 1, 2, 2)).0), names(&[2, 3]));
+    assert!(matches!(
+        c.plan(ask(0, 0, 0, 1)).outcome,
+        Outcome::Refused(_)
+    ));
+    assert!(matches!(
+        c.plan(ask(3, 2, 2, 0)).outcome,
+        Outcome::Refused(_)
+    ));
+}
+
+#[test]
+fn memory_is_released_when_steps_are_trained() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    for i in 0..4 {
+        feed(&mut c, &groups(i, 1, 2, 0), 1);
+    }
+    let full = c.stats().resident_bytes;
+    assert!(full > 0);
+    serve(&mut c, ask(1, 0, 2, 2));
+    assert_eq!(
+        c.stats().live_trajectories,
+        8,
+        "step 1 is pinned until trained"
+    );
+    serve(&mut c, ask(2, 1, 2, 2));
+    let s = c.stats();
+    assert_eq!(s.live_trajectories, 4);
+    assert!(s.resident_bytes < full, "{} !< {full}", s.resident_bytes);
+    // The rows that are left are still the right ones.
+    let (batches, idx) = c
+        .gather(&[Arc::from("lease-2"), Arc::from("lease-3")])
+        .unwrap();
+    let refs: Vec<&RecordBatch> = batches.iter().collect();
+    let got = arrow::compute::interleave_record_batch(&refs, &idx).unwrap();
+    let got = from_record_batch(&got).unwrap();
+    assert_eq!(got, groups(2, 2, 2, 0));
+}
+
+#[test]
+fn segments_become_deletable_only_when_everything_in_them_is_consumed() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    c.add_segment(1, false);
+    // Segment 1: group 0 and half of group 1; segment 2: the rest of group 1.
+    let t = groups(0, 2, 2, 0);
+    feed(&mut c, &t[..3], 1);
+    c.add_segment(2, true);
+    feed(&mut c, &t[3..], 2);
+    c.add_segment(3, true);
+    assert!(c.deletable_segments().is_empty());
+    serve(&mut c, ask(1, 0, 2, 1)); // group 0
+    serve(&mut c, ask(2, 1, 2, 1)); // group 1; step 1 trained
+    assert!(
+        c.deletable_segments().is_empty(),
+        "group 1 (step 2) is not trained yet"
+    );
+    assert!(matches!(
+        c.plan(ask(3, 2, 2, 1)).outcome,
+        Outcome::NotReady { .. }
+    ));
+    // Only a served step makes the previous one trained.
+    feed(&mut c, &groups(5, 1, 2, 2), 3);
+    serve(&mut c, ask(3, 2, 2, 1));
+    assert_eq!(c.deletable_segments(), vec![1, 2]);
+    c.forget_segment(1);
+    assert_eq!(c.deletable_segments(), vec![2]);
+}
+
+#[test]
+fn reuse_serves_each_group_up_to_k_times_never_twice_in_a_batch() {
+    let k = 3;
+    let mut c = core(SamplingPolicy::Reuse, k);
+    feed(&mut c, &groups(0, 5, 2, 0), 1);
+    let mut counts: HashMap<String, u32> = HashMap::new();
+    let mut step = 0;
+    loop {
+        step += 1;
+        let (out, _) = serve(&mut c, ask(step, 0, 100, 2));
+        let Outcome::Serve(g) = out else { break };
+        let distinct: HashSet<_> = g.iter().collect();
+        assert_eq!(distinct.len(), g.len(), "a group twice in one batch");
+        for id in g {
+            *counts.entry(id.to_string()).or_default() += 1;
+        }
+    }
+    // 5 groups × K = 15 serves: 7 batches of 2, then 1 group left (not ready).
+    assert_eq!(counts.len(), 5);
+    assert!(counts.values().all(|n| *n <= k), "{counts:?}");
+    assert_eq!(counts.values().sum::<u32>(), 14);
+}
+
+#[test]
+fn reuse_is_random_reshuffling_every_pass_covers_the_pool() {
+    let mut c = core(SamplingPolicy::Reuse, 4);
+    feed(&mut c, &groups(0, 6, 2, 0), 1);
+    let mut order = Vec::new();
+    for step in 1..=6 {
+        order.extend(served(&serve(&mut c, ask(step, 0, 100, 2)).0));
+    }
+    // Passes of 6: each is a permutation of all 6 groups.
+    for pass in order.chunks(6) {
+        let set: HashSet<_> = pass.iter().collect();
+        assert_eq!(set.len(), 6, "{order:?}");
+    }
+    assert_ne!(order[..6], order[6..12], "two passes in the same order");
+}
+
+#[test]
+fn reuse_groups_expire_after_serving_and_are_not_counted_stale() {
+    let mut c = core(SamplingPolicy::Reuse, 5);
+    feed(&mut c, &groups(0, 2, 2, 0), 1);
+    serve(&mut c, ask(1, 0, 1, 2));
+    let plan = c.plan(ask(2, 3, 1, 2));
+    assert!(plan.drops.iter().all(|(_, r)| *r == DropReason::Expired));
+    let dropped = c.commit(plan);
+    assert_eq!(dropped.len(), 2);
+    assert!(dropped.iter().all(|d| d.reason == reason::EXPIRED));
+    // Expired groups are still held for a replay of step 1, then released.
+    assert!(matches!(
+        c.plan(ask(1, 0, 1, 2)).outcome,
+        Outcome::Replay(_)
+    ));
+    feed(&mut c, &groups(5, 2, 2, 3), 1);
+    serve(&mut c, ask(2, 3, 1, 2));
+    assert_eq!(c.stats().live_trajectories, 4);
+}
+
+/// Recovery: a fresh core seeded with the persisted records and fed the same
+/// segment batches ends in the same serving state.
+#[test]
+fn seed_and_replay_reach_the_same_state() {
+    for sampling in [SamplingPolicy::Fifo, SamplingPolicy::Reuse] {
+        let k = if sampling == SamplingPolicy::Reuse {
+            2
+        } else {
+            1
+        };
+        let mut live = core(sampling, k);
+        let mut log: Vec<Record> = Vec::new();
+        let mut segments: Vec<Vec<Trajectory>> = Vec::new();
+        let mut step = 0;
+        let mut run_step = |c: &mut Core, log: &mut Vec<Record>, v: i32, eta: u32| {
+            step += 1;
+            let plan = c.plan(ask(step, v, eta, 2));
+            log.extend(c.records(&plan, 0));
+            c.commit(plan);
+        };
+        for (i, version) in [(0u32, 0), (3, 0), (6, 1), (9, 5)] {
+            let t = groups(i, 3, 2, version);
+            feed(&mut live, &t, 1);
+            segments.push(t);
+            run_step(&mut live, &mut log, version, 1);
+        }
+        // Duplicates and a superseded attempt are in the segments too.
+        let late = [traj_of("task-13", "other", 77, 0, 2, 5, 4)];
+        feed(&mut live, &late, 1);
+        segments.push(late.to_vec());
+
+        let mut back = core(sampling, k);
+        back.seed(&log);
+        for t in &segments {
+            let batch = to_record_batch(t).unwrap();
+            let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
+            back.apply(batch, &metas, 1, true);
+        }
+        assert!(back.finish_recovery().is_empty());
+        let (a, b) = (live.stats(), back.stats());
+        assert_eq!(
+            (
+                a.ready_groups,
+                a.exhausted_groups,
+                a.live_trajectories,
+                a.done_through,
+                a.pending_steps
+            ),
+            (
+                b.ready_groups,
+                b.exhausted_groups,
+                b.live_trajectories,
+                b.done_through,
+                b.pending_steps
+            ),
+            "{sampling:?}"
+        );
+        // The last step replays identically on both.
+        let last = ask(4, 5, 1, 2);
+        assert_eq!(
+            live.plan(last).outcome,
+            back.plan(last).outcome,
+            "{sampling:?}"
+        );
+        // And the next step serves the same groups (fifo) / a valid batch (reuse).
+        let next = ask(5, 5, 1, 2);
+        let (x, y) = (live.plan(next).outcome, back.plan(next).outcome);
+        if sampling == SamplingPolicy::Fifo {
+            assert_eq!(x, y);
+        } else {
+            assert_eq!(served(&x).len(), served(&y).len());
+        }
+        // A snapshot of the log reproduces the same state too.
+        let mut snap = core(sampling, k);
+        snap.seed(&live.snapshot());
+        for t in &segments {
+            let batch = to_record_batch(t).unwrap();
+            let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
+            snap.apply(batch, &metas, 1, true);
+        }
+        assert!(snap.finish_recovery().is_empty());
+        let c = snap.stats();
+        assert_eq!(
+            (
+                a.ready_groups,
+                a.exhausted_groups,
+                a.live_trajectories,
+                a.done_through
+            ),
+            (
+                c.ready_groups,
+                c.exhausted_groups,
+                c.live_trajectories,
+                c.done_through
+            ),
+            "{sampling:?} snapshot"
+        );
+        assert_eq!(live.plan(last).outcome, snap.plan(last).outcome);
+    }
+}
+
+#[test]
+fn sparse_memory_batches_are_compacted() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    // One batch with 10 groups of 2; serve and train 9 of them.
+    feed(&mut c, &groups(0, 10, 2, 0), 1);
+    let before = c.stats().resident_bytes;
+    for step in 1..=9 {
+        serve(&mut c, ask(step, 0, 9, 1));
+    }
+    serve(&mut c, ask(10, 0, 9, 1)); // trains step 9
+    let s = c.stats();
+    assert_eq!(s.live_trajectories, 2);
+    assert!(
+        s.resident_bytes * 3 < before,
+        "{} vs {before}",
+        s.resident_bytes
+    );
+    let (batches, idx) = c.gather(&[Arc::from("lease-9")]).unwrap();
+    let refs: Vec<&RecordBatch> = batches.iter().collect();
+    let got = arrow::compute::interleave_record_batch(&refs, &idx).unwrap();
+    assert_eq!(from_record_batch(&got).unwrap(), groups(9, 1, 2, 0));
+}

@@ -1,0 +1,905 @@
+//! The running buffer: recovery, the ingest loop and the batch server.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::watch;
+
+use asyncrl_config::{BufferConfig, BusConfig, Config, RetentionPolicy};
+use asyncrl_protos::arrow_schema::{from_record_batch, to_record_batch, trajectory_schema};
+use asyncrl_protos::subjects::{
+    BUFFER_BATCH, BUFFER_GROUP_DROPPED, DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT, TRAJECTORY_STREAM,
+    TRAJECTORY_SUBJECT_PREFIX,
+};
+use asyncrl_protos::v1::{BatchReply, BatchRequest, DeadLetter, GroupDropped};
+use asyncrl_protos::{ContractError, Message, Trajectory, decode_trajectory};
+use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_transport::{
+    Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, ObjectStore, Request, StreamSpec,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::core::{Applied, Ask, Core, DroppedGroup, Outcome, RowMeta, Stats};
+use crate::metrics::BufferMetrics;
+use crate::reply::encode_batch;
+use crate::segment::{self, SegmentWriter};
+use crate::statelog::StateLog;
+use crate::{BufferError, segment_dir};
+
+/// Readiness condition the buffer declares in [`Health`].
+pub const HEALTH_CONDITION: &str = "buffer";
+/// Queue group of the batch server.
+const SERVE_QUEUE: &str = "asyncrl-buffer";
+
+/// The stream the workers publish trajectories to (the buffer creates it if
+/// missing; every role that creates it must use this spec).
+pub fn trajectory_stream_spec(bus: &BusConfig) -> StreamSpec {
+    StreamSpec {
+        duplicate_window: bus.duplicate_window,
+        replicas: bus.replicas,
+        ..StreamSpec::new(
+            TRAJECTORY_STREAM,
+            &[&format!("{TRAJECTORY_SUBJECT_PREFIX}.>")],
+        )
+    }
+}
+
+/// The dead-letter stream.
+pub fn dead_letter_stream_spec(bus: &BusConfig) -> StreamSpec {
+    StreamSpec {
+        duplicate_window: bus.duplicate_window,
+        replicas: bus.replicas,
+        ..StreamSpec::new(DEAD_LETTER_STREAM, &[DEAD_LETTER_SUBJECT])
+    }
+}
+
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+struct Shared {
+    core: Mutex<Core>,
+    /// Bumped whenever groups become ready (wakes waiting batch requests).
+    ready: watch::Sender<u64>,
+    metrics: BufferMetrics,
+    health: Health,
+    bus: Arc<dyn Bus>,
+    seg_dir: PathBuf,
+    retention: RetentionPolicy,
+}
+
+impl Shared {
+    fn core(&self) -> MutexGuard<'_, Core> {
+        // Every core method leaves it consistent before it can panic (none
+        // is expected to), so a poisoned lock is still usable.
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn update_gauges(&self) {
+        let s = self.core().stats();
+        let m = &self.metrics;
+        m.ready_groups.set(s.ready_groups as i64);
+        m.collecting_groups.set(s.collecting_groups as i64);
+        m.resident_bytes.set(s.resident_bytes as i64);
+        m.resident_bytes_per_token.set(if s.live_tokens > 0 {
+            s.resident_bytes as f64 / s.live_tokens as f64
+        } else {
+            0.0
+        });
+    }
+
+    async fn report_dropped(&self, dropped: &[DroppedGroup]) {
+        for d in dropped {
+            self.metrics
+                .groups_dropped
+                .get_or_create(&BufferMetrics::reason(d.reason))
+                .inc();
+            if d.reason == crate::core::reason::STALE {
+                self.metrics.stale_dropped.inc();
+            }
+            tracing::info!(task = %d.task, group = %d.group, reason = d.reason, trajectories = d.trajectories, "group dropped");
+            let msg = GroupDropped {
+                task_id: d.task.clone(),
+                group_id: d.group.clone(),
+                reason: d.reason.to_owned(),
+                trajectories: d.trajectories,
+            };
+            if let Err(e) = self
+                .bus
+                .publish(BUFFER_GROUP_DROPPED, Bytes::from(msg.encode_to_vec()))
+                .await
+            {
+                tracing::warn!(error = %e, group = %d.group, "cannot report a dropped group");
+            }
+        }
+    }
+
+    /// Deletes the segments that hold nothing live any more (retention).
+    async fn retire_segments(&self) -> Result<(), BufferError> {
+        if self.retention != RetentionPolicy::Delete {
+            return Ok(());
+        }
+        let ids = self.core().deletable_segments();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let dir = self.seg_dir.clone();
+        let deleted = tokio::task::spawn_blocking(move || {
+            let mut deleted = Vec::new();
+            for id in ids {
+                segment::delete_segment(&dir, id)?;
+                deleted.push(id);
+            }
+            Ok::<_, BufferError>((deleted, segment::disk_bytes(&dir)))
+        })
+        .await??;
+        let (deleted, disk) = deleted;
+        let mut core = self.core();
+        for id in &deleted {
+            core.forget_segment(*id);
+            tracing::info!(segment = id, "segment fully consumed; deleted");
+        }
+        self.metrics.segments_deleted.inc_by(deleted.len() as u64);
+        self.metrics.disk_bytes.set(disk as i64);
+        Ok(())
+    }
+}
+
+/// A cheap handle on a running buffer's state (for tests and status pages).
+#[derive(Clone)]
+pub struct BufferHandle {
+    shared: Arc<Shared>,
+}
+
+impl BufferHandle {
+    pub fn stats(&self) -> Stats {
+        self.shared.core().stats()
+    }
+}
+
+/// What recovery found on disk.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recovered {
+    pub segments: usize,
+    pub trajectories: usize,
+    pub torn_tails: usize,
+    pub log_records: usize,
+    pub missing_groups: Vec<String>,
+}
+
+/// An opened buffer: state recovered from disk, streams and consumer ready.
+pub struct Buffer {
+    shared: Arc<Shared>,
+    config: BufferConfig,
+    writer: SegmentWriter,
+    log: StateLog,
+    consumer: Box<dyn Consumer>,
+    recovered: Recovered,
+}
+
+impl Buffer {
+    /// Recovers the state from the data directory and binds the durable
+    /// consumer. Creates the trajectory and dead-letter streams if missing.
+    pub async fn open(
+        config: &Config,
+        bus: Arc<dyn Bus>,
+        metrics: &Metrics,
+    ) -> Result<Self, BufferError> {
+        let metrics = BufferMetrics::register(metrics)?;
+        let data_dir = config.buffer.data_dir_in(&config.run.output_dir);
+        let cfg = config.buffer.clone();
+        let seed = config.run.seed;
+        let (core, log, writer, recovered) =
+            tokio::task::spawn_blocking(move || recover(data_dir, &cfg, seed)).await??;
+        tracing::info!(
+            segments = recovered.segments,
+            trajectories = recovered.trajectories,
+            torn_tails = recovered.torn_tails,
+            log_records = recovered.log_records,
+            ready_groups = core.stats().ready_groups,
+            active_segment = writer.id(),
+            "buffer state recovered from disk"
+        );
+        if !recovered.missing_groups.is_empty() {
+            tracing::error!(
+                groups = ?recovered.missing_groups,
+                "the served log names groups whose trajectories are not on disk; their steps cannot be replayed"
+            );
+        }
+        bus.ensure_stream(&trajectory_stream_spec(&config.bus))
+            .await?;
+        bus.ensure_stream(&dead_letter_stream_spec(&config.bus))
+            .await?;
+        let spec = ConsumerSpec {
+            filter_subject: Some(format!("{TRAJECTORY_SUBJECT_PREFIX}.>")),
+            ack_wait: config.buffer.ack_wait,
+            max_deliver: None,
+            max_ack_pending: config.buffer.max_ack_pending,
+            deliver_from: DeliverFrom::All,
+            ..ConsumerSpec::new(config.buffer.consumer_name.clone())
+        };
+        let consumer = bus.consumer(TRAJECTORY_STREAM, &spec).await?;
+        let seg_dir = writer.dir().to_owned();
+        metrics.disk_bytes.set(segment::disk_bytes(&seg_dir) as i64);
+        let health = Health::new();
+        health.set_not_ready(HEALTH_CONDITION, "starting");
+        let shared = Arc::new(Shared {
+            core: Mutex::new(core),
+            ready: watch::channel(0).0,
+            metrics,
+            health,
+            bus,
+            seg_dir,
+            retention: config.buffer.retention,
+        });
+        shared.update_gauges();
+        Ok(Self {
+            shared,
+            config: config.buffer.clone(),
+            writer,
+            log,
+            consumer,
+            recovered,
+        })
+    }
+
+    /// Uses `health` (the process's) for the buffer's readiness condition.
+    pub fn with_health(mut self, health: Health) -> Self {
+        health.set_not_ready(HEALTH_CONDITION, "starting");
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.health = health;
+        }
+        self
+    }
+
+    pub fn handle(&self) -> BufferHandle {
+        BufferHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
+    pub fn recovered(&self) -> &Recovered {
+        &self.recovered
+    }
+
+    /// Ingests and serves until `shutdown` is cancelled (or a fatal error).
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), BufferError> {
+        let Self {
+            shared,
+            config,
+            writer,
+            log,
+            consumer,
+            ..
+        } = self;
+        // Retire what recovery found fully consumed.
+        shared.retire_segments().await?;
+        let requests = shared.bus.serve(BUFFER_BATCH, Some(SERVE_QUEUE)).await?;
+        shared.health.set_ready(HEALTH_CONDITION);
+        let stop = shutdown.child_token();
+        let ingest = Ingest {
+            shared: shared.clone(),
+            config: config.clone(),
+            writer: Some(writer),
+            consumer,
+        };
+        let server = Server {
+            shared: shared.clone(),
+            config,
+            log: Some(log),
+            objects: None,
+            objects_by_step: BTreeMap::new(),
+        };
+        let ingest_task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let r = ingest.run(stop.clone()).await;
+                stop.cancel();
+                r
+            }
+        });
+        let serve_task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let r = server.run(requests, stop.clone()).await;
+                stop.cancel();
+                r
+            }
+        });
+        let (a, b) = tokio::join!(ingest_task, serve_task);
+        shared.health.set_not_ready(HEALTH_CONDITION, "stopped");
+        a??;
+        b??;
+        tracing::info!("buffer stopped");
+        Ok(())
+    }
+}
+
+/// Runs the buffer until `shutdown` is cancelled: in-process (local mode,
+/// over [`asyncrl_transport::LocalBus`]) or as its own process over NATS.
+pub async fn run(
+    config: Config,
+    bus: Arc<dyn Bus>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> Result<(), BufferError> {
+    Buffer::open(&config, bus, &metrics)
+        .await?
+        .run(shutdown)
+        .await
+}
+
+// ---------------------------------------------------------------- recovery
+
+fn recover(
+    data_dir: PathBuf,
+    cfg: &BufferConfig,
+    seed: u64,
+) -> Result<(Core, StateLog, SegmentWriter, Recovered), BufferError> {
+    let seg_dir = segment_dir(&data_dir);
+    std::fs::create_dir_all(&seg_dir).map_err(|e| BufferError::io("create", &seg_dir, e))?;
+    let (log, records) = StateLog::open(&data_dir, cfg.fsync)?;
+    let mut core = Core::new(cfg.sampling, cfg.max_serves(), seed);
+    core.seed(&records);
+    let mut rec = Recovered {
+        log_records: records.len(),
+        ..Default::default()
+    };
+    let schema = trajectory_schema();
+    let ids = segment::list_segments(&seg_dir)?;
+    for id in &ids {
+        let scan = segment::read_segment(&seg_dir, *id, &schema)?;
+        if let Some(reason) = &scan.tail_error {
+            rec.torn_tails += 1;
+            tracing::warn!(
+                segment = id,
+                reason,
+                valid_bytes = scan.valid_len,
+                "segment ends in a torn or garbled frame (a crash mid-write; nothing in it was acked); cutting it off"
+            );
+            if scan.valid_len == 0 {
+                segment::delete_segment(&seg_dir, *id)?;
+                continue;
+            }
+            segment::truncate_segment(&seg_dir, *id, scan.valid_len)?;
+        }
+        core.add_segment(*id, false);
+        rec.segments += 1;
+        for batch in scan.batches {
+            let trajs = from_record_batch(&batch).map_err(|e| BufferError::Segment {
+                path: segment::segment_path(&seg_dir, *id),
+                reason: e.to_string(),
+            })?;
+            let metas: Vec<RowMeta> = trajs.iter().filter_map(RowMeta::of).collect();
+            if metas.len() != trajs.len() {
+                return Err(BufferError::Segment {
+                    path: segment::segment_path(&seg_dir, *id),
+                    reason: "a stored trajectory has no valid uuid".into(),
+                });
+            }
+            rec.trajectories += metas.len();
+            core.apply(batch, &metas, *id, true);
+        }
+    }
+    rec.missing_groups = core.finish_recovery();
+    let next = ids.last().map_or(1, |last| last + 1);
+    let writer =
+        SegmentWriter::create(&seg_dir, next, &schema, cfg.segment_compression, cfg.fsync)?;
+    core.add_segment(next, true);
+    Ok((core, log, writer, rec))
+}
+
+// ---------------------------------------------------------------- ingest
+
+struct Ingest {
+    shared: Arc<Shared>,
+    config: BufferConfig,
+    /// `None` only while a blocking write holds it.
+    writer: Option<SegmentWriter>,
+    consumer: Box<dyn Consumer>,
+}
+
+/// Why a message is dead-lettered: the kind (metric label) and the reason.
+fn contract_kind(e: &ContractError) -> &'static str {
+    match e {
+        ContractError::Decode { .. } => "decode",
+        _ => "contract",
+    }
+}
+
+impl Ingest {
+    async fn run(mut self, stop: CancellationToken) -> Result<(), BufferError> {
+        let mut backoff = Duration::from_millis(100);
+        while !stop.is_cancelled() {
+            let fetched = tokio::select! {
+                () = stop.cancelled() => break,
+                r = self.consumer.fetch(self.config.ingest_batch, self.config.fetch_wait) => r,
+            };
+            let deliveries = match fetched {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!(error = %e, "fetching trajectories failed; retrying");
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(100);
+            if deliveries.is_empty() {
+                continue;
+            }
+            // Not cancellable midway: a batch is written and acked as a whole.
+            if let Err(e) = self.process(deliveries).await {
+                if matches!(e, BufferError::Join(_)) {
+                    return Err(e);
+                }
+                tracing::error!(error = %e, "ingest batch failed; its messages will be redelivered");
+                self.shared
+                    .health
+                    .set_not_ready(HEALTH_CONDITION, format!("ingest failing: {e}"));
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            } else {
+                self.shared.health.set_ready(HEALTH_CONDITION);
+            }
+        }
+        Ok(())
+    }
+
+    async fn process(&mut self, deliveries: Vec<Delivery>) -> Result<(), BufferError> {
+        let payloads: Vec<Bytes> = deliveries.iter().map(|d| d.payload.clone()).collect();
+        let decoded: Vec<Result<Trajectory, ContractError>> =
+            tokio::task::spawn_blocking(move || {
+                payloads.iter().map(|p| decode_trajectory(p)).collect()
+            })
+            .await?;
+        // Dead letters (index, kind, reason), duplicates, and the rest.
+        let mut dead: Vec<(usize, &'static str, String)> = Vec::new();
+        let mut duplicates = 0u64;
+        let mut fresh: Vec<(usize, Trajectory, RowMeta)> = Vec::new();
+        {
+            let core = self.shared.core();
+            let mut seen = HashSet::new();
+            for (i, r) in decoded.into_iter().enumerate() {
+                match r {
+                    Err(e) => dead.push((i, contract_kind(&e), e.to_string())),
+                    Ok(t) => match RowMeta::of(&t) {
+                        None => dead.push((i, "contract", "field `uuid` is invalid".into())),
+                        Some(m) if core.is_live(m.uuid) || !seen.insert(m.uuid) => {
+                            duplicates += 1;
+                        }
+                        Some(m) => fresh.push((i, t, m)),
+                    },
+                }
+            }
+        }
+        let mut applied = Applied::default();
+        if !fresh.is_empty() {
+            let mut writer = self.writer.take().ok_or_else(|| {
+                BufferError::Join("segment writer lost by an earlier failure".into())
+            })?;
+            let trajs: Vec<Trajectory> = fresh.iter().map(|(_, t, _)| t.clone()).collect();
+            let cfg = self.config.clone();
+            let started = Instant::now();
+            let (writer, result) = tokio::task::spawn_blocking(move || {
+                let r = write_batch(&mut writer, &trajs, &cfg);
+                (writer, r)
+            })
+            .await?;
+            self.writer = Some(writer);
+            let (batch, segment, rotated_to, disk) = result?;
+            self.shared
+                .metrics
+                .segment_write_latency
+                .observe(started.elapsed().as_secs_f64());
+            self.shared.metrics.disk_bytes.set(disk as i64);
+            let metas: Vec<RowMeta> = fresh.iter().map(|(_, _, m)| m.clone()).collect();
+            {
+                let mut core = self.shared.core();
+                applied = core.apply(batch, &metas, segment, false);
+                if let Some(next) = rotated_to {
+                    core.add_segment(next, true);
+                }
+            }
+            for (row, reason) in &applied.violations {
+                dead.push((fresh[*row].0, "group", reason.clone()));
+            }
+        }
+        // Dead letters first: a message is acked only once its dead letter
+        // is stored (the msg id makes a republish after a crash a no-op).
+        let dead_idx: HashSet<usize> = dead.iter().map(|(i, _, _)| *i).collect();
+        let dlq_results = futures::future::join_all(dead.iter().map(|(i, kind, reason)| {
+            let d = &deliveries[*i];
+            let letter = DeadLetter {
+                payload: d.payload.to_vec(),
+                reason: reason.clone(),
+                subject: d.subject.clone(),
+                stream_sequence: d.stream_sequence,
+                msg_id: d.msg_id.clone().unwrap_or_default(),
+            };
+            let bus = self.shared.bus.clone();
+            let id = format!("dlq-{}", d.stream_sequence);
+            async move {
+                tracing::warn!(subject = %d.subject, seq = d.stream_sequence, kind, reason = %reason, "dead-lettering a trajectory message");
+                let r = bus
+                    .publish_durable(DEAD_LETTER_SUBJECT, &id, Bytes::from(letter.encode_to_vec()))
+                    .await;
+                (*i, *kind, r)
+            }
+        }))
+        .await;
+        let mut failed_dlq = HashSet::new();
+        for (i, kind, r) in dlq_results {
+            match r {
+                Ok(_) => {
+                    self.shared
+                        .metrics
+                        .dead_lettered
+                        .get_or_create(&BufferMetrics::reason(kind))
+                        .inc();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, seq = deliveries[i].stream_sequence, "cannot dead-letter; will retry on redelivery");
+                    failed_dlq.insert(i);
+                }
+            }
+        }
+        let acks = futures::future::join_all(deliveries.iter().enumerate().map(|(i, d)| {
+            let failed = failed_dlq.contains(&i);
+            async move {
+                if failed {
+                    d.nak(Duration::from_secs(1)).await
+                } else {
+                    d.ack().await
+                }
+            }
+        }))
+        .await;
+        let ack_errors = acks.iter().filter(|r| r.is_err()).count();
+        if ack_errors > 0 {
+            // Harmless: the messages come again and are dropped as duplicates.
+            tracing::warn!(
+                ack_errors,
+                "some acks failed; those messages will be redelivered and deduplicated"
+            );
+        }
+        let m = &self.shared.metrics;
+        m.ingested.inc_by(applied.stored as u64);
+        m.duplicates.inc_by(duplicates + applied.duplicates as u64);
+        m.superseded_trajectories.inc_by(applied.superseded as u64);
+        tracing::debug!(
+            messages = deliveries.len(),
+            stored = applied.stored,
+            duplicates = duplicates + applied.duplicates as u64,
+            dead_lettered = dead_idx.len(),
+            newly_ready = applied.newly_ready,
+            "ingested a batch"
+        );
+        self.shared.report_dropped(&applied.dropped).await;
+        self.shared.update_gauges();
+        if applied.newly_ready > 0 {
+            self.shared.ready.send_modify(|n| *n += 1);
+        }
+        self.shared.retire_segments().await?;
+        Ok(())
+    }
+}
+
+/// Encodes and appends one batch (blocking), rotating the segment when full.
+/// Returns the batch, the segment it went to, the new active segment if
+/// rotated, and the bytes on disk.
+fn write_batch(
+    writer: &mut SegmentWriter,
+    trajs: &[Trajectory],
+    cfg: &BufferConfig,
+) -> Result<(arrow::array::RecordBatch, u64, Option<u64>, u64), BufferError> {
+    let batch = to_record_batch(trajs)?;
+    let appended = writer.append(&batch)?;
+    let mut rotated = None;
+    if writer.bytes() >= cfg.segment_max_bytes {
+        let next = SegmentWriter::create(
+            writer.dir(),
+            writer.id() + 1,
+            &trajectory_schema(),
+            cfg.segment_compression,
+            cfg.fsync,
+        )?;
+        tracing::info!(from = writer.id(), to = next.id(), "segment full; rotated");
+        rotated = Some(next.id());
+        *writer = next;
+    }
+    Ok((
+        batch,
+        appended.segment,
+        rotated,
+        segment::disk_bytes(writer.dir()),
+    ))
+}
+
+// ---------------------------------------------------------------- serving
+
+struct Server {
+    shared: Arc<Shared>,
+    config: BufferConfig,
+    /// `None` only while a blocking append holds it.
+    log: Option<StateLog>,
+    objects: Option<Arc<dyn ObjectStore>>,
+    /// Batches handed over through the object store, by step.
+    objects_by_step: BTreeMap<u64, String>,
+}
+
+impl Server {
+    async fn run(
+        mut self,
+        mut requests: futures::stream::BoxStream<'static, Request>,
+        stop: CancellationToken,
+    ) -> Result<(), BufferError> {
+        loop {
+            let req = tokio::select! {
+                () = stop.cancelled() => break,
+                r = requests.next() => r,
+            };
+            let Some(req) = req else {
+                tracing::warn!("batch request subscription ended");
+                break;
+            };
+            let reply = match BatchRequest::decode(req.payload.clone()) {
+                Ok(r) => self.answer(r, &stop).await,
+                Err(e) => BatchReply {
+                    error: format!("request does not decode as asyncrl.v1.BatchRequest: {e}"),
+                    ..Default::default()
+                },
+            };
+            if let Err(e) = req.respond(Bytes::from(reply.encode_to_vec())).await {
+                tracing::warn!(error = %e, step = reply.step, "cannot send a batch reply");
+            }
+        }
+        Ok(())
+    }
+
+    async fn append(&mut self, records: Vec<crate::statelog::Record>) -> Result<(), BufferError> {
+        let mut log = self
+            .log
+            .take()
+            .ok_or_else(|| BufferError::StateLog("lost by an earlier failure".into()))?;
+        let compact_at = self.config.state_log_compact_bytes;
+        let shared = self.shared.clone();
+        let (log, r) = tokio::task::spawn_blocking(move || {
+            let r = log.append(&records);
+            (log, r)
+        })
+        .await?;
+        self.log = Some(log);
+        r?;
+        // Compaction: one snapshot instead of the history.
+        if self.log.as_ref().is_some_and(|l| l.bytes() > compact_at) {
+            let snapshot = shared.core().snapshot();
+            if let Some(mut log) = self.log.take() {
+                let (log, r) = tokio::task::spawn_blocking(move || {
+                    let r = log.rewrite(&snapshot);
+                    (log, r)
+                })
+                .await?;
+                self.log = Some(log);
+                match r {
+                    Ok(()) => tracing::info!("served log compacted"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot compact the served log; keeping it")
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn answer(&mut self, r: BatchRequest, stop: &CancellationToken) -> BatchReply {
+        let ask = Ask {
+            step: r.step,
+            version: r.learner_version,
+            eta: r.eta,
+            num_groups: r.num_groups as usize,
+        };
+        let wait = Duration::from_millis(u64::from(r.wait_ms)).min(self.config.max_request_wait);
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut ready_rx = self.shared.ready.subscribe();
+        let zstd = r.zstd || self.config.serve_zstd;
+        loop {
+            ready_rx.borrow_and_update();
+            let started = Instant::now();
+            let (plan, records) = {
+                let core = self.shared.core();
+                let plan = core.plan(ask);
+                let records = core.records(&plan, unix_ms());
+                (plan, records)
+            };
+            let outcome = plan.outcome.clone();
+            let stale_dropped = plan
+                .drops
+                .iter()
+                .filter(|(_, why)| *why == crate::statelog::DropReason::Stale)
+                .count() as u32;
+            if !records.is_empty()
+                && let Err(e) = self.append(records).await
+            {
+                tracing::error!(error = %e, step = ask.step, "cannot persist the served log; refusing the batch");
+                return BatchReply {
+                    step: ask.step,
+                    error: format!("buffer cannot persist its served log: {e}"),
+                    ..Default::default()
+                };
+            }
+            let dropped = self.shared.core().commit(plan);
+            self.shared.report_dropped(&dropped).await;
+            let replayed = matches!(outcome, Outcome::Replay(_));
+            let reply = match outcome {
+                Outcome::Serve(groups) | Outcome::Replay(groups) => {
+                    let mut reply = self.batch_reply(ask, &groups, replayed, zstd).await;
+                    reply.stale_dropped = stale_dropped;
+                    if reply.error.is_empty() {
+                        let m = &self.shared.metrics;
+                        if replayed {
+                            m.batches_replayed.inc();
+                        } else {
+                            m.batches_served.inc();
+                            m.groups_served.inc_by(groups.len() as u64);
+                        }
+                        m.serve_latency.observe(started.elapsed().as_secs_f64());
+                    }
+                    tracing::info!(step = ask.step, version = ask.version, groups = groups.len(), replayed, stale_dropped, error = %reply.error, "batch served");
+                    self.cleanup_objects().await;
+                    if let Err(e) = self.shared.retire_segments().await {
+                        tracing::warn!(error = %e, "retention failed; will retry");
+                    }
+                    self.shared.update_gauges();
+                    reply
+                }
+                Outcome::Refused(error) => {
+                    tracing::warn!(step = ask.step, version = ask.version, %error, "batch request refused");
+                    BatchReply {
+                        step: ask.step,
+                        error,
+                        stale_dropped,
+                        ..Default::default()
+                    }
+                }
+                Outcome::NotReady { ready } => {
+                    if !dropped.is_empty() {
+                        self.shared.update_gauges();
+                        if let Err(e) = self.shared.retire_segments().await {
+                            tracing::warn!(error = %e, "retention failed; will retry");
+                        }
+                    }
+                    let now = tokio::time::Instant::now();
+                    if now < deadline {
+                        tokio::select! {
+                            () = stop.cancelled() => {}
+                            r = ready_rx.changed() => { if r.is_err() { return BatchReply::default(); } continue; }
+                            () = tokio::time::sleep_until(deadline) => { continue; }
+                        }
+                    }
+                    BatchReply {
+                        step: ask.step,
+                        ready_groups: ready as u32,
+                        stale_dropped,
+                        ..Default::default()
+                    }
+                }
+            };
+            return reply;
+        }
+    }
+
+    async fn batch_reply(
+        &mut self,
+        ask: Ask,
+        groups: &[Arc<str>],
+        replayed: bool,
+        zstd: bool,
+    ) -> BatchReply {
+        let mut reply = BatchReply {
+            step: ask.step,
+            num_groups: groups.len() as u32,
+            replayed,
+            ..Default::default()
+        };
+        let gathered = self.shared.core().gather(groups);
+        let (batches, indices) = match gathered {
+            Ok(g) => g,
+            Err(e) => {
+                reply.error = format!("cannot assemble step {}: {e}", ask.step);
+                return reply;
+            }
+        };
+        // A replay reports staleness against the version it was served at.
+        let version = self
+            .shared
+            .core()
+            .served_version(ask.step)
+            .map_or(ask.version, |(v, _)| v);
+        let encoded =
+            tokio::task::spawn_blocking(move || encode_batch(&batches, &indices, zstd, version))
+                .await;
+        let encoded = match encoded {
+            Ok(Ok(e)) => e,
+            Ok(Err(e)) => {
+                reply.error = format!("cannot encode step {}: {e}", ask.step);
+                return reply;
+            }
+            Err(e) => {
+                reply.error = format!("cannot encode step {}: {e}", ask.step);
+                return reply;
+            }
+        };
+        if !replayed {
+            for (lag, n) in &encoded.lags {
+                self.shared
+                    .metrics
+                    .served_token_staleness
+                    .observe_n(*lag, *n);
+            }
+        }
+        reply.num_trajectories = encoded.rows as u32;
+        if encoded.ipc.len() as u64 <= self.config.inline_reply_max_bytes {
+            reply.arrow_ipc = Bytes::from(encoded.ipc);
+            return reply;
+        }
+        // Too large for one message: hand it over through the object store.
+        let name = format!("step-{:012}", ask.step);
+        let store = match self.objects.clone() {
+            Some(s) => s,
+            None => match self
+                .shared
+                .bus
+                .object_store(&self.config.batch_object_bucket)
+                .await
+            {
+                Ok(s) => {
+                    self.objects = Some(s.clone());
+                    s
+                }
+                Err(e) => {
+                    reply.error = format!("cannot open the batch object store: {e}");
+                    return reply;
+                }
+            },
+        };
+        match store.put(&name, Bytes::from(encoded.ipc)).await {
+            Ok(_) => {
+                reply.object_bucket = self.config.batch_object_bucket.clone();
+                reply.object_name = name.clone();
+                self.objects_by_step.insert(ask.step, name);
+            }
+            Err(e) => reply.error = format!("cannot store step {} as an object: {e}", ask.step),
+        }
+        reply
+    }
+
+    /// Deletes handed-over batch objects of trained steps.
+    async fn cleanup_objects(&mut self) {
+        let done = self.shared.core().stats().done_through;
+        let Some(store) = self.objects.clone() else {
+            return;
+        };
+        while let Some(entry) = self.objects_by_step.first_entry() {
+            if *entry.key() > done {
+                break;
+            }
+            let name = entry.remove();
+            if let Err(e) = store.delete(&name).await {
+                tracing::debug!(error = %e, name, "cannot delete a trained batch object");
+            }
+        }
+    }
+}
