@@ -3,6 +3,7 @@
 //! For now this crate only reports what libtorch the process linked and which
 //! devices it sees; the training loop lands with its own issue.
 
+pub mod adamw;
 pub mod advantages;
 pub mod batch;
 pub mod objective;
