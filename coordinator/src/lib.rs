@@ -178,6 +178,8 @@ impl Coordinator {
             actor_shutdown.cancel();
             result
         });
+        // Every subscription is in place: requests are served from now on.
+        health.set_ready("coordinator");
         tracing::info!(
             bus = bus.kind(),
             admin = ?admin_addr,

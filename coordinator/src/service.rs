@@ -287,7 +287,6 @@ impl Actor {
         shutdown: CancellationToken,
     ) -> Result<(), CoordinatorError> {
         let mut batch = Vec::with_capacity(256);
-        self.health.set_ready("coordinator");
         self.update_metrics();
         loop {
             let n = tokio::select! {

@@ -1,0 +1,475 @@
+//! The coordinator over the bus, as workers and the learner see it: the
+//! in-process bus for most checks, a real nats-server where the transport
+//! matters.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use asyncrl_config::Config;
+use asyncrl_coordinator::Coordinator;
+use asyncrl_protos::subjects::BUFFER_GROUP_DROPPED;
+use asyncrl_protos::v1::GroupDropped;
+use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_testkit::NatsServer;
+use asyncrl_transport::{Bus, LocalBus};
+use bytes::Bytes;
+use common::{Learner, Worker, config, eventually, nats_bus, write_tasks};
+use prost::Message;
+use tokio_util::sync::CancellationToken;
+
+async fn start(config: Config, bus: &Arc<dyn Bus>) -> (Coordinator, Metrics, Health) {
+    let metrics = Metrics::new();
+    let health = Health::new();
+    let c = Coordinator::start(
+        config,
+        bus.clone(),
+        metrics.clone(),
+        health.clone(),
+        &CancellationToken::new(),
+    )
+    .await
+    .expect("start coordinator");
+    (c, metrics, health)
+}
+
+async fn wait_version(c: &Coordinator, v: i32) {
+    eventually(&format!("version {v}"), Duration::from_secs(5), || async {
+        (c.status().await.unwrap().policy_version == v).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_baseline_admits_exactly_b_groups_per_version_over_nats() {
+    let server = NatsServer::start().unwrap();
+    let bus = nats_bus(&server.url()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 100);
+    let b = 3;
+    let (c, _, health) = start(config(dir.path(), &tasks, b, 0), &bus).await;
+    assert!(health.is_ready());
+    let learner = Learner::new(&bus).await;
+    let w1 = Worker::new(&bus, "w1");
+    let w2 = Worker::new(&bus, "w2");
+    assert!(w1.register(16).await.accepted);
+    w2.register(16).await;
+    let mut seen = std::collections::HashSet::new();
+    for v in 0..4 {
+        if v > 0 {
+            learner.announce(v).await;
+            wait_version(&c, v).await;
+        }
+        let mut granted: Vec<(&Worker, _)> = w1
+            .acquire(2)
+            .await
+            .tasks
+            .into_iter()
+            .map(|t| (&w1, t))
+            .collect();
+        granted.extend(w2.acquire(5).await.tasks.into_iter().map(|t| (&w2, t)));
+        assert_eq!(granted.len(), b as usize, "version {v}");
+        let refused = w1.acquire(5).await;
+        assert!(refused.tasks.is_empty());
+        assert!(
+            refused.reason.contains("staleness bound"),
+            "{}",
+            refused.reason
+        );
+        assert!(refused.retry_after_ms > 0);
+        for (w, t) in &granted {
+            assert_eq!(t.admission_version, v);
+            assert_eq!(t.group_size, 2);
+            assert!(
+                seen.insert(t.task_id.clone()),
+                "task {} issued twice",
+                t.task_id
+            );
+            let r = w.complete(t).await;
+            assert!(r.accepted, "{}", r.reason);
+        }
+        // Completions free nothing before the learner moves on.
+        assert!(w2.acquire(5).await.tasks.is_empty());
+    }
+    let s = c.status().await.unwrap();
+    assert_eq!(
+        (s.accepted_groups, s.running_groups, s.capacity_left),
+        (12, 0, 0)
+    );
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn expired_leases_go_back_to_the_front_and_their_completion_is_refused() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let mut cfg = config(dir.path(), &tasks, 8, 2);
+    cfg.coordinator.lease_timeout = Duration::from_millis(400);
+    let (c, metrics, _) = start(cfg, &bus).await;
+    let a = Worker::new(&bus, "a");
+    let b = Worker::new(&bus, "b");
+    a.register(8).await;
+    b.register(8).await;
+    let got = a.acquire(3).await.tasks;
+    assert_eq!(got.len(), 3);
+    assert!(
+        got.iter()
+            .all(|t| t.lease_deadline_unix_ms > asyncrl_coordinator::journal::now_unix_ms())
+    );
+    // Heartbeats keep the first lease alive; the other two expire.
+    for _ in 0..8 {
+        let r = a.heartbeat(&[&got[0]], false).await;
+        assert!(r.revoked_lease_ids.is_empty());
+        b.heartbeat(&[], false).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s = c.status().await.unwrap();
+    assert_eq!((s.running_groups, s.requeued_tasks), (1, 2));
+    // The expired tasks are issued again first, under new leases.
+    let again = b.acquire(3).await.tasks;
+    let ids: Vec<&str> = again.iter().map(|t| t.task_id.as_str()).collect();
+    assert_eq!(ids[..2], [got[1].task_id.as_str(), got[2].task_id.as_str()]);
+    assert_ne!(again[0].lease_id, got[1].lease_id);
+    // The late completion of the expired attempt is refused, saying why.
+    let late = a.complete(&got[1]).await;
+    assert!(
+        !late.accepted && late.reason.contains("expired"),
+        "{}",
+        late.reason
+    );
+    // Its heartbeat revokes it.
+    let hb = a.heartbeat(&[&got[0], &got[1]], false).await;
+    assert_eq!(hb.revoked_lease_ids, vec![got[1].lease_id.clone()]);
+    // The live lease and the new attempts complete.
+    assert!(a.complete(&got[0]).await.accepted);
+    for t in &again {
+        assert!(b.complete(t).await.accepted);
+    }
+    // A wrong group size leaves the lease open.
+    let t = b.acquire(1).await.tasks.remove(0);
+    let wrong = b.complete_ids(&t.task_id, &t.lease_id, 1).await;
+    assert!(
+        !wrong.accepted && wrong.reason.contains("a group has 2 trajectories"),
+        "{}",
+        wrong.reason
+    );
+    assert!(b.complete(&t).await.accepted);
+    let text = metrics.encode_prometheus_text().unwrap();
+    assert!(text.contains("asyncrl_tasks_expired_total 2"), "{text}");
+    assert!(
+        text.contains("asyncrl_completions_refused_total{reason=\"expired\"} 1"),
+        "{text}"
+    );
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_worker_without_heartbeats_is_marked_dead_and_its_tasks_reissued() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let mut cfg = config(dir.path(), &tasks, 8, 2);
+    cfg.coordinator.dead_after = Duration::from_millis(300);
+    let (c, metrics, _) = start(cfg, &bus).await;
+    let quiet = Worker::new(&bus, "quiet");
+    let chatty = Worker::new(&bus, "chatty");
+    quiet.register(4).await;
+    chatty.register(4).await;
+    let held = quiet.acquire(2).await.tasks;
+    eventually("quiet marked dead", Duration::from_secs(5), || async {
+        chatty.heartbeat(&[], false).await;
+        let w = c.workers().await.unwrap();
+        let q = w.workers.iter().find(|w| w.worker_id == "quiet")?;
+        (!q.alive).then_some(())
+    })
+    .await;
+    let workers = c.workers().await.unwrap().workers;
+    let chatty_info = workers.iter().find(|w| w.worker_id == "chatty").unwrap();
+    assert!(chatty_info.alive && chatty_info.capacity == 4 && chatty_info.hostname == "test-host");
+    let s = c.status().await.unwrap();
+    assert_eq!(
+        (s.live_workers, s.dead_workers, s.running_groups),
+        (1, 1, 0)
+    );
+    let reissued = chatty.acquire(2).await.tasks;
+    assert_eq!(
+        reissued.iter().map(|t| &t.task_id).collect::<Vec<_>>(),
+        held.iter().map(|t| &t.task_id).collect::<Vec<_>>()
+    );
+    let text = metrics.encode_prometheus_text().unwrap();
+    assert!(text.contains("asyncrl_workers{state=\"dead\"} 1"), "{text}");
+    assert!(
+        text.contains("asyncrl_worker_heartbeat_age_seconds{worker=\"quiet\"}"),
+        "{text}"
+    );
+    // A heartbeat brings it back.
+    quiet.heartbeat(&[], false).await;
+    assert_eq!(c.status().await.unwrap().live_workers, 2);
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_draining_worker_returns_its_tasks_and_gets_no_more() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let (c, _, _) = start(config(dir.path(), &tasks, 8, 2), &bus).await;
+    let a = Worker::new(&bus, "a");
+    let b = Worker::new(&bus, "b");
+    a.register(8).await;
+    let held = a.acquire(3).await.tasks;
+    assert!(a.complete(&held[0]).await.accepted);
+    a.heartbeat(&[&held[1], &held[2]], true).await;
+    let none = a.acquire(4).await;
+    assert!(
+        none.tasks.is_empty() && none.reason.contains("draining"),
+        "{}",
+        none.reason
+    );
+    // Another worker's lease cannot be returned by it.
+    let other = b.acquire(1).await.tasks;
+    let r = a.return_tasks(&[&held[1], &held[2], &other[0]]).await;
+    assert_eq!(r.returned, 2);
+    let again = b.acquire(2).await.tasks;
+    assert_eq!(
+        [&again[0].task_id, &again[1].task_id],
+        [&held[1].task_id, &held[2].task_id]
+    );
+    let s = c.status().await.unwrap();
+    assert_eq!((s.accepted_groups, s.running_groups), (1, 3));
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_learner_restart_resets_accepted_to_v_times_b() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let (c, metrics, _) = start(config(dir.path(), &tasks, 2, 1), &bus).await;
+    let learner = Learner::new(&bus).await;
+    learner.session("first", 0).await;
+    let w = Worker::new(&bus, "w");
+    w.register(8).await;
+    let got = w.acquire(10).await.tasks;
+    assert_eq!(got.len(), 4);
+    for t in &got {
+        assert!(w.complete(t).await.accepted);
+    }
+    learner.announce(1).await;
+    wait_version(&c, 1).await;
+    // accepted 4 = 2 trained + 2 waiting in the buffer.
+    assert_eq!(c.status().await.unwrap().capacity_left, 2);
+    // The learner restarts at version 1 (the buffered groups are gone with
+    // it, say): accepted is reset to v · B = 2.
+    learner.session("second", 1).await;
+    eventually("reset", Duration::from_secs(5), || async {
+        (c.status().await.unwrap().accepted_groups == 2).then_some(())
+    })
+    .await;
+    assert_eq!(c.status().await.unwrap().capacity_left, 4);
+    let text = metrics.encode_prometheus_text().unwrap();
+    assert!(text.contains("asyncrl_learner_restarts_total 1"), "{text}");
+    // A version that goes down is a restart too.
+    learner.announce(0).await;
+    eventually("reset to 0", Duration::from_secs(5), || async {
+        let s = c.status().await.unwrap();
+        (s.policy_version == 0 && s.accepted_groups == 0).then_some(())
+    })
+    .await;
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let (c, metrics, _) = start(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(8).await;
+    let got = w.acquire(5).await.tasks;
+    assert_eq!(got.len(), 2);
+    for t in &got {
+        assert!(w.complete(t).await.accepted);
+    }
+    assert!(w.acquire(5).await.tasks.is_empty());
+    let drop = |reason: &str, t: &asyncrl_protos::v1::Task| GroupDropped {
+        task_id: t.task_id.clone(),
+        group_id: t.lease_id.clone(),
+        reason: reason.into(),
+        trajectories: 2,
+    };
+    bus.publish(
+        BUFFER_GROUP_DROPPED,
+        Bytes::from(drop("duplicate_attempt", &got[0]).encode_to_vec()),
+    )
+    .await
+    .unwrap();
+    bus.publish(
+        BUFFER_GROUP_DROPPED,
+        Bytes::from(drop("stale", &got[1]).encode_to_vec()),
+    )
+    .await
+    .unwrap();
+    eventually("stale drop seen", Duration::from_secs(5), || async {
+        (c.status().await.unwrap().stale_dropped_total == 1).then_some(())
+    })
+    .await;
+    let again = w.acquire(5).await.tasks;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].task_id, got[1].task_id);
+    let text = metrics.encode_prometheus_text().unwrap();
+    assert!(text.contains("asyncrl_stale_dropped_total 1"), "{text}");
+    assert!(
+        text.contains("asyncrl_groups_dropped_reported_total{reason=\"duplicate_attempt\"} 1"),
+        "{text}"
+    );
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn malformed_requests_get_a_reason_and_bad_worker_ids_are_refused() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 5);
+    let (c, _, _) = start(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let reply = bus
+        .request(
+            asyncrl_protos::subjects::TASKS_ACQUIRE,
+            Bytes::from_static(b"\xff\xff\xff"),
+            common::TIMEOUT,
+        )
+        .await
+        .unwrap();
+    let reply = asyncrl_protos::v1::AcquireTasksReply::decode(reply.as_ref()).unwrap();
+    assert!(
+        reply.reason.contains("malformed AcquireTasks"),
+        "{}",
+        reply.reason
+    );
+    let bad = Worker::new(&bus, "has.dot");
+    let r = bad.register(1).await;
+    assert!(
+        !r.accepted && r.reason.contains("worker_id"),
+        "{}",
+        r.reason
+    );
+    assert!(bad.acquire(1).await.tasks.is_empty());
+    // Unknown task ids and leases are refused.
+    let w = Worker::new(&bus, "w");
+    let r = w.complete_ids("arith-0", "nope-1", 2).await;
+    assert!(
+        !r.accepted && r.reason.contains("not issued by this coordinator"),
+        "{}",
+        r.reason
+    );
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_capacity_model_is_exported() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let (c, metrics, _) = start(config(dir.path(), &tasks, 4, 1), &bus).await;
+    let learner = Learner::new(&bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(4).await;
+    // Complete leases after ~100 ms, announce a version every ~200 ms.
+    for v in 1..=3 {
+        let got = w.acquire(2).await.tasks;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for t in &got {
+            assert!(w.complete(t).await.accepted);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        learner.announce(v).await;
+        wait_version(&c, v).await;
+    }
+    let s = eventually("a recommendation", Duration::from_secs(5), || async {
+        let s = c.status().await.unwrap();
+        (s.rollout_workers_recommended > 0.0).then_some(s)
+    })
+    .await;
+    // r ≈ 2 slots / 0.1 s = 20 groups/s, T ≈ 0.2 s: B / (r·T) ≈ 1.
+    assert!(
+        (1.0..=3.0).contains(&s.rollout_workers_recommended),
+        "{}",
+        s.rollout_workers_recommended
+    );
+    let text = metrics.encode_prometheus_text().unwrap();
+    for name in [
+        "asyncrl_rollout_workers_recommended",
+        "asyncrl_capacity_worker_groups_per_second",
+        "asyncrl_capacity_learner_step_seconds",
+        "asyncrl_policy_version 3",
+        "asyncrl_capacity_left",
+        "asyncrl_running_groups",
+        "asyncrl_knob_value{knob=\"eta\"} 1",
+        "asyncrl_tasks_admitted_total 6",
+        "asyncrl_tasks_completed_total 6",
+    ] {
+        assert!(text.contains(name), "missing {name}: {text}");
+    }
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_changed_task_set_is_refused_at_restart_with_a_clear_error() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 10);
+    let (c, _, _) = start(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(1).await;
+    assert_eq!(w.acquire(1).await.tasks.len(), 1);
+    c.shutdown();
+    c.join().await.unwrap();
+    write_tasks(dir.path(), 11);
+    let err = Coordinator::start(
+        config(dir.path(), &tasks, 2, 0),
+        bus.clone(),
+        Metrics::new(),
+        Health::new(),
+        &CancellationToken::new(),
+    )
+    .await
+    .err()
+    .expect("a changed task set must be refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("another task set") && msg.contains("coordinator.state"),
+        "{msg}"
+    );
+    // A bad tasks file is an error naming the file and line.
+    std::fs::write(
+        &tasks,
+        "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\nnot json\n",
+    )
+    .unwrap();
+    let err = Coordinator::start(
+        config(dir.path(), &tasks, 2, 0),
+        Arc::new(LocalBus::new()),
+        Metrics::new(),
+        Health::new(),
+        &CancellationToken::new(),
+    )
+    .await
+    .err()
+    .expect("a bad tasks file must be refused");
+    assert!(
+        err.to_string()
+            .contains("arith.jsonl line 2: not valid JSON"),
+        "{err}"
+    );
+}
