@@ -6,6 +6,7 @@
 pub mod adamw;
 pub mod advantages;
 pub mod batch;
+pub mod checkpoint;
 pub mod objective;
 
 use std::fmt;
