@@ -157,6 +157,7 @@ pub struct DecodeBatch {
     kv_heads: i64,
     head_dim: i64,
     keep_logits: bool,
+    vocab_size: i64,
 }
 
 impl std::fmt::Debug for DecodeBatch {
@@ -188,6 +189,7 @@ impl DecodeBatch {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             keep_logits: false,
+            vocab_size: cfg.vocab_size,
             opts,
         })
     }
@@ -236,6 +238,16 @@ impl DecodeBatch {
                 "the prompt has {} tokens; this batch holds sequences of at most {} tokens",
                 request.prompt.len(),
                 self.opts.max_seq_len
+            )));
+        }
+        if let Some(bad) = request
+            .prompt
+            .iter()
+            .find(|&&t| t < 0 || t >= self.vocab_size)
+        {
+            return Err(PolicyError::InvalidRequest(format!(
+                "prompt token {bad} is outside the vocabulary (0..{})",
+                self.vocab_size
             )));
         }
         let id = self.next_id;

@@ -69,6 +69,16 @@ fn run_keeping_logits(
 }
 
 #[test]
+fn policy_and_decode_batch_can_move_between_threads() {
+    fn is_send<T: Send>() {}
+    is_send::<Policy>();
+    is_send::<DecodeBatch>();
+    is_send::<asyncrl_policy::ModelHandle>();
+    fn is_sync<T: Sync>() {}
+    is_sync::<asyncrl_policy::ModelHandle>();
+}
+
+#[test]
 fn kv_cached_decoding_equals_full_forward() {
     for (model_type, tied) in [(ModelType::Qwen2, false), (ModelType::Llama, true)] {
         let policy = random_policy(model_type, tied, 7);
@@ -283,6 +293,18 @@ fn stop_tokens_end_sequences_and_limits_hold() {
         batch
             .add(request(vec![1; 4], SamplingParams::default()))
             .is_err()
+    );
+    assert!(
+        batch
+            .add(request(vec![61], SamplingParams::default()))
+            .is_err(),
+        "id >= vocab"
+    );
+    assert!(
+        batch
+            .add(request(vec![-1], SamplingParams::default()))
+            .is_err(),
+        "negative id"
     );
     let bad_top_p = SamplingParams {
         top_p: 0.0,
