@@ -8,6 +8,7 @@ pub mod advantages;
 pub mod batch;
 pub mod checkpoint;
 pub mod objective;
+pub mod trainer;
 
 use std::fmt;
 

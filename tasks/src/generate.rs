@@ -13,6 +13,12 @@ impl SplitMix64 {
         Self(seed)
     }
 
+    /// The internal state: `SplitMix64::new(rng.state())` continues exactly
+    /// where `rng` is.
+    pub fn state(&self) -> u64 {
+        self.0
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
@@ -129,6 +135,8 @@ mod tests {
         assert_eq!(first.id, "arith-000000");
         let mut rng = SplitMix64::new(1234567);
         assert_eq!(rng.next_u64(), 6457827717110365317);
+        let mut copy = SplitMix64::new(rng.state());
+        assert_eq!(copy.next_u64(), rng.next_u64());
     }
 
     #[test]

@@ -1,0 +1,400 @@
+//! One learner step, synchronous, on the thread that owns the model.
+//!
+//! `train_step` turns the buffer's record batches into padded tensors,
+//! computes the proximal log-probs (recompute pass or A-3PO approx), splits
+//! the batch into mini-batches and takes one AdamW step per mini-batch on
+//! the decoupled PPO loss, then bumps the policy version: step `s` produces
+//! version `s`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use arrow::array::RecordBatch;
+use asyncrl_policy::{Policy, WeightDtype};
+use asyncrl_tasks::SplitMix64;
+use tch::{Kind, Tensor};
+
+use crate::adamw::{AdamW, AdamWConfig};
+use crate::advantages::AdvantageNorm;
+use crate::batch::{TrainBatch, assemble, completion_logprobs};
+use crate::checkpoint::{self, CheckpointMeta, LoadedCheckpoint};
+use crate::objective::{
+    ObjectiveConfig, ObjectiveStats, ProximalMode, TokenInputs, decoupled_ppo_loss,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Batch(#[from] crate::batch::BatchError),
+    #[error(transparent)]
+    Objective(#[from] crate::objective::ObjectiveError),
+    #[error(transparent)]
+    Policy(#[from] asyncrl_policy::PolicyError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Optimizer(#[from] crate::adamw::AdamWError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    #[error("the loss is not finite ({0}); the step was not applied")]
+    NonFiniteLoss(f64),
+}
+
+/// Static settings of the trainer (from `[learner]` and `[model]`).
+#[derive(Debug, Clone)]
+pub struct TrainerOptions {
+    /// The sampling temperature: log-probs are `log_softmax(logits / τ)`.
+    pub temperature: f64,
+    pub minibatches: usize,
+    pub grad_clip: f64,
+    pub warmup_steps: u64,
+    pub adamw: AdamWConfig,
+    pub advantage_norm: AdvantageNorm,
+    pub proximal: ProximalMode,
+    pub seed: u64,
+    pub weight_dtype: WeightDtype,
+}
+
+impl Default for TrainerOptions {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            minibatches: 1,
+            grad_clip: 1.0,
+            warmup_steps: 0,
+            adamw: AdamWConfig::default(),
+            advantage_norm: AdvantageNorm::MeanStd,
+            proximal: ProximalMode::Approx,
+            seed: 0,
+            weight_dtype: WeightDtype::F32,
+        }
+    }
+}
+
+/// The live knobs a step runs with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepKnobs {
+    pub objective: ObjectiveConfig,
+    pub learning_rate: f64,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepStats {
+    pub step: u64,
+    /// Version of the weights after the step.
+    pub version: i32,
+    pub loss: f64,
+    /// Objective statistics, token-weighted over the mini-batches.
+    pub objective: ObjectiveStats,
+    pub entropy: f64,
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    pub groups: usize,
+    pub trajectories: usize,
+    pub tokens: i64,
+    /// Mean reward of the scored trajectories.
+    pub reward_mean: f64,
+    pub reward_failed: usize,
+    /// Forward + backward + optimizer time.
+    pub compute_seconds: f64,
+    /// Per-token version lags of the trained tokens (for the histogram).
+    pub version_lags: Vec<u32>,
+}
+
+/// The policy, its optimizer and the step counter, owned by one thread.
+pub struct Trainer {
+    policy: Policy,
+    opt: AdamW,
+    opts: TrainerOptions,
+    step: u64,
+    rng: SplitMix64,
+}
+
+impl Trainer {
+    pub fn new(policy: Policy, opts: TrainerOptions) -> Self {
+        let rng = SplitMix64::new(opts.seed ^ 0x5EED_1EA2_0000_0001);
+        Self {
+            opt: AdamW::new(opts.adamw.clone()),
+            rng,
+            policy,
+            opts,
+            step: 0,
+        }
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn policy_mut(&mut self) -> &mut Policy {
+        &mut self.policy
+    }
+
+    pub fn options(&self) -> &TrainerOptions {
+        &self.opts
+    }
+
+    /// Learner steps completed.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn version(&self) -> i32 {
+        self.policy.version()
+    }
+
+    /// The learning rate of step `step` (1-based) under linear warmup.
+    pub fn scheduled_lr(&self, base: f64, step: u64) -> f64 {
+        if self.opts.warmup_steps == 0 {
+            base
+        } else {
+            base * (step as f64 / self.opts.warmup_steps as f64).min(1.0)
+        }
+    }
+
+    /// Trains one step on `batches` (complete groups) and bumps the version.
+    pub fn train_step(
+        &mut self,
+        batches: &[RecordBatch],
+        knobs: &StepKnobs,
+    ) -> Result<StepStats, TrainError> {
+        let start = Instant::now();
+        let host = assemble(batches, self.pad_id(), self.opts.advantage_norm)?;
+        let device = self.policy.device();
+        let batch = host.to_device(device);
+        let version_before = self.policy.version();
+        let temperature = self.opts.temperature;
+        let params = self.policy.named_parameters();
+
+        let proximal = match self.opts.proximal {
+            ProximalMode::Recompute => {
+                let _g = tch::no_grad_guard();
+                let logits = self.policy.forward(&batch.input_ids, None)?;
+                Some(completion_logprobs(&logits, &batch, temperature).detach())
+            }
+            ProximalMode::Approx => None,
+        };
+
+        let n = batch.input_ids.size()[0];
+        let mut order: Vec<i64> = (0..n).collect();
+        // Fisher-Yates with our own PRNG, so a checkpointed state replays exactly.
+        for i in (1..order.len()).rev() {
+            let j = (self.rng.next_u64() % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        let k = self.opts.minibatches.clamp(1, n.max(1) as usize);
+        let lr = self.scheduled_lr(knobs.learning_rate, self.step + 1);
+        let mut stats = StepStats {
+            learning_rate: lr,
+            ..Default::default()
+        };
+        let mut weighted = ObjectiveStats::default();
+        let mut total_tokens = 0f64;
+        let mut entropy_sum = 0f64;
+        let mut loss_sum = 0f64;
+        for chunk in order.chunks(order.len().div_ceil(k).max(1)) {
+            let mb = batch.rows(chunk);
+            let mb_prox = proximal
+                .as_ref()
+                .map(|p| p.index_select(0, &Tensor::from_slice(chunk).to_device(device)));
+            AdamW::zero_grad(&params);
+            let logits = self.policy.forward(&mb.input_ids, None)?;
+            let current = completion_logprobs(&logits, &mb, temperature);
+            let inputs = TokenInputs {
+                behaviour: &mb.behaviour,
+                current: &current,
+                proximal: mb_prox.as_ref(),
+                advantages: &mb.advantages,
+                versions: &mb.versions,
+                mask: &mb.mask,
+            };
+            let out = decoupled_ppo_loss(&inputs, i64::from(version_before), &knobs.objective)?;
+            let loss = out.loss.double_value(&[]);
+            if !loss.is_finite() {
+                return Err(TrainError::NonFiniteLoss(loss));
+            }
+            out.loss.backward();
+            stats.grad_norm = stats
+                .grad_norm
+                .max(AdamW::clip_grad_norm(&params, self.opts.grad_clip));
+            self.opt.step(&params, lr);
+            let w = mb.tokens as f64;
+            total_tokens += w;
+            loss_sum += loss * w;
+            entropy_sum += masked_entropy(&logits, &mb, temperature) * w;
+            let s = &out.stats;
+            weighted.clip_low_fraction += s.clip_low_fraction * w;
+            weighted.clip_high_fraction += s.clip_high_fraction * w;
+            weighted.weight_masked_fraction += s.weight_masked_fraction * w;
+            weighted.m2po_masked_fraction += s.m2po_masked_fraction * w;
+            weighted.approx_kl += s.approx_kl * w;
+            weighted.mean_importance_weight += s.mean_importance_weight * w;
+            weighted.mean_version_lag += s.mean_version_lag * w;
+            weighted.max_version_lag = weighted.max_version_lag.max(s.max_version_lag);
+        }
+        let norm = |x: f64| {
+            if total_tokens > 0.0 {
+                x / total_tokens
+            } else {
+                0.0
+            }
+        };
+        stats.objective = ObjectiveStats {
+            tokens: total_tokens as i64,
+            clip_low_fraction: norm(weighted.clip_low_fraction),
+            clip_high_fraction: norm(weighted.clip_high_fraction),
+            weight_masked_fraction: norm(weighted.weight_masked_fraction),
+            m2po_masked_fraction: norm(weighted.m2po_masked_fraction),
+            approx_kl: norm(weighted.approx_kl),
+            mean_importance_weight: norm(weighted.mean_importance_weight),
+            mean_version_lag: norm(weighted.mean_version_lag),
+            max_version_lag: weighted.max_version_lag,
+        };
+        stats.loss = norm(loss_sum);
+        stats.entropy = norm(entropy_sum);
+
+        self.step += 1;
+        let version = version_before + 1;
+        self.policy.set_version(version);
+        self.policy.mark_weights_changed();
+        stats.step = self.step;
+        stats.version = version;
+        stats.groups = host.groups;
+        stats.trajectories = host.rewards.len();
+        stats.tokens = host.tokens;
+        let scored: Vec<f64> = host
+            .rewards
+            .iter()
+            .flatten()
+            .map(|r| f64::from(*r))
+            .collect();
+        stats.reward_failed = host.rewards.len() - scored.len();
+        stats.reward_mean = if scored.is_empty() {
+            0.0
+        } else {
+            scored.iter().sum::<f64>() / scored.len() as f64
+        };
+        let lags = (-host.versions.to_kind(Kind::Int64) + i64::from(version_before))
+            .masked_select(&host.mask);
+        stats.version_lags = Vec::<i64>::try_from(lags)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|l| l.max(0) as u32)
+            .collect();
+        stats.compute_seconds = start.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
+    fn pad_id(&self) -> i64 {
+        self.policy.config().pad_token_id.unwrap_or(0)
+    }
+
+    /// The current weights as safetensors bytes (for the object store).
+    pub fn weights_bytes(&self) -> Result<Vec<u8>, TrainError> {
+        Ok(self.policy.weights_to_safetensors(self.opts.weight_dtype)?)
+    }
+
+    /// Writes a checkpoint of the current state under `root`.
+    pub fn write_checkpoint(&self, root: &Path) -> Result<PathBuf, TrainError> {
+        let model = self.policy.weights_to_safetensors(WeightDtype::F32)?;
+        let state = self.opt.state_tensors();
+        let optimizer = if state.is_empty() {
+            Vec::new()
+        } else {
+            let tmp = tempfile_in(root)?;
+            Tensor::write_safetensors(&state, &tmp)?;
+            let bytes = std::fs::read(&tmp).map_err(|e| checkpoint::CheckpointError::Io {
+                path: tmp.clone(),
+                source: e,
+            })?;
+            let _ = std::fs::remove_file(&tmp);
+            bytes
+        };
+        let mut meta = CheckpointMeta {
+            format: 1,
+            step: self.step,
+            version: self.policy.version(),
+            optimizer_step: self.opt.step,
+            rng_state: self.rng.state(),
+            created_at_unix_ms: unix_ms(),
+            model_sha256: String::new(),
+            optimizer_sha256: String::new(),
+        };
+        Ok(checkpoint::write(root, &mut meta, &model, &optimizer)?)
+    }
+
+    /// Restores weights, optimizer state, step, version and RNG from a checkpoint.
+    pub fn restore(&mut self, ckpt: &LoadedCheckpoint) -> Result<(), TrainError> {
+        self.policy
+            .load_weights_from_bytes(&ckpt.model, ckpt.meta.version)?;
+        let state: BTreeMap<String, Tensor> = if ckpt.optimizer.is_empty() {
+            BTreeMap::new()
+        } else {
+            let tmp = tempfile_in(&ckpt.dir)?;
+            std::fs::write(&tmp, &ckpt.optimizer).map_err(|e| checkpoint::CheckpointError::Io {
+                path: tmp.clone(),
+                source: e,
+            })?;
+            let tensors = Tensor::read_safetensors(&tmp);
+            let _ = std::fs::remove_file(&tmp);
+            tensors?.into_iter().collect()
+        };
+        self.opt.load_state(
+            ckpt.meta.optimizer_step,
+            state,
+            &self.policy.named_parameters(),
+        )?;
+        self.step = ckpt.meta.step;
+        self.rng = SplitMix64::new(ckpt.meta.rng_state);
+        Ok(())
+    }
+
+    /// Adopts published weights of `version` (newer than the checkpoint the
+    /// learner restored: the steps in between were trained and published
+    /// before a crash, so their weights are taken from the object store and
+    /// the step counter continues from `version`; the optimizer moments stay
+    /// those of the checkpoint).
+    pub fn adopt_published(&mut self, bytes: &[u8], version: i32) -> Result<(), TrainError> {
+        self.policy.load_weights_from_bytes(bytes, version)?;
+        self.step = u64::try_from(version).unwrap_or(0);
+        Ok(())
+    }
+}
+
+/// Mean entropy (at temperature τ) of the next-token distributions that
+/// produced the valid completion tokens.
+fn masked_entropy(logits: &Tensor, batch: &TrainBatch, temperature: f64) -> f64 {
+    let _g = tch::no_grad_guard();
+    let l = logits.size()[1];
+    let logp = (logits.narrow(1, 0, l - 1) / temperature).log_softmax(-1, Kind::Float);
+    let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
+    let at = ent.gather(1, &batch.gather_index, false);
+    let mask = batch.mask.to_kind(Kind::Float);
+    let n = mask.sum(Kind::Double).double_value(&[]);
+    if n > 0.0 {
+        (at * mask).sum(Kind::Double).double_value(&[]) / n
+    } else {
+        0.0
+    }
+}
+
+fn tempfile_in(dir: &Path) -> Result<PathBuf, TrainError> {
+    std::fs::create_dir_all(dir).map_err(|e| checkpoint::CheckpointError::Io {
+        path: dir.to_owned(),
+        source: e,
+    })?;
+    Ok(dir.join(format!(
+        ".optimizer-{}-{}.safetensors.tmp",
+        std::process::id(),
+        unix_ms()
+    )))
+}
+
+pub(crate) fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
