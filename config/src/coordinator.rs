@@ -292,18 +292,18 @@ impl CoordinatorConfig {
         {
             return Err(ConfigError::invalid("coordinator.admin_token", "is empty"));
         }
-        if let Some(tls) = &self.admin_tls {
-            if tls.cert_file.is_some() != tls.key_file.is_some() {
-                let missing = if tls.cert_file.is_some() {
-                    "coordinator.admin_tls.key_file"
-                } else {
-                    "coordinator.admin_tls.cert_file"
-                };
-                return Err(ConfigError::invalid(
-                    missing,
-                    "is required when the other of cert_file/key_file is set",
-                ));
-            }
+        if let Some(tls) = &self.admin_tls
+            && tls.cert_file.is_some() != tls.key_file.is_some()
+        {
+            let missing = if tls.cert_file.is_some() {
+                "coordinator.admin_tls.key_file"
+            } else {
+                "coordinator.admin_tls.cert_file"
+            };
+            return Err(ConfigError::invalid(
+                missing,
+                "is required when the other of cert_file/key_file is set",
+            ));
         }
         check_range(
             "coordinator.completed_memory",

@@ -207,19 +207,19 @@ pub(crate) async fn start(
     }
     let mut server = Server::builder();
     let mut tls = false;
-    if let Some(t) = &c.admin_tls {
-        if let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file) {
-            let read = |p: &Path| {
-                std::fs::read(p).map_err(|e| {
-                    CoordinatorError::AdminTls(format!("cannot read {}: {e}", p.display()))
-                })
-            };
-            let identity = Identity::from_pem(read(cert)?, read(key)?);
-            server = server
-                .tls_config(ServerTlsConfig::new().identity(identity))
-                .map_err(|e| CoordinatorError::AdminTls(e.to_string()))?;
-            tls = true;
-        }
+    if let Some(t) = &c.admin_tls
+        && let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file)
+    {
+        let read = |p: &Path| {
+            std::fs::read(p).map_err(|e| {
+                CoordinatorError::AdminTls(format!("cannot read {}: {e}", p.display()))
+            })
+        };
+        let identity = Identity::from_pem(read(cert)?, read(key)?);
+        server = server
+            .tls_config(ServerTlsConfig::new().identity(identity))
+            .map_err(|e| CoordinatorError::AdminTls(e.to_string()))?;
+        tls = true;
     }
     let listener = tokio::net::TcpListener::bind(addr)
         .await

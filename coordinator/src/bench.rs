@@ -268,8 +268,10 @@ pub async fn run_acquire_bench(
         let _ = kv.delete(key).await;
     }
 
-    let mut config = Config::default();
-    config.bus = BusConfig::nats(url.clone());
+    let mut config = Config {
+        bus: BusConfig::nats(url.clone()),
+        ..Config::default()
+    };
     config.staleness.eta = 64;
     config.staleness.groups_per_step = 4096;
     config.staleness.group_size = 8;
@@ -325,10 +327,10 @@ pub async fn run_acquire_bench(
         let raw_server = raw_server.clone();
         async move {
             while let Some(m) = sub.next().await {
-                if let Some(reply) = m.reply {
-                    if raw_server.publish(reply, grant.clone()).await.is_err() {
-                        break;
-                    }
+                if let Some(reply) = m.reply
+                    && raw_server.publish(reply, grant.clone()).await.is_err()
+                {
+                    break;
                 }
             }
         }

@@ -126,11 +126,12 @@ impl CapacityEstimator {
 
     /// A weight announcement: version, its publish time and the step.
     pub fn on_announcement(&mut self, version: i32, published_ms: i64) {
-        if let Some((v0, t0)) = self.last_announce {
-            if version > v0 && published_ms > t0 {
-                let per_step = (published_ms - t0) as f64 / 1000.0 / f64::from(version - v0);
-                self.announce_interval.observe(per_step);
-            }
+        if let Some((v0, t0)) = self.last_announce
+            && version > v0
+            && published_ms > t0
+        {
+            let per_step = (published_ms - t0) as f64 / 1000.0 / f64::from(version - v0);
+            self.announce_interval.observe(per_step);
         }
         if self.last_announce.is_none_or(|(v0, _)| version > v0) {
             self.last_announce = Some((version, published_ms));
@@ -153,11 +154,11 @@ impl CapacityEstimator {
             .or_insert(version);
         if version > *seen {
             *seen = version;
-            if let Some(&published) = self.announcements.get(&version) {
-                if now_ms >= published {
-                    self.observed_swap
-                        .observe((now_ms - published) as f64 / 1000.0);
-                }
+            if let Some(&published) = self.announcements.get(&version)
+                && now_ms >= published
+            {
+                self.observed_swap
+                    .observe((now_ms - published) as f64 / 1000.0);
             }
         }
     }

@@ -316,7 +316,7 @@ pub async fn ctl(config: &Config, args: &CtlArgs) -> Result<String, CtlError> {
             let reply = client
                 .set_knobs(authed(
                     SetKnobsRequest {
-                        knobs: Some(change.clone()),
+                        knobs: Some(change),
                         apply_at_step: at_step.unwrap_or(0),
                         requested_by: who,
                     },
@@ -544,7 +544,7 @@ pub fn format_knobs(k: &GetKnobsReply) -> String {
         "knobs in effect at learner step {} (sealed through step {})\n",
         k.current_step, k.sealed_through_step
     );
-    let rows: Vec<Vec<String>> = knobs::knob_rows(&k.knobs.clone().unwrap_or_default())
+    let rows: Vec<Vec<String>> = knobs::knob_rows(&k.knobs.unwrap_or_default())
         .into_iter()
         .map(|(n, v)| vec![n.to_owned(), v])
         .collect();
@@ -555,7 +555,7 @@ pub fn format_knobs(k: &GetKnobsReply) -> String {
             .pending
             .iter()
             .map(|c| {
-                let changes: Vec<String> = knobs::knob_rows(&c.knobs.clone().unwrap_or_default())
+                let changes: Vec<String> = knobs::knob_rows(&c.knobs.unwrap_or_default())
                     .into_iter()
                     .map(|(n, v)| format!("{n}={v}"))
                     .collect();

@@ -101,12 +101,12 @@ fn parse_line(text: &str) -> Result<Option<(Option<String>, String, String)>, St
     }
     let answer = field_text(&obj, "answer")?.ok_or("missing field `answer`")?;
     let id = field_text(&obj, "id")?;
-    if let Some(id) = &id {
-        if !valid_task_id(id) {
-            return Err(format!(
-                "field `id` = {id:?} may hold only letters, digits, `_` and `-` (at most 128; it is a NATS subject token)"
-            ));
-        }
+    if let Some(id) = &id
+        && !valid_task_id(id)
+    {
+        return Err(format!(
+            "field `id` = {id:?} may hold only letters, digits, `_` and `-` (at most 128; it is a NATS subject token)"
+        ));
     }
     Ok(Some((id, prompt, answer)))
 }

@@ -125,24 +125,20 @@ pub fn validate(k: &Knobs) -> Result<(), KnobError> {
         k.importance_weight_cap.map(f64::from),
     )?;
     check(knob_ranges::LEARNING_RATE, k.learning_rate)?;
-    if let Some(m) = k.clip_mode {
-        if !matches!(
+    if let Some(m) = k.clip_mode
+        && !matches!(
             ClipMode::try_from(m),
             Ok(ClipMode::Ppo | ClipMode::Adaptive | ClipMode::M2po)
-        ) {
-            return Err(KnobError::ClipMode);
-        }
+        )
+    {
+        return Err(KnobError::ClipMode);
     }
     Ok(())
 }
 
 /// Whether a change touches only admission (pause/resume): it needs no seal.
 pub fn is_admission_only(k: &Knobs) -> bool {
-    k.paused.is_some()
-        && Knobs {
-            paused: None,
-            ..k.clone()
-        } == Knobs::default()
+    k.paused.is_some() && Knobs { paused: None, ..*k } == Knobs::default()
 }
 
 /// Applies the set fields of `change` onto `base`.
@@ -176,7 +172,7 @@ pub fn new_schedule(initial: Knobs) -> KnobSchedule {
 
 /// The knobs in effect at learner step `step`.
 pub fn effective(s: &KnobSchedule, step: u64) -> Knobs {
-    let mut k = s.base.clone().unwrap_or_default();
+    let mut k = s.base.unwrap_or_default();
     for c in s.changes.iter().filter(|c| c.from_step <= step) {
         if let Some(change) = &c.knobs {
             merge(&mut k, change);
@@ -199,7 +195,7 @@ pub fn compact(s: &mut KnobSchedule, through: u64) {
     if through <= s.base_step && s.changes.iter().all(|c| c.from_step > through) {
         return;
     }
-    let mut base = s.base.clone().unwrap_or_default();
+    let mut base = s.base.unwrap_or_default();
     let (done, rest): (Vec<KnobChange>, Vec<KnobChange>) =
         s.changes.drain(..).partition(|c| c.from_step <= through);
     for c in &done {

@@ -374,10 +374,10 @@ impl Scheduler {
                 .completed_seqs
                 .get(&seq)
                 .and_then(|k| self.completed.get(k))
+                && &*c.worker == worker
+                && Some(c.task.index) == task_index
             {
-                if &*c.worker == worker && Some(c.task.index) == task_index {
-                    return Ok(Completion::AlreadyCompleted);
-                }
+                return Ok(Completion::AlreadyCompleted);
             }
             if let Some(&(at_ms, reason)) = self.ended_seqs.get(&seq) {
                 return Err(CompleteRefusal::Expired { at_ms, reason });

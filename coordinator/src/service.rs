@@ -341,10 +341,10 @@ impl Actor {
             .await;
             self.update_metrics();
         }
-        if self.persist_failed || self.state_rev.is_none() {
-            if let Err(e) = self.persist().await {
-                tracing::warn!(error = ?e, "could not write the coordinator state at shutdown");
-            }
+        if (self.persist_failed || self.state_rev.is_none())
+            && let Err(e) = self.persist().await
+        {
+            tracing::warn!(error = ?e, "could not write the coordinator state at shutdown");
         }
         self.health.clear("coordinator");
         Ok(())
@@ -897,7 +897,7 @@ impl Actor {
         let admission_only = knobs::is_admission_only(&knobs_req);
         let change = KnobChange {
             from_step: 0,
-            knobs: Some(knobs_req.clone()),
+            knobs: Some(knobs_req),
             journal_seq: seq,
             requested_by: who.to_owned(),
         };
@@ -955,11 +955,11 @@ impl Actor {
         let result = self
             .edit_schedule(|s, v| {
                 let d = knobs::decide(s, v, 0, false);
-                if let Decision::At(n) = d {
-                    if !s.checkpoint_steps.contains(&n) {
-                        s.checkpoint_steps.push(n);
-                        s.checkpoint_steps.sort_unstable();
-                    }
+                if let Decision::At(n) = d
+                    && !s.checkpoint_steps.contains(&n)
+                {
+                    s.checkpoint_steps.push(n);
+                    s.checkpoint_steps.sort_unstable();
                 }
                 d
             })
@@ -1327,10 +1327,10 @@ pub(crate) fn spawn_watch(
                         Some(Ok(ev)) => {
                             backoff = Duration::from_millis(100);
                             let Some(value) = ev.value else { continue };
-                            if let Some(event) = map(value, ev.revision) {
-                                if tx.send(event).await.is_err() {
-                                    return;
-                                }
+                            if let Some(event) = map(value, ev.revision)
+                                && tx.send(event).await.is_err()
+                            {
+                                return;
                             }
                         }
                         Some(Err(e)) => {
