@@ -33,6 +33,7 @@ pub mod actor;
 pub mod config;
 pub mod decode;
 pub mod error;
+pub mod from_config;
 pub mod model;
 pub mod sampling;
 pub mod tiny;

@@ -1,0 +1,153 @@
+//! Building the policy from the `[model]` config, and the prompt/completion
+//! text conventions every role shares (the SFT warm start, the rollout
+//! worker and the learner must tokenize prompts identically).
+
+use asyncrl_config::{DeviceName, ModelConfig as ModelSection, WeightDtypeName};
+
+use crate::error::{PolicyError, Result};
+use crate::model::{DeviceOptions, Policy};
+use crate::sampling::SamplingParams;
+use crate::tiny::TinyModelSpec;
+use crate::weights::WeightDtype;
+
+/// The device options `[model] device` asks for. `cuda` without a usable
+/// CUDA device is an error rather than a silent fall-back to the CPU.
+pub fn device_options(name: DeviceName) -> Result<DeviceOptions> {
+    match name {
+        DeviceName::Auto => Ok(DeviceOptions::auto()),
+        DeviceName::Cpu => Ok(DeviceOptions::cpu()),
+        DeviceName::Cuda if tch::Cuda::is_available() => Ok(DeviceOptions::auto()),
+        DeviceName::Cuda => Err(PolicyError::InvalidRequest(
+            "model.device = \"cuda\" but libtorch sees no CUDA device".into(),
+        )),
+    }
+}
+
+/// The tiny-model dimensions of `[model.tiny]`.
+pub fn tiny_spec(section: &ModelSection) -> TinyModelSpec {
+    let t = &section.tiny;
+    TinyModelSpec {
+        hidden_size: t.hidden_size,
+        num_hidden_layers: t.num_hidden_layers,
+        num_attention_heads: t.num_attention_heads,
+        num_key_value_heads: t.num_key_value_heads,
+        intermediate_size: t.intermediate_size,
+        max_position_embeddings: (section.max_seq_len as i64)
+            .max(TinyModelSpec::default().max_position_embeddings),
+        ..TinyModelSpec::default()
+    }
+}
+
+/// Loads `[model] path` (a Hugging Face folder), or builds the built-in
+/// tiny model from `seed` when no path is set. Applies `cpu_threads`.
+pub fn load_policy(section: &ModelSection, seed: u64) -> Result<Policy> {
+    if section.cpu_threads > 0 {
+        tch::set_num_threads(section.cpu_threads);
+    }
+    let opts = device_options(section.device)?;
+    match &section.path {
+        Some(dir) => Policy::from_pretrained(dir, opts),
+        None => Policy::builtin_tiny(&tiny_spec(section), seed, opts),
+    }
+}
+
+/// The dtype weights are published in.
+pub fn weight_dtype(name: WeightDtypeName) -> WeightDtype {
+    match name {
+        WeightDtypeName::F32 => WeightDtype::F32,
+        WeightDtypeName::Bf16 => WeightDtype::Bf16,
+    }
+}
+
+/// Sampling parameters of `[model]`, stopping at the model's EOS tokens.
+pub fn sampling_params(section: &ModelSection, policy: &Policy) -> SamplingParams {
+    SamplingParams {
+        temperature: section.temperature,
+        top_p: section.top_p,
+        top_k: 0,
+        max_new_tokens: section.max_new_tokens,
+        stop_token_ids: policy.eos_token_ids(),
+        seed: None,
+    }
+}
+
+/// Token ids of a prompt: the tokenizer with its special tokens, and the
+/// model's BOS in front when the tokenizer did not put it there.
+pub fn encode_prompt(policy: &Policy, text: &str) -> Result<Vec<i64>> {
+    let tok = policy
+        .tokenizer()
+        .ok_or_else(|| PolicyError::InvalidRequest("the model has no tokenizer.json".into()))?;
+    let mut ids = tok.encode(text, true)?;
+    if let Some(bos) = policy.config().bos_token_id {
+        if ids.first() != Some(&bos) {
+            ids.insert(0, bos);
+        }
+    }
+    if ids.is_empty() {
+        return Err(PolicyError::InvalidRequest(format!(
+            "prompt {text:?} encodes to no tokens"
+        )));
+    }
+    Ok(ids)
+}
+
+/// The text of a completion: its tokens without a final stop token,
+/// decoded without special tokens (what verifiers and reward services see).
+pub fn decode_completion(
+    policy: &Policy,
+    tokens: &[i64],
+    stop_token_ids: &[i64],
+) -> Result<String> {
+    let tok = policy
+        .tokenizer()
+        .ok_or_else(|| PolicyError::InvalidRequest("the model has no tokenizer.json".into()))?;
+    let end = match tokens.last() {
+        Some(last) if stop_token_ids.contains(last) => tokens.len() - 1,
+        _ => tokens.len(),
+    };
+    tok.decode(&tokens[..end], true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_from_config_round_trips_text() {
+        let mut section = ModelSection::default();
+        section.device = DeviceName::Cpu;
+        section.tiny.hidden_size = 32;
+        section.tiny.num_hidden_layers = 1;
+        section.tiny.num_attention_heads = 2;
+        section.tiny.num_key_value_heads = 1;
+        section.tiny.intermediate_size = 64;
+        let p = load_policy(&section, 3).unwrap();
+        let ids = encode_prompt(&p, "37+58=").unwrap();
+        assert_eq!(ids[0], p.config().bos_token_id.unwrap(), "BOS first");
+        assert_eq!(ids.len(), 7);
+        let eos = p.eos_token_ids();
+        let mut completion = p.tokenizer().unwrap().encode("95", false).unwrap();
+        completion.push(eos[0]);
+        assert_eq!(decode_completion(&p, &completion, &eos).unwrap(), "95");
+        let params = sampling_params(&section, &p);
+        assert_eq!(params.stop_token_ids, eos);
+        assert_eq!(params.max_new_tokens, section.max_new_tokens);
+        // Same seed, same weights.
+        let q = load_policy(&section, 3).unwrap();
+        assert_eq!(
+            p.weights_to_safetensors(WeightDtype::F32).unwrap(),
+            q.weights_to_safetensors(WeightDtype::F32).unwrap()
+        );
+    }
+
+    #[test]
+    fn missing_model_folder_is_an_error() {
+        let section = ModelSection {
+            path: Some("/nonexistent/model".into()),
+            device: DeviceName::Cpu,
+            ..Default::default()
+        };
+        let err = load_policy(&section, 0).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/model"), "{err}");
+    }
+}
