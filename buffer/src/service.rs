@@ -181,6 +181,7 @@ pub struct Buffer {
     writer: SegmentWriter,
     log: StateLog,
     consumer: Box<dyn Consumer>,
+    requests: futures::stream::BoxStream<'static, Request>,
     recovered: Recovered,
 }
 
@@ -226,6 +227,8 @@ impl Buffer {
             ..ConsumerSpec::new(config.buffer.consumer_name.clone())
         };
         let consumer = bus.consumer(TRAJECTORY_STREAM, &spec).await?;
+        // Subscribed now, so that no request is lost between open and run.
+        let requests = bus.serve(BUFFER_BATCH, Some(SERVE_QUEUE)).await?;
         let seg_dir = writer.dir().to_owned();
         metrics.disk_bytes.set(segment::disk_bytes(&seg_dir) as i64);
         let health = Health::new();
@@ -246,6 +249,7 @@ impl Buffer {
             writer,
             log,
             consumer,
+            requests,
             recovered,
         })
     }
@@ -277,11 +281,11 @@ impl Buffer {
             writer,
             log,
             consumer,
+            requests,
             ..
         } = self;
         // Retire what recovery found fully consumed.
         shared.retire_segments().await?;
-        let requests = shared.bus.serve(BUFFER_BATCH, Some(SERVE_QUEUE)).await?;
         shared.health.set_ready(HEALTH_CONDITION);
         let stop = shutdown.child_token();
         let ingest = Ingest {

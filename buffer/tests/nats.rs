@@ -1,0 +1,313 @@
+//! The buffer in this process against a real nats-server: dedupe, dead
+//! letters, staleness, repeated steps across restarts, the object-store
+//! hand-over of large batches, and the in-process bus.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+
+use asyncrl_buffer::segment::{list_segments, read_segment};
+use asyncrl_buffer::segment_dir;
+use asyncrl_protos::arrow_schema::trajectory_schema;
+use asyncrl_protos::subjects::{BUFFER_GROUP_DROPPED, DEAD_LETTER_STREAM, trajectory_subject};
+use asyncrl_protos::v1::{DeadLetter, GroupDropped};
+use asyncrl_protos::{Message, Trajectory};
+use asyncrl_testkit::NatsServer;
+use asyncrl_transport::{Bus, ConsumerSpec, LocalBus};
+
+use asyncrl_buffer::testing::{traj, traj_of};
+use common::*;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+fn groups(first: u32, n: u32, g: u32, version: i32, tokens: usize) -> Vec<Trajectory> {
+    (first * g..(first + n) * g)
+        .map(|i| traj(i, g, version, tokens))
+        .collect()
+}
+
+fn rows_on_disk(config: &asyncrl_config::Config) -> usize {
+    let dir = segment_dir(&config.buffer.data_dir_in(&config.run.output_dir));
+    list_segments(&dir)
+        .unwrap()
+        .into_iter()
+        .map(|id| {
+            read_segment(&dir, id, &trajectory_schema())
+                .unwrap()
+                .batches
+                .iter()
+                .map(|b| b.num_rows())
+                .sum::<usize>()
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_publishes_are_stored_once() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(&server.url(), dir.path());
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    let trajs = groups(0, 8, 4, 0, 32);
+    publish(bus.as_ref(), &trajs).await;
+    // The same messages again: the server's dedupe window drops these...
+    publish(bus.as_ref(), &trajs).await;
+    // ...and these (new message ids, as after the window) reach the buffer.
+    for t in &trajs {
+        publish_as(bus.as_ref(), t, &format!("again-{}", t.uuid)).await;
+    }
+    eventually("ingest and dedupe", WAIT, || {
+        buffer.metric("buffer_duplicates_total") >= 32.0
+    })
+    .await;
+    assert_eq!(buffer.metric("buffer_ingested_trajectories_total"), 32.0);
+    assert_eq!(buffer.metric("buffer_duplicates_total"), 32.0);
+    assert_eq!(rows_on_disk(&config), 32, "each trajectory stored once");
+    assert_eq!(buffer.handle.stats().ready_groups, 8);
+    let (reply, got) = ask(bus.as_ref(), 1, 0, 2, 8, 0).await.unwrap();
+    assert_eq!(reply.num_groups, 8);
+    assert_eq!(got.len(), 32);
+    assert_eq!(uuids(&got), uuids(&trajs));
+    assert_eq!(groups_of(&got).len(), 8);
+    buffer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_messages_are_dead_lettered_and_ingest_goes_on() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(&server.url(), dir.path());
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    let mut dlq = bus.subscribe(BUFFER_GROUP_DROPPED).await.unwrap();
+    // Garbage, a contract violation, a group violation, then good groups.
+    let garbage = Bytes::from_static(&[0xff, 0xfe, 0x00, 0x13, 0x37]);
+    bus.publish_durable(&trajectory_subject("junk"), "junk-1", garbage.clone())
+        .await
+        .unwrap();
+    let mut bad_logprob = traj_of("t-bad", "g-bad", 1, 0, 2, 0, 8);
+    bad_logprob.behaviour_logprobs[3] = 0.5;
+    publish(bus.as_ref(), &[bad_logprob.clone()]).await;
+    let first = traj_of("t-x", "g-x", 2, 0, 2, 0, 8);
+    let same_index = traj_of("t-x", "g-x", 3, 0, 2, 0, 8);
+    publish(bus.as_ref(), &[first, same_index.clone()]).await;
+    let good = groups(10, 3, 2, 0, 8);
+    publish(bus.as_ref(), &good).await;
+    eventually("three dead letters and the good groups", WAIT, || {
+        buffer.handle.stats().ready_groups >= 3
+            && metric_sum(&buffer, "buffer_dead_lettered_total") >= 3.0
+    })
+    .await;
+    assert_eq!(metric_sum(&buffer, "buffer_dead_lettered_total"), 3.0);
+    let consumer = bus
+        .consumer(DEAD_LETTER_STREAM, &ConsumerSpec::new("test-dlq"))
+        .await
+        .unwrap();
+    let letters = consumer.fetch(10, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    let letters: Vec<DeadLetter> = letters
+        .iter()
+        .map(|d| DeadLetter::decode(d.payload.clone()).unwrap())
+        .collect();
+    let by_subject = |s: &str| letters.iter().find(|l| l.subject == s).unwrap();
+    let junk = by_subject("trajectories.junk");
+    assert_eq!(junk.payload, garbage.to_vec(), "original bytes kept");
+    assert!(junk.reason.contains("does not decode"), "{}", junk.reason);
+    assert_eq!(junk.msg_id, "junk-1");
+    let bad = by_subject("trajectories.t-bad");
+    assert!(bad.reason.contains("behaviour_logprobs"), "{}", bad.reason);
+    assert_eq!(bad.payload, bad_logprob.encode_to_vec());
+    let dup = by_subject("trajectories.t-x");
+    assert!(dup.reason.contains("index_in_group 0"), "{}", dup.reason);
+    assert_eq!(dup.payload, same_index.encode_to_vec());
+    // Everything was acked: nothing is redelivered after the ack wait.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(metric_sum(&buffer, "buffer_dead_lettered_total"), 3.0);
+    assert_eq!(buffer.metric("buffer_ingested_trajectories_total"), 7.0);
+    let (_, got) = ask(bus.as_ref(), 1, 0, 2, 3, 0).await.unwrap();
+    assert_eq!(uuids(&got), uuids(&good));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), dlq.next())
+            .await
+            .is_err(),
+        "no group was dropped"
+    );
+    buffer.shutdown().await;
+}
+
+fn metric_sum(b: &Running, name: &str) -> f64 {
+    let text = b.metrics.encode_prometheus_text().unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(&format!("asyncrl_{name}{{")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_group_is_never_served() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(&server.url(), dir.path());
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    let mut dropped = bus.subscribe(BUFFER_GROUP_DROPPED).await.unwrap();
+    let old = groups(0, 2, 2, 1, 16); // tokens of version 1, admitted first
+    let mut mixed = groups(2, 1, 2, 5, 16); // one token of version 2
+    mixed[1].policy_versions[0] = 2;
+    mixed[1].admission_version = 2;
+    mixed[0].admission_version = 2;
+    let fresh = groups(3, 2, 2, 4, 16);
+    publish(bus.as_ref(), &old).await;
+    publish(bus.as_ref(), &mixed).await;
+    publish(bus.as_ref(), &fresh).await;
+    eventually("5 ready groups", WAIT, || {
+        buffer.handle.stats().ready_groups == 5
+    })
+    .await;
+    // v = 5, η = 2: nothing older than version 3 may be trained.
+    let (reply, got) = ask(bus.as_ref(), 1, 5, 2, 2, 0).await.unwrap();
+    assert_eq!(reply.num_groups, 2);
+    assert_eq!(reply.stale_dropped, 3);
+    assert_eq!(uuids(&got), uuids(&fresh));
+    assert!(
+        got.iter()
+            .all(|t| t.policy_versions.iter().all(|v| *v >= 3))
+    );
+    assert_eq!(buffer.metric("stale_dropped_total"), 3.0);
+    let mut reported = HashSet::new();
+    for _ in 0..3 {
+        let msg = tokio::time::timeout(WAIT, dropped.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let d = GroupDropped::decode(msg.payload).unwrap();
+        assert_eq!(d.reason, "stale");
+        assert_eq!(d.trajectories, 2);
+        reported.insert(d.group_id);
+    }
+    assert_eq!(
+        reported,
+        HashSet::from(["lease-0".into(), "lease-1".into(), "lease-2".into()])
+    );
+    // The stale groups are gone for good: not ready, not served later.
+    let (reply, _) = ask(bus.as_ref(), 2, 6, 2, 1, 0).await.unwrap();
+    assert_eq!((reply.num_groups, reply.ready_groups), (0, 0));
+    // Served token staleness: 16 tokens per trajectory, 4 trajectories, lag 1.
+    let text = buffer.metrics.encode_prometheus_text().unwrap();
+    assert!(
+        text.contains("asyncrl_buffer_served_token_staleness_count 64"),
+        "{text}"
+    );
+    buffer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_step_gets_the_same_groups_across_a_restart() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(&server.url(), dir.path());
+    // Small inline limit: batches go through the object store.
+    config.buffer.inline_reply_max_bytes = 4096;
+    config.buffer.segment_max_bytes = 64 * 1024;
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    // One group (4 × ~6 KB) per segment frame: segments of 3 groups each.
+    let trajs = groups(0, 12, 4, 0, 512);
+    for (i, group) in trajs.chunks(4).enumerate() {
+        publish(bus.as_ref(), group).await;
+        eventually("the group ready", WAIT, || {
+            buffer.handle.stats().ready_groups == i + 1
+        })
+        .await;
+    }
+    let (r1, step1) = ask(bus.as_ref(), 1, 0, 4, 4, 0).await.unwrap();
+    assert!(!r1.object_name.is_empty(), "batch handed over as an object");
+    assert!(!r1.replayed);
+    let (r1b, again) = ask(bus.as_ref(), 1, 0, 4, 4, 0).await.unwrap();
+    assert!(r1b.replayed);
+    assert_eq!(uuids(&again), uuids(&step1));
+    let (_, step2) = ask(bus.as_ref(), 2, 1, 4, 4, 0).await.unwrap();
+    // Step 1 (groups 0-3) is trained: the first segment held only those.
+    assert_eq!(buffer.metric("buffer_segments_deleted_total"), 1.0);
+    buffer.shutdown().await;
+    // A crash mid-append leaves half a frame at the end of the newest segment.
+    let seg_dir = segment_dir(&config.buffer.data_dir_in(&config.run.output_dir));
+    let last = *list_segments(&seg_dir).unwrap().last().unwrap();
+    let path = asyncrl_buffer::segment::segment_path(&seg_dir, last);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes.extend_from_slice(&[0x40, 0, 0, 0, 1, 2, 3, 4, 5, 6]);
+    std::fs::write(&path, bytes).unwrap();
+
+    // A new buffer on the same data: step 2 is repeated identically, step 1
+    // is trained and refused, step 3 gets the rest, nothing twice.
+    let buffer = Running::start(&config, bus.clone()).await;
+    assert_eq!(buffer.recovered.torn_tails, 1);
+    // Groups 4-11 are all on disk; some of the trained groups 0-3 are gone.
+    let on_disk = buffer.recovered.trajectories;
+    assert!((32..48).contains(&on_disk), "{on_disk}");
+    assert_eq!(buffer.handle.stats().ready_groups, 4);
+    let (r2, again2) = ask(bus.as_ref(), 2, 1, 4, 4, 0).await.unwrap();
+    assert!(r2.replayed);
+    assert_eq!(groups_of(&again2), groups_of(&step2));
+    assert_eq!(again2, step2, "the same trajectories in the same order");
+    let err = ask(bus.as_ref(), 1, 0, 4, 4, 0).await.unwrap_err();
+    assert!(err.contains("already trained"), "{err}");
+    let (_, step3) = ask(bus.as_ref(), 3, 2, 4, 4, 0).await.unwrap();
+    let mut all: Vec<String> = step1.iter().map(|t| t.uuid.clone()).collect();
+    all.extend(step2.iter().map(|t| t.uuid.clone()));
+    all.extend(step3.iter().map(|t| t.uuid.clone()));
+    let distinct: HashSet<String> = all.iter().cloned().collect();
+    assert_eq!(all.len(), 48);
+    assert_eq!(distinct, uuids(&trajs));
+    // Step 2 (groups 4-7) is trained: more segments held only trained groups.
+    assert!(buffer.metric("buffer_segments_deleted_total") >= 1.0);
+    buffer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_groups_to_become_ready() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(&server.url(), dir.path());
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    let trajs = groups(0, 2, 2, 0, 8);
+    let learner = {
+        let bus = bus.clone();
+        tokio::spawn(async move { ask(bus.as_ref(), 1, 0, 1, 2, 10_000).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publish(bus.as_ref(), &trajs).await;
+    let (reply, got) = learner.await.unwrap().unwrap();
+    assert_eq!(reply.num_groups, 2);
+    assert_eq!(uuids(&got), uuids(&trajs));
+    // Without enough groups and without waiting: how many are ready.
+    let (reply, _) = ask(bus.as_ref(), 2, 1, 1, 5, 0).await.unwrap();
+    assert_eq!((reply.num_groups, reply.ready_groups), (0, 0));
+    buffer.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_bus_runs_the_same_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config("local", dir.path());
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let buffer = Running::start(&config, bus.clone()).await;
+    let trajs = groups(0, 4, 2, 3, 8);
+    publish(bus.as_ref(), &trajs).await;
+    publish(bus.as_ref(), &trajs[..2]).await;
+    eventually("4 ready groups", WAIT, || {
+        buffer.handle.stats().ready_groups == 4
+    })
+    .await;
+    let (_, got) = ask(bus.as_ref(), 1, 3, 0, 4, 0).await.unwrap();
+    assert_eq!(uuids(&got), uuids(&trajs));
+    assert_eq!(buffer.metric("buffer_ingested_trajectories_total"), 8.0);
+    buffer.shutdown().await;
+}
