@@ -30,7 +30,7 @@ pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, Proxima
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};
 pub use telemetry::{LogFormat, TelemetryConfig};
-pub use worker::WorkerConfig;
+pub use worker::{BatchingMode, WorkerConfig, WorkerRewardConfig, valid_worker_id};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -199,6 +199,55 @@ mod tests {
         check(
             "[telemetry]\nlog_format = \"json\"\nlisten = \"127.0.0.1:0\"",
             None,
+        );
+        check(
+            "[worker]\nid = \"w-1\"\nmax_sequences = 8\nbatching = \"static\"\ndrain_grace_period = \"500ms\"\n[worker.reward]\nendpoint = \"http://127.0.0.1:50061\"",
+            None,
+        );
+        check("[worker]\nid = \"a b\"", Some("worker.id"));
+        check("[worker]\nid = \"\"", Some("worker.id"));
+        check("[worker]\nmax_sequences = 0", Some("worker.max_sequences"));
+        check(
+            "[worker]\nmax_tasks_in_flight = 5000",
+            Some("worker.max_tasks_in_flight"),
+        );
+        check("[worker]\nbatching = \"dynamic\"", Some("batching"));
+        check(
+            "[worker]\nheartbeat_interval = \"0s\"",
+            Some("worker.heartbeat_interval"),
+        );
+        check(
+            "[worker]\nacquire_backoff_min = \"3s\"\nacquire_backoff_max = \"1s\"",
+            Some("worker.acquire_backoff_max"),
+        );
+        check(
+            "[worker]\nweight_fetch_timeout = \"0s\"",
+            Some("worker.weight_fetch_timeout"),
+        );
+        check(
+            "[worker]\nweight_retry_backoff_min = \"1m\"\nweight_retry_backoff_max = \"1s\"",
+            Some("worker.weight_retry_backoff_max"),
+        );
+        check("[worker]\nslots = 4", Some("`worker.slots`: unknown field"));
+        check(
+            "[worker.reward]\nendpoint = \"grpc://x\"",
+            Some("worker.reward.endpoint"),
+        );
+        check(
+            "[worker.reward]\nendpoint = \"http://\"",
+            Some("worker.reward.endpoint"),
+        );
+        check(
+            "[worker.reward]\nattempts = 0",
+            Some("worker.reward.attempts"),
+        );
+        check(
+            "[worker.reward]\nconcurrency = 0",
+            Some("worker.reward.concurrency"),
+        );
+        check(
+            "[worker.reward]\ntimeout = \"0s\"",
+            Some("worker.reward.timeout"),
         );
     }
 
