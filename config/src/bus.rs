@@ -150,18 +150,18 @@ impl BusConfig {
                 "cannot be set together with bus.token",
             ));
         }
-        if let Some(tls) = &self.tls {
-            if tls.cert_file.is_some() != tls.key_file.is_some() {
-                let missing = if tls.cert_file.is_some() {
-                    "bus.tls.key_file"
-                } else {
-                    "bus.tls.cert_file"
-                };
-                return Err(ConfigError::invalid(
-                    missing,
-                    "is required for mutual TLS when the other is set",
-                ));
-            }
+        if let Some(tls) = &self.tls
+            && tls.cert_file.is_some() != tls.key_file.is_some()
+        {
+            let missing = if tls.cert_file.is_some() {
+                "bus.tls.key_file"
+            } else {
+                "bus.tls.cert_file"
+            };
+            return Err(ConfigError::invalid(
+                missing,
+                "is required for mutual TLS when the other is set",
+            ));
         }
         for (key, d) in [
             ("bus.connect_timeout", self.connect_timeout),

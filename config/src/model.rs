@@ -90,13 +90,13 @@ impl Default for ModelConfig {
 
 impl ModelConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if let Some(p) = &self.path {
-            if p.as_os_str().is_empty() {
-                return Err(ConfigError::invalid(
-                    "model.path",
-                    "is empty (leave it out for the built-in model)",
-                ));
-            }
+        if let Some(p) = &self.path
+            && p.as_os_str().is_empty()
+        {
+            return Err(ConfigError::invalid(
+                "model.path",
+                "is empty (leave it out for the built-in model)",
+            ));
         }
         let t = &self.tiny;
         check_range("model.tiny.hidden_size", t.hidden_size, 8, 4096)?;

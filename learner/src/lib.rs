@@ -3,11 +3,14 @@
 //! For now this crate only reports what libtorch the process linked and which
 //! devices it sees; the training loop lands with its own issue.
 
+pub mod actor;
 pub mod adamw;
 pub mod advantages;
 pub mod batch;
 pub mod checkpoint;
+pub mod metrics;
 pub mod objective;
+pub mod service;
 pub mod trainer;
 
 use std::fmt;

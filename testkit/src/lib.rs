@@ -130,14 +130,14 @@ impl NatsServer {
     fn wait_ready(&mut self, timeout: Duration) -> Result<(), TestkitError> {
         let start = Instant::now();
         while start.elapsed() < timeout {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    return Err(TestkitError::NotReady {
-                        port: self.port,
-                        timeout,
-                        log: format!("exited with {status}: {}", self.log_tail()),
-                    });
-                }
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(TestkitError::NotReady {
+                    port: self.port,
+                    timeout,
+                    log: format!("exited with {status}: {}", self.log_tail()),
+                });
             }
             if let Ok(stream) = TcpStream::connect(("127.0.0.1", self.port)) {
                 stream.set_read_timeout(Some(Duration::from_secs(2)))?;

@@ -221,7 +221,7 @@ pub struct Delivery {
 }
 
 pub(crate) enum Acker {
-    Nats(async_nats::jetstream::Message),
+    Nats(Box<async_nats::jetstream::Message>),
     Local(local::LocalAcker),
 }
 

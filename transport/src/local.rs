@@ -357,14 +357,14 @@ impl LocalStream {
             }
         }
         let name = s.spec.name.clone();
-        if !msg_id.is_empty() {
-            if let Some(seq) = s.ids.get(msg_id) {
-                return PublishAck {
-                    stream: name,
-                    sequence: *seq,
-                    duplicate: true,
-                };
-            }
+        if !msg_id.is_empty()
+            && let Some(seq) = s.ids.get(msg_id)
+        {
+            return PublishAck {
+                stream: name,
+                sequence: *seq,
+                duplicate: true,
+            };
         }
         s.last_seq += 1;
         let seq = s.last_seq;
@@ -453,10 +453,10 @@ impl StreamState {
             };
             let seq = *seq;
             c.next_seq = seq + 1;
-            if let Some(filter) = &c.spec.filter_subject {
-                if !subject_matches(filter, &m.subject) {
-                    continue;
-                }
+            if let Some(filter) = &c.spec.filter_subject
+                && !subject_matches(filter, &m.subject)
+            {
+                continue;
             }
             c.pending.insert(seq, (now + c.spec.ack_wait, 1));
             out.push((seq, 1));

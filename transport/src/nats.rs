@@ -458,7 +458,7 @@ impl NatsConsumer {
             msg_id,
             stream_sequence,
             delivered,
-            acker: Acker::Nats(m),
+            acker: Acker::Nats(Box::new(m)),
         })
     }
 }

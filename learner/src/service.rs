@@ -1,0 +1,569 @@
+//! The learner as a role: ask the buffer for batches, train, publish the
+//! weights of every version, checkpoint, report.
+//!
+//! Per step `s`: seal the step's knobs (no change for step `s` is accepted
+//! after this), checkpoint first if the coordinator asked for it, request
+//! `B` groups for step `s` at version `v = s − 1` (the buffer long-polls and
+//! replays the same groups if `s` was served before a crash), train on the
+//! trainer thread, publish the weights of version `s` to the object store and
+//! then the announcement to `policy.version`, write `learner.status`, and
+//! checkpoint every `checkpoint_every` steps.
+//!
+//! Resume: the newest complete checkpoint; if `policy.version` announces a
+//! newer version (trained and published before a crash, after the last
+//! checkpoint), its weights are taken from the object store and the step
+//! counter continues from it, so versions never go backwards and no step's
+//! groups are trained twice. Only the optimizer moments are then those of the
+//! checkpoint.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::RecordBatch;
+use asyncrl_config::Config;
+use asyncrl_coordinator::{KnobError, LEARNER_STATUS_KEY, seal_step};
+use asyncrl_protos::v1::{
+    BatchReply, BatchRequest, ClipMode as WireClipMode, LearnerStatus, WeightAnnouncement,
+};
+use asyncrl_protos::{Message, subjects};
+use asyncrl_telemetry::Metrics;
+use asyncrl_transport::{Bus, KvBucket, ObjectStore, TransportError};
+use bytes::Bytes;
+use tokio_util::sync::CancellationToken;
+
+use crate::actor::{ActorGone, TrainerActor};
+use crate::advantages::AdvantageNorm;
+use crate::checkpoint;
+use crate::metrics::LearnerMetrics;
+use crate::objective::{ClipMode, LossAggregation, ObjectiveConfig, ProximalMode};
+use crate::trainer::{StepKnobs, StepStats, TrainError, Trainer, TrainerOptions, unix_ms};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LearnerError {
+    #[error("cannot build the policy: {0}")]
+    Policy(#[from] asyncrl_policy::PolicyError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error("bus: {0}")]
+    Transport(#[from] TransportError),
+    #[error("knobs: {0}")]
+    Knobs(#[from] KnobError),
+    #[error(transparent)]
+    Actor(#[from] ActorGone),
+    #[error(transparent)]
+    Telemetry(#[from] asyncrl_telemetry::TelemetryError),
+    #[error("`{key}` in the control bucket does not decode: {reason}")]
+    Decode { key: &'static str, reason: String },
+    #[error("cannot resume: {0}")]
+    Resume(String),
+    #[error("buffer: {0}")]
+    Buffer(String),
+    #[error("metrics file {path}: {source}")]
+    MetricsFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What a learner run did.
+#[derive(Debug, Clone, Default)]
+pub struct LearnerSummary {
+    pub steps: u64,
+    pub version: i32,
+    pub last: Option<StepStats>,
+    pub metrics_csv: PathBuf,
+    pub checkpoint_dir: PathBuf,
+}
+
+pub fn trainer_options(config: &Config) -> TrainerOptions {
+    let l = &config.learner;
+    TrainerOptions {
+        temperature: asyncrl_policy::logprob_temperature(config.model.temperature),
+        minibatches: l.minibatches,
+        grad_clip: l.grad_clip,
+        warmup_steps: l.warmup_steps,
+        adamw: crate::adamw::AdamWConfig {
+            beta1: l.beta1,
+            beta2: l.beta2,
+            eps: l.adam_eps,
+            weight_decay: l.weight_decay,
+        },
+        advantage_norm: match l.advantage_norm {
+            asyncrl_config::AdvantageNormName::Mean => AdvantageNorm::Mean,
+            asyncrl_config::AdvantageNormName::MeanStd => AdvantageNorm::MeanStd,
+        },
+        proximal: match l.proximal {
+            asyncrl_config::ProximalName::Recompute => ProximalMode::Recompute,
+            asyncrl_config::ProximalName::Approx => ProximalMode::Approx,
+        },
+        seed: config.run.seed,
+        weight_dtype: asyncrl_policy::from_config::weight_dtype(config.model.weight_dtype),
+    }
+}
+
+/// The objective and learning rate of a step from the sealed knobs.
+pub fn step_knobs(config: &Config, k: &asyncrl_coordinator::StepKnobs) -> StepKnobs {
+    StepKnobs {
+        objective: ObjectiveConfig {
+            eps_low: f64::from(k.eps_low),
+            eps_high: f64::from(k.eps_high),
+            clip_mode: match k.clip_mode {
+                WireClipMode::Adaptive => ClipMode::Adaptive,
+                WireClipMode::M2po => ClipMode::M2po,
+                WireClipMode::Ppo | WireClipMode::Unspecified => ClipMode::Ppo,
+            },
+            importance_weight_cap: f64::from(k.importance_weight_cap),
+            adaptive_quantile: f64::from(k.adaptive_quantile),
+            adaptive_temperature: f64::from(k.adaptive_temperature),
+            m2po_threshold: config.learner.m2po_threshold,
+            aggregation: match config.learner.loss_aggregation {
+                asyncrl_config::LossAggregationName::Token => LossAggregation::Token,
+                asyncrl_config::LossAggregationName::Sequence => LossAggregation::Sequence,
+            },
+        },
+        learning_rate: k.learning_rate,
+    }
+}
+
+pub fn checkpoint_dir(config: &Config) -> PathBuf {
+    config
+        .learner
+        .checkpoint_dir
+        .clone()
+        .unwrap_or_else(|| config.run.output_dir.join("checkpoints"))
+}
+
+struct Ctx {
+    config: Config,
+    bus: Arc<dyn Bus>,
+    kv: Arc<dyn KvBucket>,
+    weights: Arc<dyn ObjectStore>,
+    actor: TrainerActor,
+    metrics: LearnerMetrics,
+    session: String,
+    started_at: i64,
+    start_version: i32,
+    ckpt_dir: PathBuf,
+    shutdown: CancellationToken,
+}
+
+/// Runs the learner until `run.max_steps` (0: until shutdown).
+pub async fn run(
+    config: Config,
+    bus: Arc<dyn Bus>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> Result<LearnerSummary, LearnerError> {
+    let metrics = LearnerMetrics::register(&metrics)?;
+    let ckpt_dir = checkpoint_dir(&config);
+    let latest = {
+        let dir = ckpt_dir.clone();
+        tokio::task::spawn_blocking(move || checkpoint::load_latest(&dir))
+            .await
+            .map_err(|e| LearnerError::Resume(e.to_string()))??
+    };
+    let opts = trainer_options(&config);
+    let model_section = config.model.clone();
+    let seed = config.run.seed;
+    let actor = TrainerActor::spawn(move || -> Result<Trainer, LearnerError> {
+        let policy = asyncrl_policy::from_config::load_policy(&model_section, seed)?;
+        let mut trainer = Trainer::new(policy, opts);
+        if let Some(ckpt) = &latest {
+            trainer.restore(ckpt)?;
+            tracing::info!(checkpoint = %ckpt.dir.display(), step = ckpt.meta.step, version = ckpt.meta.version, "resumed from checkpoint");
+        }
+        Ok(trainer)
+    })
+    .await??;
+
+    let kv = bus.kv(subjects::CONTROL_BUCKET).await?;
+    let weights = bus.object_store(subjects::WEIGHTS_BUCKET).await?;
+    let mut ctx = Ctx {
+        session: uuid::Uuid::new_v4().to_string(),
+        started_at: unix_ms(),
+        start_version: 0,
+        config,
+        bus,
+        kv,
+        weights,
+        actor,
+        metrics,
+        ckpt_dir,
+        shutdown,
+    };
+    ctx.reconcile_with_published().await?;
+    ctx.start_version = ctx.actor.call(|t| t.version()).await?;
+    ctx.write_status(0.0, 0.0).await;
+    ctx.metrics.version.set(i64::from(ctx.start_version));
+    ctx.train_loop().await
+}
+
+impl Ctx {
+    /// Makes the trainer and `policy.version` agree (see the module docs).
+    async fn reconcile_with_published(&mut self) -> Result<(), LearnerError> {
+        let local = self.actor.call(|t| t.version()).await?;
+        let announced = match self.kv.get(subjects::POLICY_VERSION_KEY).await? {
+            Some(e) => Some(WeightAnnouncement::decode(e.value.as_ref()).map_err(|e| {
+                LearnerError::Decode {
+                    key: subjects::POLICY_VERSION_KEY,
+                    reason: e.to_string(),
+                }
+            })?),
+            None => None,
+        };
+        match announced {
+            Some(a) if a.version > local => {
+                tracing::warn!(
+                    checkpoint_version = local,
+                    published_version = a.version,
+                    "versions newer than the checkpoint were published before a restart: adopting the published weights"
+                );
+                let bytes = self
+                    .weights
+                    .get_expecting(&a.object_name, &a.sha256)
+                    .await
+                    .map_err(|e| {
+                        LearnerError::Resume(format!(
+                            "cannot fetch the published weights of version {}: {e}",
+                            a.version
+                        ))
+                    })?;
+                let version = a.version;
+                self.actor
+                    .call(move |t| t.adopt_published(&bytes, version))
+                    .await??;
+            }
+            Some(a) if a.version == local => {}
+            _ => {
+                let step = self.actor.call(|t| t.step()).await?;
+                self.publish(local, step).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn publish(&self, version: i32, step: u64) -> Result<(), LearnerError> {
+        let bytes = self.actor.call(|t| t.weights_bytes()).await??;
+        let bytes = Bytes::from(bytes);
+        let name = subjects::weights_object_name(version);
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let attempt = async {
+                let info = self.weights.put(&name, bytes.clone()).await?;
+                let announcement = WeightAnnouncement {
+                    version,
+                    object_name: name.clone(),
+                    sha256: info.sha256,
+                    byte_size: info.size,
+                    format: "safetensors".into(),
+                    published_at_unix_ms: unix_ms(),
+                    step,
+                };
+                self.kv
+                    .put(
+                        subjects::POLICY_VERSION_KEY,
+                        Bytes::from(announcement.encode_to_vec()),
+                    )
+                    .await?;
+                Ok::<_, TransportError>(())
+            };
+            match attempt.await {
+                Ok(()) => break,
+                Err(e) if e.is_transient() && !self.shutdown.is_cancelled() => {
+                    self.metrics.weight_publish_failures.inc();
+                    tracing::warn!(version, error = %e, "publishing weights failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.metrics.weight_publications.inc();
+        self.metrics.version.set(i64::from(version));
+        tracing::info!(version, step, bytes = bytes.len(), "weights published");
+        // Keep the newest versions; older ones can no longer be asked for.
+        let keep = self.config.learner.keep_weight_versions as i32;
+        if let Ok(list) = self.weights.list().await {
+            for info in list {
+                let old = info
+                    .name
+                    .strip_prefix("policy-v")
+                    .and_then(|s| s.strip_suffix(".safetensors"))
+                    .and_then(|s| s.parse::<i32>().ok())
+                    .is_some_and(|v| v <= version - keep);
+                if old {
+                    let _ = self.weights.delete(&info.name).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_status(&self, train_s: f64, wait_s: f64) {
+        let step = self.actor.call(|t| t.step()).await.unwrap_or(0);
+        let status = LearnerStatus {
+            session_id: self.session.clone(),
+            started_at_unix_ms: self.started_at,
+            start_version: self.start_version,
+            step,
+            step_train_seconds: train_s,
+            step_wait_seconds: wait_s,
+        };
+        if let Err(e) = self
+            .kv
+            .put(LEARNER_STATUS_KEY, Bytes::from(status.encode_to_vec()))
+            .await
+        {
+            tracing::warn!(error = %e, "cannot write learner.status");
+        }
+    }
+
+    async fn checkpoint(&self) -> Result<(), LearnerError> {
+        let dir = self.ckpt_dir.clone();
+        let keep = self.config.learner.keep_checkpoints;
+        let path = self
+            .actor
+            .call(move |t| -> Result<PathBuf, TrainError> {
+                let p = t.write_checkpoint(&dir)?;
+                checkpoint::prune(&dir, keep)?;
+                Ok(p)
+            })
+            .await??;
+        self.metrics.checkpoints.inc();
+        tracing::info!(checkpoint = %path.display(), "checkpoint written");
+        Ok(())
+    }
+
+    /// Seals step `s`, waiting for the coordinator to create the knob
+    /// schedule if it has not yet.
+    async fn seal(&self, s: u64) -> Result<Option<asyncrl_coordinator::StepKnobs>, LearnerError> {
+        let mut logged = false;
+        loop {
+            match seal_step(self.kv.as_ref(), s).await {
+                Ok(k) => return Ok(Some(k)),
+                Err(KnobError::NoSchedule) | Err(KnobError::Transport(_)) => {
+                    if !logged {
+                        tracing::info!(step = s, "waiting for the coordinator's knob schedule");
+                        logged = true;
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+            tokio::select! {
+                () = self.shutdown.cancelled() => return Ok(None),
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    }
+
+    /// Asks the buffer for step `s` until it has the groups.
+    async fn fetch_batch(
+        &self,
+        s: u64,
+        version: i32,
+        eta: u32,
+    ) -> Result<Option<Vec<RecordBatch>>, LearnerError> {
+        let b = self.config.staleness.groups_per_step;
+        let poll = self.config.learner.batch_poll_interval;
+        let wait_ms: u32 = 1000;
+        loop {
+            if self.shutdown.is_cancelled() {
+                return Ok(None);
+            }
+            let req = BatchRequest {
+                learner_version: version,
+                num_groups: b,
+                eta,
+                zstd: false,
+                step: s,
+                wait_ms,
+            };
+            let timeout =
+                Duration::from_millis(u64::from(wait_ms)) + self.config.bus.request_timeout;
+            let reply = tokio::select! {
+                () = self.shutdown.cancelled() => return Ok(None),
+                r = self.bus.request(subjects::BUFFER_BATCH, Bytes::from(req.encode_to_vec()), timeout) => r,
+            };
+            match reply {
+                Ok(bytes) => {
+                    let reply = BatchReply::decode(bytes.as_ref()).map_err(|e| {
+                        LearnerError::Buffer(format!("batch reply does not decode: {e}"))
+                    })?;
+                    if !reply.error.is_empty() {
+                        tracing::warn!(step = s, error = %reply.error, "buffer refused the batch; retrying");
+                    } else if reply.num_groups > 0 {
+                        return Ok(Some(self.decode_batch(&reply).await?));
+                    }
+                }
+                Err(e) if e.is_transient() => {
+                    tracing::debug!(step = s, error = %e, "buffer not answering yet")
+                }
+                Err(e) => return Err(e.into()),
+            }
+            tokio::select! {
+                () = self.shutdown.cancelled() => return Ok(None),
+                () = tokio::time::sleep(poll) => {}
+            }
+        }
+    }
+
+    async fn decode_batch(&self, reply: &BatchReply) -> Result<Vec<RecordBatch>, LearnerError> {
+        let bytes = if reply.object_name.is_empty() {
+            reply.arrow_ipc.clone()
+        } else {
+            self.bus
+                .object_store(&reply.object_bucket)
+                .await?
+                .get(&reply.object_name)
+                .await?
+        };
+        let reader = arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
+            .map_err(|e| {
+            LearnerError::Buffer(format!("batch is not an Arrow IPC stream: {e}"))
+        })?;
+        reader
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| LearnerError::Buffer(format!("batch is not an Arrow IPC stream: {e}")))
+    }
+
+    async fn train_loop(&mut self) -> Result<LearnerSummary, LearnerError> {
+        let csv_path = self.config.run.output_dir.join("learner_metrics.csv");
+        let mut csv = MetricsCsv::open(csv_path.clone())?;
+        let mut summary = LearnerSummary {
+            metrics_csv: csv_path,
+            checkpoint_dir: self.ckpt_dir.clone(),
+            ..Default::default()
+        };
+        let max_steps = self.config.run.max_steps;
+        let run_start = Instant::now();
+        loop {
+            let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
+            summary.steps = step;
+            summary.version = version;
+            if self.shutdown.is_cancelled() || (max_steps > 0 && step >= max_steps) {
+                break;
+            }
+            let s = step + 1;
+            let Some(k) = self.seal(s).await? else { break };
+            if k.checkpoint {
+                self.checkpoint().await?;
+            }
+            let wait_start = Instant::now();
+            let Some(batches) = self.fetch_batch(s, version, k.eta).await? else {
+                break;
+            };
+            let wait_s = wait_start.elapsed().as_secs_f64();
+            self.metrics.phase("wait", wait_s);
+
+            let knobs = step_knobs(&self.config, &k);
+            let stats = self
+                .actor
+                .call(move |t| t.train_step(&batches, &knobs))
+                .await??;
+            self.metrics.phase("compute", stats.compute_seconds);
+            self.metrics.observe_step(&stats);
+
+            let publish_start = Instant::now();
+            self.publish(stats.version, stats.step).await?;
+            let publish_s = publish_start.elapsed().as_secs_f64();
+            self.metrics.phase("publish", publish_s);
+            self.write_status(stats.compute_seconds + publish_s, wait_s)
+                .await;
+            csv.append(&stats, run_start.elapsed().as_secs_f64(), wait_s, publish_s)?;
+            tracing::info!(
+                step = stats.step,
+                version = stats.version,
+                reward = stats.reward_mean,
+                loss = stats.loss,
+                tokens = stats.tokens,
+                lag_mean = stats.objective.mean_version_lag,
+                wait_s,
+                compute_s = stats.compute_seconds,
+                publish_s,
+                "step"
+            );
+            if stats.step % self.config.learner.checkpoint_every == 0 {
+                self.checkpoint().await?;
+            }
+            summary.last = Some(stats);
+        }
+        if self.shutdown.is_cancelled() {
+            // SIGTERM: leave a checkpoint of exactly where we are.
+            self.checkpoint().await?;
+        }
+        let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
+        summary.steps = step;
+        summary.version = version;
+        Ok(summary)
+    }
+}
+
+/// One line per step, appended (a resumed run continues the same file).
+struct MetricsCsv {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsCsv {
+    const HEADER: &'static str = "step,version,wall_seconds,reward_mean,reward_failed,loss,clip_low,clip_high,weight_masked,m2po_masked,approx_kl,entropy,grad_norm,learning_rate,tokens,groups,version_lag_mean,version_lag_max,wait_seconds,compute_seconds,publish_seconds";
+
+    fn open(path: PathBuf) -> Result<Self, LearnerError> {
+        let err = |source| LearnerError::MetricsFile {
+            path: path.clone(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(err)?;
+        }
+        let fresh = !path.exists();
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(err)?;
+        if fresh {
+            writeln!(file, "{}", Self::HEADER).map_err(err)?;
+        }
+        Ok(Self { path, file })
+    }
+
+    fn append(
+        &mut self,
+        s: &StepStats,
+        wall: f64,
+        wait: f64,
+        publish: f64,
+    ) -> Result<(), LearnerError> {
+        let o = &s.objective;
+        writeln!(
+            self.file,
+            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4}",
+            s.step,
+            s.version,
+            wall,
+            s.reward_mean,
+            s.reward_failed,
+            s.loss,
+            o.clip_low_fraction,
+            o.clip_high_fraction,
+            o.weight_masked_fraction,
+            o.m2po_masked_fraction,
+            o.approx_kl,
+            s.entropy,
+            s.grad_norm,
+            s.learning_rate,
+            s.tokens,
+            s.groups,
+            o.mean_version_lag,
+            o.max_version_lag,
+            wait,
+            s.compute_seconds,
+            publish
+        )
+        .map_err(|source| LearnerError::MetricsFile { path: self.path.clone(), source })
+    }
+}
