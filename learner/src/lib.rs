@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod metrics;
 pub mod objective;
 pub mod service;
+pub mod sft;
 pub mod trainer;
 
 use std::fmt;

@@ -314,3 +314,27 @@ fn tiny_policy_like_child() -> Policy {
     };
     Policy::builtin_tiny(&spec, 77, DeviceOptions::cpu()).unwrap()
 }
+
+#[test]
+fn warm_start_teaches_the_task_format() {
+    tch::set_num_threads(1);
+    let mut policy = tiny_policy(11);
+    let items = asyncrl_tasks::generate(asyncrl_tasks::BuiltinTask::Arith, 400, 1);
+    let (train, eval) = items.split_at(360);
+    let opts = asyncrl_learner::sft::SftOptions {
+        steps: 60,
+        batch_size: 16,
+        learning_rate: 3e-3,
+        ..Default::default()
+    };
+    let report =
+        asyncrl_learner::sft::warm_start(&mut policy, train, eval, "arith", 4, &opts).unwrap();
+    let first = report.losses.first().copied().unwrap();
+    let last = report.losses.last().copied().unwrap();
+    assert!(
+        last < first * 0.7,
+        "cross-entropy should fall: {:?}",
+        report.losses
+    );
+    assert!(report.after.greedy >= report.before.greedy);
+}

@@ -1,0 +1,286 @@
+//! The supervised warm start of the built-in model: cross-entropy on
+//! `prompt → answer <eos>` (loss on the answer and the stop token only), so
+//! that RL starts from a policy that earns some reward. Prompts are encoded
+//! exactly as the rollout worker encodes them
+//! (`asyncrl_policy::from_config::encode_prompt`).
+
+use asyncrl_policy::from_config::{decode_completion, encode_prompt};
+use asyncrl_policy::{DecodeBatchOptions, Policy, SamplingParams, SequenceRequest};
+use asyncrl_tasks::{SplitMix64, TaskItem, Verdict};
+use tch::{Kind, Tensor};
+
+use crate::adamw::{AdamW, AdamWConfig};
+use crate::trainer::TrainError;
+
+#[derive(Debug, Clone)]
+pub struct SftOptions {
+    pub steps: usize,
+    pub batch_size: usize,
+    pub learning_rate: f64,
+    pub seed: u64,
+    /// Evaluate on this many held-out items (greedy and sampled at `temperature`).
+    pub temperature: f64,
+    pub grad_clip: f64,
+}
+
+impl Default for SftOptions {
+    fn default() -> Self {
+        Self {
+            steps: 300,
+            batch_size: 32,
+            learning_rate: 3e-3,
+            seed: 0,
+            temperature: 1.0,
+            grad_clip: 1.0,
+        }
+    }
+}
+
+/// Mean reward of a model on tasks: greedy and sampled.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Accuracy {
+    pub greedy: f64,
+    pub sampled: f64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct SftReport {
+    pub before: Accuracy,
+    pub after: Accuracy,
+    /// Loss every 10 steps.
+    pub losses: Vec<f64>,
+    pub seconds: f64,
+}
+
+fn encode_example(
+    policy: &Policy,
+    item: &TaskItem,
+    eos: i64,
+) -> Result<(Vec<i64>, usize), TrainError> {
+    let mut ids = encode_prompt(policy, &item.prompt)?;
+    let prompt_len = ids.len();
+    let tok = policy.tokenizer().ok_or_else(|| {
+        asyncrl_policy::PolicyError::InvalidRequest("the model has no tokenizer".into())
+    })?;
+    ids.extend(tok.encode(&item.answer, false)?);
+    ids.push(eos);
+    Ok((ids, prompt_len))
+}
+
+/// One cross-entropy step on `items`; returns the loss.
+fn sft_step(
+    policy: &Policy,
+    opt: &mut AdamW,
+    items: &[&TaskItem],
+    opts: &SftOptions,
+) -> Result<f64, TrainError> {
+    let eos = policy.eos_token_ids().first().copied().unwrap_or(0);
+    let pad = policy.config().pad_token_id.unwrap_or(0);
+    let examples: Vec<(Vec<i64>, usize)> = items
+        .iter()
+        .map(|it| encode_example(policy, it, eos))
+        .collect::<Result<_, _>>()?;
+    let l = examples.iter().map(|(ids, _)| ids.len()).max().unwrap_or(2);
+    let n = examples.len();
+    let mut ids = vec![pad; n * l];
+    let mut target_mask = vec![0f32; n * (l - 1)];
+    for (i, (ex, p)) in examples.iter().enumerate() {
+        ids[i * l..i * l + ex.len()].copy_from_slice(ex);
+        // Position j predicts token j+1: the answer and eos are tokens p..len.
+        for j in (p - 1)..(ex.len() - 1) {
+            target_mask[i * (l - 1) + j] = 1.0;
+        }
+    }
+    let device = policy.device();
+    let input = Tensor::from_slice(&ids)
+        .view([n as i64, l as i64])
+        .to_device(device);
+    let mask = Tensor::from_slice(&target_mask)
+        .view([n as i64, l as i64 - 1])
+        .to_device(device);
+    let params = policy.named_parameters();
+    AdamW::zero_grad(&params);
+    let logits = policy.forward(&input, None)?;
+    let logp = logits
+        .narrow(1, 0, l as i64 - 1)
+        .log_softmax(-1, Kind::Float);
+    let next = input.narrow(1, 1, l as i64 - 1).unsqueeze(-1);
+    let nll = -logp.gather(-1, &next, false).squeeze_dim(-1);
+    let loss = (nll * &mask).sum(Kind::Float) / mask.sum(Kind::Float).clamp_min(1.0);
+    loss.backward();
+    AdamW::clip_grad_norm(&params, opts.grad_clip);
+    opt.step(&params, opts.learning_rate);
+    Ok(loss.double_value(&[]))
+}
+
+/// Mean reward on `items` with the built-in verifier of `dataset`.
+pub fn evaluate(
+    policy: &Policy,
+    items: &[TaskItem],
+    dataset: &str,
+    temperature: f64,
+    max_new_tokens: usize,
+    seed: u64,
+) -> Result<Accuracy, TrainError> {
+    let _g = tch::no_grad_guard();
+    let eos = policy.eos_token_ids();
+    let run = |temp: f64| -> Result<f64, TrainError> {
+        let requests: Vec<SequenceRequest> = items
+            .iter()
+            .enumerate()
+            .map(|(i, it)| {
+                Ok(SequenceRequest {
+                    prompt: encode_prompt(policy, &it.prompt)?,
+                    params: SamplingParams {
+                        temperature: temp,
+                        top_p: 1.0,
+                        top_k: 0,
+                        max_new_tokens,
+                        stop_token_ids: eos.clone(),
+                        seed: Some(seed.wrapping_add(i as u64)),
+                    },
+                })
+            })
+            .collect::<Result<_, TrainError>>()?;
+        let max_prompt = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(1);
+        let outs = asyncrl_policy::generate(
+            policy,
+            requests,
+            DecodeBatchOptions {
+                max_slots: 64,
+                max_seq_len: max_prompt + max_new_tokens + 1,
+            },
+        )?;
+        let mut total = 0.0;
+        for (it, out) in items.iter().zip(&outs) {
+            let text = decode_completion(policy, &out.tokens, &eos)?;
+            if let Verdict::Reward(r) = asyncrl_tasks::score(dataset, &text, &it.answer) {
+                total += f64::from(r);
+            }
+        }
+        Ok(if items.is_empty() {
+            0.0
+        } else {
+            total / items.len() as f64
+        })
+    };
+    Ok(Accuracy {
+        greedy: run(0.0)?,
+        sampled: run(temperature)?,
+    })
+}
+
+/// Warm-starts `policy` on `train`, evaluating on `eval` before and after.
+pub fn warm_start(
+    policy: &mut Policy,
+    train: &[TaskItem],
+    eval: &[TaskItem],
+    dataset: &str,
+    max_new_tokens: usize,
+    opts: &SftOptions,
+) -> Result<SftReport, TrainError> {
+    let start = std::time::Instant::now();
+    let mut report = SftReport {
+        before: evaluate(
+            policy,
+            eval,
+            dataset,
+            opts.temperature,
+            max_new_tokens,
+            opts.seed,
+        )?,
+        ..Default::default()
+    };
+    let mut rng = SplitMix64::new(opts.seed ^ 0x5F7);
+    let mut opt = AdamW::new(AdamWConfig::default());
+    for step in 0..opts.steps {
+        let batch: Vec<&TaskItem> = (0..opts.batch_size.max(1))
+            .map(|_| &train[rng.below(train.len() as u64) as usize])
+            .collect();
+        let loss = sft_step(policy, &mut opt, &batch, opts)?;
+        if !loss.is_finite() {
+            return Err(TrainError::NonFiniteLoss(loss));
+        }
+        if step % 10 == 0 || step + 1 == opts.steps {
+            report.losses.push(loss);
+            tracing::info!(step, loss, "warm start");
+        }
+    }
+    policy.mark_weights_changed();
+    report.after = evaluate(
+        policy,
+        eval,
+        dataset,
+        opts.temperature,
+        max_new_tokens,
+        opts.seed,
+    )?;
+    report.seconds = start.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WarmStartError {
+    #[error("the config names no data set (`coordinator.datasets`)")]
+    NoDataset,
+    #[error(transparent)]
+    Tasks(#[from] asyncrl_tasks::TaskError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error(transparent)]
+    Policy(#[from] asyncrl_policy::PolicyError),
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// `asyncrl warmstart`: builds the model of `[model]` (the built-in one when
+/// no path is set), warm-starts it on the first data set of
+/// `[coordinator].datasets` (holding out `eval_items` for the report), and
+/// saves it as a Hugging Face folder in `out` with `warmstart.json` (the
+/// report) beside the weights.
+pub fn run_warm_start(
+    config: &asyncrl_config::Config,
+    opts: &SftOptions,
+    eval_items: usize,
+    out: &std::path::Path,
+) -> Result<SftReport, WarmStartError> {
+    let dataset = config
+        .coordinator
+        .datasets
+        .first()
+        .ok_or(WarmStartError::NoDataset)?;
+    let items = asyncrl_tasks::load_jsonl(&dataset.path)?;
+    let hold = eval_items.min(items.len() / 2);
+    let (train, eval) = items.split_at(items.len() - hold);
+    let mut policy = asyncrl_policy::from_config::load_policy(&config.model, config.run.seed)?;
+    let report = warm_start(
+        &mut policy,
+        train,
+        eval,
+        &dataset.name,
+        config.model.max_new_tokens,
+        opts,
+    )?;
+    policy.set_version(0);
+    policy.save_pretrained(out, None)?;
+    let json = format!(
+        "{{\"dataset\":{:?},\"steps\":{},\"batch_size\":{},\"learning_rate\":{},\"eval_items\":{},\"before\":{{\"greedy\":{},\"sampled\":{}}},\"after\":{{\"greedy\":{},\"sampled\":{}}},\"temperature\":{},\"seconds\":{:.1}}}\n",
+        dataset.name,
+        opts.steps,
+        opts.batch_size,
+        opts.learning_rate,
+        eval.len(),
+        report.before.greedy,
+        report.before.sampled,
+        report.after.greedy,
+        report.after.sampled,
+        opts.temperature,
+        report.seconds
+    );
+    let path = out.join("warmstart.json");
+    std::fs::write(&path, json).map_err(|source| WarmStartError::Write { path, source })?;
+    Ok(report)
+}
