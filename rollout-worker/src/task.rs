@@ -1,0 +1,585 @@
+//! One task (one lease): generate its G completions concurrently through
+//! the continuous batch, score each, publish one trajectory per completion
+//! as soon as it is scored, and report the task complete once every publish
+//! was acknowledged.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use asyncrl_policy::from_config::{decode_completion, encode_prompt};
+use asyncrl_policy::{FinishReason as SeqFinish, PolicyError, SequenceOutput, SequenceRequest};
+use asyncrl_protos::subjects::{TASKS_COMPLETE, trajectory_subject};
+use asyncrl_protos::v1::{CompleteTask, CompleteTaskReply};
+use asyncrl_protos::{
+    ContractError, FinishReason, Message, RewardStatus, Task, Timings, Trajectory,
+};
+use asyncrl_transport::TransportError;
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::{Backoff, call, unix_ms};
+use crate::metrics::reason;
+use crate::reward::{RewardOutcome, ScoreInput};
+use crate::state::{SeqGuard, Shared, bump};
+
+/// How a task ended.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum TaskEnd {
+    /// Every trajectory acked and CompleteTask accepted.
+    Completed,
+    /// Every trajectory acked, but the coordinator refused the completion
+    /// (the lease had expired) or could not be told.
+    NotAccepted(String),
+    /// The coordinator revoked the lease; nothing more was published.
+    Revoked,
+    /// Not every completion was published (drain deadline, a failure): the
+    /// task goes back to the coordinator.
+    Unfinished(String),
+}
+
+/// Tokens that stop a task's work.
+#[derive(Clone)]
+pub(crate) struct Stops {
+    /// The lease's token: revocation, or a failed sibling completion.
+    pub abort: CancellationToken,
+    /// Drain deadline: unfinished generation is cancelled (finished
+    /// completions still publish).
+    pub generation: CancellationToken,
+    /// After the drain deadline plus a margin: publishing gives up too.
+    pub hard: CancellationToken,
+}
+
+/// Why one completion was not published.
+#[derive(Debug)]
+enum CompletionError {
+    /// Revoked, or a sibling failed.
+    Aborted,
+    /// The drain deadline passed.
+    Stopped,
+    Generation(PolicyError),
+    Publish(TransportError),
+    Invalid(ContractError),
+}
+
+impl CompletionError {
+    fn describe(&self) -> String {
+        match self {
+            CompletionError::Aborted => "aborted".into(),
+            CompletionError::Stopped => "drain deadline passed before it finished".into(),
+            CompletionError::Generation(e) => format!("generation failed: {e}"),
+            CompletionError::Publish(e) => format!("publish failed: {e}"),
+            CompletionError::Invalid(e) => format!("invalid trajectory: {e}"),
+        }
+    }
+}
+
+/// Runs one task to its end. `guards` hold the task's G sequences in the
+/// worker's capacity count until each stops generating.
+pub(crate) async fn run_task(
+    shared: Arc<Shared>,
+    task: Task,
+    granted_at: Instant,
+    mut guards: Vec<SeqGuard>,
+    stops: Stops,
+) -> TaskEnd {
+    let lease_id = task.lease_id.clone();
+    let end = run_task_inner(&shared, &task, granted_at, &mut guards, &stops).await;
+    drop(guards);
+    let revoked = {
+        let mut leases = shared.leases();
+        let entry = leases.remove(&lease_id);
+        entry.is_some_and(|e| e.revoked.load(Ordering::SeqCst))
+    };
+    shared.slot_freed.notify_one();
+    let end = if revoked { TaskEnd::Revoked } else { end };
+    match &end {
+        TaskEnd::Completed => {
+            shared.metrics.tasks_completed.inc();
+            bump(&shared.counters.tasks_completed);
+            shared
+                .metrics
+                .task_latency_seconds
+                .observe(granted_at.elapsed().as_secs_f64());
+            tracing::debug!(task_id = %task.task_id, lease_id = %lease_id, seconds = granted_at.elapsed().as_secs_f64(), "task complete");
+        }
+        TaskEnd::NotAccepted(why) => {
+            tracing::warn!(task_id = %task.task_id, lease_id = %lease_id, reason = %why, "task published but its completion was not accepted");
+        }
+        TaskEnd::Revoked => {
+            tracing::info!(task_id = %task.task_id, lease_id = %lease_id, "task revoked");
+        }
+        TaskEnd::Unfinished(why) => {
+            tracing::info!(task_id = %task.task_id, lease_id = %lease_id, reason = %why, "task unfinished");
+        }
+    }
+    end
+}
+
+async fn run_task_inner(
+    shared: &Arc<Shared>,
+    task: &Task,
+    granted_at: Instant,
+    guards: &mut Vec<SeqGuard>,
+    stops: &Stops,
+) -> TaskEnd {
+    let g = guards.len();
+    let text = task.prompt.clone();
+    let prompt = match shared
+        .model
+        .with_policy(move |p| encode_prompt(p, &text))
+        .await
+    {
+        Ok(Ok(ids)) => ids,
+        Ok(Err(e)) | Err(e) => {
+            return TaskEnd::Unfinished(format!("cannot encode the prompt: {e}"));
+        }
+    };
+    let max_seq_len = shared.model.batch_options().max_seq_len;
+    if prompt.len() >= max_seq_len {
+        return TaskEnd::Unfinished(format!(
+            "the prompt has {} tokens; model.max_seq_len = {max_seq_len} leaves no room for a completion",
+            prompt.len()
+        ));
+    }
+    let mut params = shared.params.clone();
+    if shared.lengths == crate::state::CompletionLengths::ReferenceAnswer {
+        let n = shared
+            .model
+            .tokenizer()
+            .and_then(|t| t.encode(&task.answer, false).ok())
+            .map_or(0, |ids| ids.len());
+        params.max_new_tokens = n + 1;
+        params.stop_token_ids.clear();
+    }
+    let request = SequenceRequest { prompt, params };
+
+    let mut completions: FuturesUnordered<_> = guards
+        .drain(..)
+        .enumerate()
+        .map(|(index, guard)| {
+            run_completion(
+                shared,
+                task,
+                index as u32,
+                g as u32,
+                request.clone(),
+                guard,
+                stops,
+            )
+        })
+        .collect();
+    let mut published = 0usize;
+    let mut first_error: Option<String> = None;
+    while let Some(result) = completions.next().await {
+        match result {
+            Ok(()) => published += 1,
+            Err(e) => {
+                if !matches!(e, CompletionError::Aborted | CompletionError::Stopped) {
+                    tracing::warn!(task_id = %task.task_id, lease_id = %task.lease_id, error = %e.describe(), "completion failed; abandoning the task");
+                    if let CompletionError::Generation(PolicyError::ModelThreadGone) = &e {
+                        shared.set_fatal("the model thread stopped".into());
+                    }
+                    // The task cannot be completed without it: stop the rest.
+                    stops.abort.cancel();
+                }
+                if first_error.is_none()
+                    || matches!(
+                        e,
+                        CompletionError::Generation(_)
+                            | CompletionError::Publish(_)
+                            | CompletionError::Invalid(_)
+                    )
+                {
+                    first_error = Some(e.describe());
+                }
+            }
+        }
+    }
+    if published < g {
+        return TaskEnd::Unfinished(format!(
+            "{published} of {g} completions published; {}",
+            first_error.unwrap_or_default()
+        ));
+    }
+    if stops.abort.is_cancelled() {
+        return TaskEnd::Unfinished("aborted".into());
+    }
+    complete(shared, task, g as u32, granted_at, stops).await
+}
+
+/// Reports the task complete (retrying transient errors, bounded by the
+/// hard stop and a handful of attempts).
+async fn complete(
+    shared: &Arc<Shared>,
+    task: &Task,
+    num_trajectories: u32,
+    _granted_at: Instant,
+    stops: &Stops,
+) -> TaskEnd {
+    let req = CompleteTask {
+        worker_id: shared.settings.worker_id.clone(),
+        task_id: task.task_id.clone(),
+        lease_id: task.lease_id.clone(),
+        num_trajectories,
+    };
+    let (min, max) = shared.settings.acquire_backoff;
+    let mut backoff = Backoff::new(min, max);
+    let timeout = shared.settings.request_timeout;
+    let mut last = String::new();
+    for attempt in 1..=8u32 {
+        if stops.abort.is_cancelled() {
+            return TaskEnd::Revoked;
+        }
+        let r = call::<CompleteTaskReply>(shared.bus.as_ref(), TASKS_COMPLETE, &req, timeout).await;
+        match r {
+            Ok(reply) if reply.accepted => return TaskEnd::Completed,
+            Ok(reply) => {
+                shared.metrics.completions_refused.inc();
+                bump(&shared.counters.completions_refused);
+                return TaskEnd::NotAccepted(format!("refused: {}", reply.reason));
+            }
+            Err(e) => {
+                shared
+                    .metrics
+                    .coordinator_errors
+                    .get_or_create(&reason("complete"))
+                    .inc();
+                tracing::warn!(task_id = %task.task_id, lease_id = %task.lease_id, attempt, error = %e, "CompleteTask failed; retrying");
+                last = e.to_string();
+            }
+        }
+        tokio::select! {
+            _ = stops.hard.cancelled() => break,
+            _ = stops.abort.cancelled() => return TaskEnd::Revoked,
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+    }
+    bump(&shared.counters.completions_failed);
+    TaskEnd::NotAccepted(format!("the coordinator could not be told: {last}"))
+}
+
+fn finish_reason(r: SeqFinish) -> FinishReason {
+    match r {
+        SeqFinish::Stop => FinishReason::Stop,
+        SeqFinish::MaxNewTokens | SeqFinish::MaxSeqLen => FinishReason::Length,
+        SeqFinish::Cancelled => FinishReason::Aborted,
+    }
+}
+
+/// The trajectory of one finished completion, token-exact.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_trajectory(
+    uuid: String,
+    task: &Task,
+    index: u32,
+    group_size: u32,
+    worker_id: &str,
+    out: &SequenceOutput,
+    reward: &RewardOutcome,
+    timings: Timings,
+) -> Result<Trajectory, ContractError> {
+    let to_i32 = |field: &'static str, ids: &[i64]| -> Result<Vec<i32>, ContractError> {
+        ids.iter()
+            .map(|&t| {
+                i32::try_from(t).map_err(|_| ContractError::Field {
+                    field,
+                    reason: format!("token id {t} does not fit in int32"),
+                })
+            })
+            .collect()
+    };
+    let (reward_value, status) = match reward {
+        RewardOutcome::Scored { reward, .. } => (*reward, RewardStatus::Ok),
+        RewardOutcome::Failed { .. } => (f32::NAN, RewardStatus::Failed),
+    };
+    let t = Trajectory {
+        uuid,
+        task_id: task.task_id.clone(),
+        group_id: task.lease_id.clone(),
+        prompt_token_ids: to_i32("prompt_token_ids", &out.prompt)?,
+        completion_token_ids: to_i32("completion_token_ids", &out.tokens)?,
+        behaviour_logprobs: out.logprobs.clone(),
+        policy_versions: out.versions.clone(),
+        reward: reward_value,
+        reward_status: status as i32,
+        finish_reason: finish_reason(out.finish_reason) as i32,
+        worker_id: worker_id.to_owned(),
+        timings: Some(timings),
+        group_size,
+        index_in_group: index,
+        admission_version: task.admission_version,
+    };
+    t.validate()?;
+    Ok(t)
+}
+
+fn clamp_ms(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+async fn run_completion(
+    shared: &Arc<Shared>,
+    task: &Task,
+    index: u32,
+    group_size: u32,
+    request: SequenceRequest,
+    guard: SeqGuard,
+    stops: &Stops,
+) -> Result<(), CompletionError> {
+    let started_ms = unix_ms();
+    let started = Instant::now();
+    // Generation. A finished sequence wins over a stop that arrives at the
+    // same moment (it is published, not thrown away).
+    let generated = tokio::select! {
+        biased;
+        r = shared.model.generate(request) => r.map_err(CompletionError::Generation),
+        _ = stops.abort.cancelled() => Err(CompletionError::Aborted),
+        _ = stops.generation.cancelled() => Err(CompletionError::Stopped),
+    };
+    drop(guard);
+    let out = match generated {
+        Ok(out) => out,
+        Err(e) => {
+            if matches!(e, CompletionError::Aborted | CompletionError::Stopped) {
+                shared.metrics.sequences_cancelled.inc();
+                bump(&shared.counters.sequences_cancelled);
+            }
+            return Err(e);
+        }
+    };
+    let generation_ms = clamp_ms(started.elapsed());
+    let finished_ms = unix_ms();
+
+    // Score.
+    let tokens = out.tokens.clone();
+    let stop_ids = shared.params.stop_token_ids.clone();
+    let decoded = shared
+        .model
+        .with_policy(move |p| decode_completion(p, &tokens, &stop_ids))
+        .await;
+    let uuid = uuid::Uuid::new_v4().to_string();
+    let reward = match decoded {
+        Ok(Ok(completion)) => {
+            let input = ScoreInput {
+                trajectory_uuid: uuid.clone(),
+                task_id: task.task_id.clone(),
+                dataset: task.dataset.clone(),
+                prompt: task.prompt.clone(),
+                completion,
+                completion_token_ids: out.tokens.iter().map(|&t| t as i32).collect(),
+                answer: task.answer.clone(),
+            };
+            tokio::select! {
+                r = shared.scorer.score(&input) => r,
+                _ = stops.abort.cancelled() => return Err(CompletionError::Aborted),
+                _ = stops.hard.cancelled() => return Err(CompletionError::Stopped),
+            }
+        }
+        Ok(Err(e)) | Err(e) => RewardOutcome::Failed {
+            reason: format!("cannot decode the completion: {e}"),
+            attempts: 0,
+            latency: Duration::ZERO,
+        },
+    };
+    shared
+        .metrics
+        .reward_latency_seconds
+        .observe(reward.latency().as_secs_f64());
+    if let RewardOutcome::Failed { reason: why, .. } = &reward {
+        shared.metrics.reward_failures.inc();
+        bump(&shared.counters.reward_failures);
+        tracing::warn!(task_id = %task.task_id, trajectory = %uuid, reason = %why, "reward failed; the trajectory is marked REWARD_STATUS_FAILED");
+    }
+    let timings = Timings {
+        started_at_unix_ms: started_ms,
+        finished_at_unix_ms: finished_ms,
+        generation_ms,
+        reward_ms: clamp_ms(reward.latency()),
+        weight_swaps: out.recomputations,
+    };
+    let trajectory = build_trajectory(
+        uuid,
+        task,
+        index,
+        group_size,
+        &shared.settings.worker_id,
+        &out,
+        &reward,
+        timings,
+    )
+    .map_err(CompletionError::Invalid)?;
+
+    // Publish, retrying transient errors (dedupe by uuid makes retries safe).
+    let subject = trajectory_subject(&task.task_id);
+    let payload = Bytes::from(trajectory.encode_to_vec());
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    loop {
+        let r = tokio::select! {
+            r = shared.bus.publish_durable(&subject, &trajectory.uuid, payload.clone()) => r,
+            _ = stops.abort.cancelled() => return Err(CompletionError::Aborted),
+            _ = stops.hard.cancelled() => return Err(CompletionError::Stopped),
+        };
+        match r {
+            Ok(ack) => {
+                tracing::trace!(trajectory = %trajectory.uuid, sequence = ack.sequence, duplicate = ack.duplicate, "trajectory published");
+                break;
+            }
+            Err(e) if retryable(&e) => {
+                shared.metrics.publish_retries.inc();
+                tracing::warn!(task_id = %task.task_id, trajectory = %trajectory.uuid, error = %e, "publish failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff.next_delay()) => {}
+                    _ = stops.abort.cancelled() => return Err(CompletionError::Aborted),
+                    _ = stops.hard.cancelled() => return Err(CompletionError::Stopped),
+                }
+            }
+            Err(e) => return Err(CompletionError::Publish(e)),
+        }
+    }
+    shared.metrics.trajectories_published.inc();
+    bump(&shared.counters.trajectories_published);
+    let announced = shared.announced_version.load(Ordering::Relaxed);
+    let lag = (announced - trajectory.oldest_version()).max(0);
+    shared.metrics.version_lag.observe(f64::from(lag));
+    Ok(())
+}
+
+/// Publish errors worth retrying: transient ones, and a stream that does not
+/// exist yet (the buffer creates it).
+fn retryable(e: &TransportError) -> bool {
+    e.is_transient()
+        || matches!(
+            e,
+            TransportError::NoStream { .. } | TransportError::NoStreamForSubject { .. }
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task() -> Task {
+        Task {
+            task_id: "arith-000001".into(),
+            lease_id: "lease-9".into(),
+            prompt: "1+1=".into(),
+            answer: "2".into(),
+            dataset: "arith".into(),
+            group_size: 4,
+            lease_deadline_unix_ms: 0,
+            admission_version: 3,
+            epoch: 0,
+        }
+    }
+
+    fn output(reason: SeqFinish) -> SequenceOutput {
+        SequenceOutput {
+            id: 0,
+            prompt: vec![1, 5, 6],
+            tokens: vec![7, 2],
+            logprobs: vec![-0.5, -0.25],
+            versions: vec![3, 4],
+            finish_reason: reason,
+            recomputations: 1,
+        }
+    }
+
+    #[test]
+    fn trajectories_carry_exactly_what_was_sampled() {
+        let uuid = uuid::Uuid::new_v4().to_string();
+        let reward = RewardOutcome::Scored {
+            reward: 1.0,
+            latency: Duration::ZERO,
+        };
+        let t = build_trajectory(
+            uuid.clone(),
+            &task(),
+            2,
+            4,
+            "w",
+            &output(SeqFinish::Stop),
+            &reward,
+            Timings::default(),
+        )
+        .unwrap();
+        assert_eq!(t.uuid, uuid);
+        assert_eq!(t.group_id, "lease-9");
+        assert_eq!(t.prompt_token_ids, vec![1, 5, 6]);
+        assert_eq!(t.completion_token_ids, vec![7, 2]);
+        assert_eq!(t.behaviour_logprobs, vec![-0.5, -0.25]);
+        assert_eq!(t.policy_versions, vec![3, 4]);
+        assert_eq!(t.admission_version, 3);
+        assert_eq!((t.index_in_group, t.group_size), (2, 4));
+        assert_eq!(t.finish_reason, FinishReason::Stop as i32);
+        assert_eq!(t.reward_status, RewardStatus::Ok as i32);
+
+        let failed = RewardOutcome::Failed {
+            reason: "x".into(),
+            attempts: 3,
+            latency: Duration::ZERO,
+        };
+        let t = build_trajectory(
+            uuid::Uuid::new_v4().to_string(),
+            &task(),
+            0,
+            4,
+            "w",
+            &output(SeqFinish::MaxSeqLen),
+            &failed,
+            Timings::default(),
+        )
+        .unwrap();
+        assert_eq!(t.reward_status, RewardStatus::Failed as i32);
+        assert!(t.reward.is_nan(), "a failed reward is never a silent 0");
+        assert_eq!(t.finish_reason, FinishReason::Length as i32);
+    }
+
+    #[test]
+    fn broken_outputs_are_refused_before_publishing() {
+        let mut out = output(SeqFinish::Stop);
+        out.versions = vec![4, 3];
+        let reward = RewardOutcome::Scored {
+            reward: 0.0,
+            latency: Duration::ZERO,
+        };
+        let err = build_trajectory(
+            uuid::Uuid::new_v4().to_string(),
+            &task(),
+            0,
+            4,
+            "w",
+            &out,
+            &reward,
+            Timings::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ContractError::Field {
+                    field: "policy_versions",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let mut out = output(SeqFinish::Stop);
+        out.tokens[0] = i64::from(i32::MAX) + 1;
+        assert!(
+            build_trajectory(
+                uuid::Uuid::new_v4().to_string(),
+                &task(),
+                0,
+                4,
+                "w",
+                &out,
+                &reward,
+                Timings::default(),
+            )
+            .is_err()
+        );
+    }
+}

@@ -1,0 +1,326 @@
+//! Weight swaps: watch `policy.version`, fetch the announced object, verify
+//! its sha256 and swap it in at the next decoding-step boundary.
+//!
+//! A fetch that fails (checksum mismatch, timeout, missing object, bus
+//! error) keeps the old weights in use, is counted, and is retried with
+//! backoff; a newer announcement cuts the backoff short and is fetched
+//! instead. Bytes that verify but do not load as this model's weights are
+//! not retried (the same bytes would fail again): the worker waits for a
+//! newer version. Versions never go backwards.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use asyncrl_policy::PolicyError;
+use asyncrl_protos::subjects::{
+    CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, weights_object_name,
+};
+use asyncrl_protos::{Message, WeightAnnouncement};
+use asyncrl_transport::TransportError;
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::{Backoff, unix_ms};
+use crate::metrics::reason;
+use crate::state::{Shared, bump};
+
+/// Runs until `stop`: keeps the model on the newest announced weights and
+/// reports each version in use on `loaded`.
+pub(crate) async fn run(
+    shared: Arc<Shared>,
+    loaded: watch::Sender<Option<i32>>,
+    stop: CancellationToken,
+) {
+    let (ann_tx, ann_rx) = watch::channel::<Option<WeightAnnouncement>>(None);
+    let watcher = tokio::spawn(watch_announcements(shared.clone(), ann_tx, stop.clone()));
+    load_loop(&shared, ann_rx, &loaded, &stop).await;
+    stop.cancel();
+    let _ = watcher.await;
+}
+
+/// Follows the KV key `policy.version`, publishing every newer announcement
+/// on `tx`; re-opens the watch with backoff when it fails.
+async fn watch_announcements(
+    shared: Arc<Shared>,
+    tx: watch::Sender<Option<WeightAnnouncement>>,
+    stop: CancellationToken,
+) {
+    let (min, max) = shared.settings.weight_backoff;
+    let mut backoff = Backoff::new(min, max);
+    while !stop.is_cancelled() {
+        let stream = async {
+            let kv = shared.bus.kv(CONTROL_BUCKET).await?;
+            kv.watch(POLICY_VERSION_KEY).await
+        };
+        let mut events = match stop.run_until_cancelled(stream).await {
+            None => return,
+            Some(Ok(events)) => events,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, bucket = CONTROL_BUCKET, key = POLICY_VERSION_KEY, "cannot watch the policy version; retrying");
+                if stop
+                    .run_until_cancelled(tokio::time::sleep(backoff.next_delay()))
+                    .await
+                    .is_none()
+                {
+                    return;
+                }
+                continue;
+            }
+        };
+        loop {
+            let event = match stop.run_until_cancelled(events.next()).await {
+                None => return,
+                Some(None) => {
+                    tracing::warn!("the policy version watch ended; re-opening it");
+                    break;
+                }
+                Some(Some(Err(e))) => {
+                    tracing::warn!(error = %e, "the policy version watch failed; re-opening it");
+                    break;
+                }
+                Some(Some(Ok(event))) => event,
+            };
+            backoff.reset();
+            let Some(value) = event.value else {
+                continue;
+            };
+            let ann = match WeightAnnouncement::decode(value.as_ref()) {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, revision = event.revision, "policy.version does not decode as a WeightAnnouncement; ignored");
+                    continue;
+                }
+            };
+            let newer = tx
+                .borrow()
+                .as_ref()
+                .is_none_or(|cur| ann.version > cur.version);
+            if !newer {
+                tracing::debug!(
+                    version = ann.version,
+                    "announcement of an older or equal version ignored"
+                );
+                continue;
+            }
+            tracing::info!(version = ann.version, object = %ann.object_name, step = ann.step, "new weights announced");
+            shared
+                .announced_version
+                .fetch_max(ann.version, Ordering::SeqCst);
+            shared
+                .metrics
+                .weights_announced_version
+                .set(i64::from(ann.version));
+            let _ = tx.send(Some(ann));
+        }
+        if stop
+            .run_until_cancelled(tokio::time::sleep(backoff.next_delay()))
+            .await
+            .is_none()
+        {
+            return;
+        }
+    }
+}
+
+/// Why a fetch or load failed; the label is the metric's reason.
+#[derive(Debug)]
+struct FetchFailure {
+    label: &'static str,
+    message: String,
+    /// Whether fetching the same version again can succeed.
+    retry: bool,
+}
+
+async fn load_loop(
+    shared: &Arc<Shared>,
+    mut ann_rx: watch::Receiver<Option<WeightAnnouncement>>,
+    loaded: &watch::Sender<Option<i32>>,
+    stop: &CancellationToken,
+) {
+    let (min, max) = shared.settings.weight_backoff;
+    let mut backoff = Backoff::new(min, max);
+    let mut current: Option<i32> = None;
+    // A version whose bytes verified but did not load: not retried.
+    let mut given_up: Option<i32> = None;
+    loop {
+        // The newest announcement we do not run yet.
+        let wanted = {
+            let ann = ann_rx.borrow_and_update();
+            ann.as_ref()
+                .filter(|a| current.is_none_or(|v| a.version > v))
+                .filter(|a| given_up.is_none_or(|v| a.version > v))
+                .cloned()
+        };
+        let Some(ann) = wanted else {
+            match stop.run_until_cancelled(ann_rx.changed()).await {
+                Some(Ok(())) => continue,
+                _ => return,
+            }
+        };
+        let attempt = stop.run_until_cancelled(fetch_and_load(shared, &ann)).await;
+        match attempt {
+            None => return,
+            Some(Ok(())) => {
+                backoff.reset();
+                current = Some(ann.version);
+                let _ = loaded.send(Some(ann.version));
+            }
+            Some(Err(f)) if f.label == "model_gone" => {
+                shared.set_fatal(f.message);
+                return;
+            }
+            Some(Err(f)) => {
+                shared
+                    .metrics
+                    .weight_fetch_failures
+                    .get_or_create(&reason(f.label))
+                    .inc();
+                bump(&shared.counters.weight_fetch_failures);
+                tracing::warn!(
+                    version = ann.version,
+                    object = %ann.object_name,
+                    reason = f.label,
+                    error = %f.message,
+                    in_use = shared.model.version(),
+                    "weight fetch failed; keeping the weights in use"
+                );
+                if !f.retry {
+                    given_up = Some(ann.version);
+                    continue;
+                }
+                // Retry after the backoff, or at once when a newer version
+                // is announced meanwhile.
+                let delay = backoff.next_delay();
+                let newer = async {
+                    loop {
+                        if ann_rx.changed().await.is_err() {
+                            // The watcher is gone: only the delay remains.
+                            std::future::pending::<()>().await;
+                        }
+                        if ann_rx
+                            .borrow()
+                            .as_ref()
+                            .is_some_and(|a| a.version > ann.version)
+                        {
+                            return;
+                        }
+                    }
+                };
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = newer => backoff.reset(),
+                }
+            }
+        }
+    }
+}
+
+async fn fetch_and_load(
+    shared: &Arc<Shared>,
+    ann: &WeightAnnouncement,
+) -> Result<(), FetchFailure> {
+    if !(ann.format.is_empty() || ann.format == "safetensors") {
+        return Err(FetchFailure {
+            label: "format",
+            message: format!(
+                "weights in format {:?}; this worker reads safetensors",
+                ann.format
+            ),
+            retry: false,
+        });
+    }
+    let name = if ann.object_name.is_empty() {
+        weights_object_name(ann.version)
+    } else {
+        ann.object_name.clone()
+    };
+    let timeout = shared.settings.weight_fetch_timeout;
+    let fetch = async {
+        let store = shared.bus.object_store(WEIGHTS_BUCKET).await?;
+        store.get_expecting(&name, &ann.sha256).await
+    };
+    let bytes: Bytes = match tokio::time::timeout(timeout, fetch).await {
+        Err(_) => {
+            return Err(FetchFailure {
+                label: "timeout",
+                message: format!("fetching {name} took longer than {timeout:?}"),
+                retry: true,
+            });
+        }
+        Ok(Err(e)) => {
+            let label = match &e {
+                TransportError::ChecksumMismatch { .. } => "checksum",
+                TransportError::ObjectNotFound { .. } => "not_found",
+                _ => "transport",
+            };
+            return Err(FetchFailure {
+                label,
+                message: e.to_string(),
+                retry: true,
+            });
+        }
+        Ok(Ok(b)) => b,
+    };
+    if ann.byte_size != 0 && ann.byte_size != bytes.len() as u64 {
+        return Err(FetchFailure {
+            label: "checksum",
+            message: format!(
+                "{name} has {} bytes, the announcement says {}",
+                bytes.len(),
+                ann.byte_size
+            ),
+            retry: true,
+        });
+    }
+    shared
+        .metrics
+        .weights_fetched_version
+        .set(i64::from(ann.version));
+    let started = Instant::now();
+    match shared.model.load_weights(bytes, ann.version).await {
+        Ok(()) => {
+            let now = unix_ms();
+            let latency_ms = if ann.published_at_unix_ms > 0 {
+                (now - ann.published_at_unix_ms).max(0) as f64
+            } else {
+                started.elapsed().as_secs_f64() * 1000.0
+            };
+            shared
+                .swap_latency_ms
+                .store(latency_ms.to_bits(), Ordering::Relaxed);
+            shared
+                .metrics
+                .weight_swap_latency_seconds
+                .observe(latency_ms / 1000.0);
+            shared.metrics.weight_swaps.inc();
+            shared.metrics.policy_version.set(i64::from(ann.version));
+            bump(&shared.counters.weight_swaps);
+            tracing::info!(
+                version = ann.version,
+                object = %name,
+                swap_latency_ms = latency_ms,
+                load_ms = started.elapsed().as_millis() as u64,
+                "weights swapped in"
+            );
+            Ok(())
+        }
+        Err(PolicyError::ModelThreadGone) => Err(FetchFailure {
+            label: "model_gone",
+            message: PolicyError::ModelThreadGone.to_string(),
+            retry: false,
+        }),
+        Err(e) => Err(FetchFailure {
+            label: "load",
+            message: e.to_string(),
+            retry: false,
+        }),
+    }
+}
+
+/// How long to wait before re-checking; exposed for the worker's startup
+/// log cadence.
+pub(crate) const STARTUP_LOG_EVERY: Duration = Duration::from_secs(10);

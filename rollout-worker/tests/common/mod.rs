@@ -1,0 +1,226 @@
+//! Helpers shared by the worker's integration tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use asyncrl_config::{BusConfig, Config, DeviceName, ModelConfig};
+use asyncrl_policy::from_config::{encode_prompt, tiny_spec};
+use asyncrl_policy::{
+    DecodeBatchOptions, DeviceOptions, EngineOptions, ModelHandle, Policy, WeightDtype,
+    sequence_logprobs,
+};
+use asyncrl_rollout_worker::scripted::Received;
+use asyncrl_testkit::NatsServer;
+use asyncrl_transport::{Bus, NatsBus, TransportMetrics};
+use bytes::Bytes;
+use tokio::task::JoinHandle;
+
+pub const TEMPERATURE: f64 = 0.7;
+
+/// A tiny model: fast on two CPU cores.
+pub fn model_section(max_new_tokens: usize, max_seq_len: usize) -> ModelConfig {
+    let mut m = ModelConfig {
+        device: DeviceName::Cpu,
+        temperature: TEMPERATURE,
+        top_p: 0.9,
+        max_new_tokens,
+        max_seq_len,
+        cpu_threads: 1,
+        ..ModelConfig::default()
+    };
+    m.tiny.hidden_size = 32;
+    m.tiny.num_hidden_layers = 2;
+    m.tiny.num_attention_heads = 2;
+    m.tiny.num_key_value_heads = 1;
+    m.tiny.intermediate_size = 64;
+    m
+}
+
+pub fn config(bus: BusConfig, model: ModelConfig, group_size: u32, slots: usize) -> Config {
+    let mut c = Config::default();
+    c.bus = bus;
+    c.bus.request_timeout = Duration::from_secs(2);
+    c.model = model;
+    c.run.seed = 11;
+    c.staleness.group_size = group_size;
+    c.worker.id = Some("worker-test".into());
+    c.worker.max_sequences = slots;
+    c.worker.heartbeat_interval = Duration::from_millis(100);
+    c.worker.acquire_backoff_min = Duration::from_millis(10);
+    c.worker.acquire_backoff_max = Duration::from_millis(100);
+    c.worker.weight_retry_backoff_min = Duration::from_millis(50);
+    c.worker.weight_retry_backoff_max = Duration::from_millis(200);
+    c.worker.weight_fetch_timeout = Duration::from_secs(5);
+    c.worker.metrics_interval = Duration::from_millis(100);
+    c.validate().expect("valid test config");
+    c
+}
+
+/// A policy of the config's architecture with its own weights (`init_std`
+/// large enough that different weights give clearly different log-probs).
+pub fn policy(section: &ModelConfig, seed: u64) -> Policy {
+    tch::set_num_threads(1);
+    let spec = asyncrl_policy::TinyModelSpec {
+        init_std: 0.3,
+        ..tiny_spec(section)
+    };
+    Policy::builtin_tiny(&spec, seed, DeviceOptions::cpu()).expect("policy")
+}
+
+pub fn weights(p: &Policy) -> Bytes {
+    Bytes::from(p.weights_to_safetensors(WeightDtype::F32).expect("weights"))
+}
+
+/// The worker's model thread, built from the config like the worker does
+/// (so the initial, unannounced weights are the config seed's).
+pub async fn spawn_model(config: &Config) -> ModelHandle {
+    let section = config.model.clone();
+    let seed = config.run.seed;
+    ModelHandle::spawn(
+        EngineOptions {
+            batch: DecodeBatchOptions {
+                max_slots: config.worker.max_sequences,
+                max_seq_len: section.max_seq_len,
+            },
+            ..EngineOptions::default()
+        },
+        move || asyncrl_policy::from_config::load_policy(&section, seed),
+    )
+    .await
+    .expect("model thread")
+}
+
+pub struct Nats {
+    pub server: NatsServer,
+    pub bus: Arc<dyn Bus>,
+    pub config: BusConfig,
+}
+
+pub async fn nats() -> Nats {
+    let server = NatsServer::start().expect("nats-server");
+    let config = BusConfig::nats(server.url());
+    let bus: Arc<dyn Bus> = Arc::new(
+        NatsBus::connect(&config, TransportMetrics::new())
+            .await
+            .expect("connect"),
+    );
+    Nats {
+        server,
+        bus,
+        config,
+    }
+}
+
+/// Log-probs of `completion` after `prompt` under `p`, recomputed in one
+/// forward pass.
+pub fn recompute(p: &Policy, prompt: &[i32], completion: &[i32]) -> Vec<f32> {
+    let seq: Vec<i64> = prompt
+        .iter()
+        .chain(completion)
+        .map(|&t| i64::from(t))
+        .collect();
+    let lp = sequence_logprobs(p, &[seq], TEMPERATURE).expect("logprobs");
+    lp[0][prompt.len() - 1..].to_vec()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+pub fn prompt_ids(p: &Policy, text: &str) -> Vec<i32> {
+    encode_prompt(p, text)
+        .expect("encode")
+        .into_iter()
+        .map(|t| t as i32)
+        .collect()
+}
+
+/// Slows the model thread down (a sleep between decoding steps) and can
+/// freeze it between two steps, so that tests can act while sequences are
+/// in flight.
+pub struct Throttle {
+    paused: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl Throttle {
+    pub fn start(model: ModelHandle, per_step: Duration) -> Self {
+        let paused = Arc::new(AtomicBool::new(false));
+        let frozen = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, f, s) = (paused.clone(), frozen.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            while !s.load(Ordering::SeqCst) {
+                let (p, f) = (p.clone(), f.clone());
+                let r = model
+                    .with_policy(move |_| {
+                        std::thread::sleep(per_step);
+                        while p.load(Ordering::SeqCst) {
+                            f.store(true, Ordering::SeqCst);
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        f.store(false, Ordering::SeqCst);
+                    })
+                    .await;
+                if r.is_err() {
+                    return;
+                }
+            }
+        });
+        Self {
+            paused,
+            frozen,
+            stop,
+            task,
+        }
+    }
+
+    /// Freezes the model thread before its next step; returns once frozen.
+    pub async fn freeze(&self) {
+        self.paused.store(true, Ordering::SeqCst);
+        while !self.frozen.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    pub fn thaw(&self) {
+        self.paused.store(false, Ordering::SeqCst);
+    }
+
+    pub async fn stop(self) {
+        self.thaw();
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.task.await;
+    }
+}
+
+/// Every received trajectory, by group.
+pub fn by_group(received: &[Received]) -> std::collections::BTreeMap<String, Vec<Received>> {
+    let mut m = std::collections::BTreeMap::<String, Vec<Received>>::new();
+    for r in received {
+        m.entry(r.trajectory.group_id.clone())
+            .or_default()
+            .push(r.clone());
+    }
+    m
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    f()
+}
