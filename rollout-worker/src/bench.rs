@@ -239,8 +239,10 @@ async fn run_once(
         },
     )
     .await?;
-    let mut config = Config::default();
-    config.model = o.model.clone();
+    let mut config = Config {
+        model: o.model.clone(),
+        ..Config::default()
+    };
     config.staleness.group_size = o.group_size;
     config.worker.id = Some(format!("bench-{mode:?}").to_lowercase());
     config.worker.max_sequences = o.max_sequences;

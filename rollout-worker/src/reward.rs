@@ -104,7 +104,7 @@ pub struct RewardCounters {
 #[derive(Clone)]
 pub enum Scorer {
     Builtin,
-    External(ExternalScorer),
+    External(Box<ExternalScorer>),
 }
 
 #[derive(Clone)]
@@ -129,12 +129,12 @@ impl Scorer {
             .timeout(config.timeout)
             .connect_timeout(config.timeout)
             .connect_lazy();
-        Ok(Scorer::External(ExternalScorer {
+        Ok(Scorer::External(Box::new(ExternalScorer {
             client: RewardServiceClient::new(channel),
             permits: Arc::new(Semaphore::new(config.concurrency.max(1))),
             config,
             counters: Arc::new(RewardCounters::default()),
-        }))
+        })))
     }
 
     pub async fn score(&self, input: &ScoreInput) -> RewardOutcome {

@@ -39,10 +39,12 @@ pub fn model_section(max_new_tokens: usize, max_seq_len: usize) -> ModelConfig {
 }
 
 pub fn config(bus: BusConfig, model: ModelConfig, group_size: u32, slots: usize) -> Config {
-    let mut c = Config::default();
-    c.bus = bus;
+    let mut c = Config {
+        bus,
+        model,
+        ..Config::default()
+    };
     c.bus.request_timeout = Duration::from_secs(2);
-    c.model = model;
     c.run.seed = 11;
     c.staleness.group_size = group_size;
     c.worker.id = Some("worker-test".into());
@@ -223,4 +225,48 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     f()
+}
+
+/// The Python example reward service (examples/reward_service/server.py),
+/// killed on drop.
+pub struct RewardServer {
+    child: std::process::Child,
+    pub port: u16,
+}
+
+impl Drop for RewardServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl RewardServer {
+    pub fn start() -> Self {
+        use std::io::BufRead;
+        let root = asyncrl_testkit::workspace_root();
+        let python = root.join(".venv/bin/python");
+        assert!(
+            python.exists(),
+            "{} missing: run scripts/setup",
+            python.display()
+        );
+        let port = asyncrl_testkit::free_port().unwrap();
+        let mut child = std::process::Command::new(&python)
+            .arg(root.join("examples/reward_service/server.py"))
+            .args(["--port", &port.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("start the reward service");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.contains("listening"),
+            "reward service did not start: {line:?}"
+        );
+        Self { child, port }
+    }
 }

@@ -1,0 +1,281 @@
+//! Weight swaps against a real nats-server: a rollout that spans a swap has
+//! versions [v, …, v, v+1, …, v+1] and its later log-probs are the new
+//! weights'; a checksum mismatch or a missing object keeps the old weights,
+//! is counted and retried.
+
+mod common;
+
+use std::time::Duration;
+
+use asyncrl_protos::WeightAnnouncement;
+use asyncrl_protos::subjects::{WEIGHTS_BUCKET, weights_object_name};
+use asyncrl_rollout_worker::metrics::WEIGHT_FAILURE_REASONS;
+use asyncrl_rollout_worker::scripted::{
+    ScriptOptions, ScriptedCoordinator, ScriptedTask, announce, ensure_trajectory_stream,
+    publish_weights, read_trajectories,
+};
+use asyncrl_rollout_worker::{CancellationToken, Worker, WorkerMetrics};
+use asyncrl_tasks::BuiltinTask;
+use asyncrl_telemetry::Metrics;
+use asyncrl_telemetry::prometheus_client::metrics::counter::Counter;
+use asyncrl_telemetry::prometheus_client::metrics::family::Family;
+use asyncrl_transport::sha256_hex;
+use common::*;
+
+fn failures(family: &Family<Vec<(String, String)>, Counter>, reason: &str) -> u64 {
+    family
+        .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
+        .get()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_spanning_a_swap_switches_version_and_weights_mid_sequence() {
+    const G: u32 = 4;
+    let nats = nats().await;
+    let bus = nats.bus.clone();
+    let section = model_section(40, 96);
+    let config = config(nats.config.clone(), section.clone(), G, 4);
+    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
+    let (p5, p6) = (policy(&section, 100), policy(&section, 200));
+    publish_weights(bus.as_ref(), 5, weights(&p5))
+        .await
+        .unwrap();
+    let coordinator = ScriptedCoordinator::start(
+        bus.clone(),
+        ScriptedTask::generated(BuiltinTask::Reverse, 1, 3),
+        ScriptOptions {
+            group_size: G,
+            admission_version: 5,
+            ..ScriptOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let model = spawn_model(&config).await;
+    let throttle = Throttle::start(model.clone(), Duration::from_millis(3));
+    let metrics = Metrics::new();
+    let handles = WorkerMetrics::new(&metrics).unwrap();
+    let shutdown = CancellationToken::new();
+    let worker = tokio::spawn(
+        Worker::new(config, bus.clone(), metrics.clone())
+            .with_model(model.clone())
+            .run(shutdown.clone()),
+    );
+
+    // Let the G sequences sample a token or two with version 5, then hold
+    // the model between two steps while version 6 is announced and fetched.
+    assert!(
+        eventually(Duration::from_secs(30), || model.stats().tokens_generated
+            >= u64::from(G))
+        .await,
+        "generation did not start"
+    );
+    throttle.freeze().await;
+    let before = model.stats();
+    assert!(
+        before.in_flight >= 1,
+        "nothing in flight to swap under: {before:?}"
+    );
+    assert_eq!(before.version, 5);
+    publish_weights(bus.as_ref(), 6, weights(&p6))
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || handles
+            .weights_fetched_version
+            .get()
+            == 6)
+        .await,
+        "the worker did not fetch version 6"
+    );
+    // The swap is queued on the model thread; let it run.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    throttle.thaw();
+
+    let (done, log) = coordinator
+        .wait_for(Duration::from_secs(60), |l| l.completed_leases().len() == 1)
+        .await;
+    assert!(done, "{log:#?}");
+    shutdown.cancel();
+    let summary = worker.await.unwrap().unwrap();
+    throttle.stop().await;
+
+    let received = read_trajectories(bus.as_ref(), "swap", G as usize, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(received.len(), G as usize);
+    let mut spanning = 0;
+    for r in &received {
+        let t = &r.trajectory;
+        let n = t.completion_token_ids.len();
+        // Versions: a run of 5s, then a run of 6s.
+        let k = t.policy_versions.iter().position(|&v| v == 6).unwrap_or(n);
+        assert!(
+            t.policy_versions[..k].iter().all(|&v| v == 5)
+                && t.policy_versions[k..].iter().all(|&v| v == 6),
+            "{:?}",
+            t.policy_versions
+        );
+        assert!(k >= 1, "the first token was sampled before the swap");
+        let lp5 = recompute(&p5, &t.prompt_token_ids, &t.completion_token_ids);
+        let lp6 = recompute(&p6, &t.prompt_token_ids, &t.completion_token_ids);
+        let b = &t.behaviour_logprobs;
+        let d5 = max_abs_diff(&b[..k], &lp5[..k]);
+        let d6 = max_abs_diff(&b[k..], &lp6[k..]);
+        assert!(d5 <= 1e-4, "tokens before the swap: {d5}");
+        assert!(d6 <= 1e-4, "tokens after the swap: {d6}");
+        if k < n {
+            spanning += 1;
+            // The later tokens are really the new weights', not the old.
+            assert!(max_abs_diff(&b[k..], &lp5[k..]) > 1e-3);
+            assert_eq!(t.timings.as_ref().unwrap().weight_swaps, 1);
+        }
+    }
+    assert!(spanning >= 1, "no rollout spanned the swap");
+    assert!(model.stats().recomputed_sequences >= 1);
+    assert_eq!(summary.weight_swaps, 2);
+    assert_eq!(summary.final_version, Some(6));
+    assert_eq!(handles.policy_version.get(), 6);
+    assert!(
+        log.heartbeats
+            .iter()
+            .any(|(_, h)| h.policy_version == 6 && h.weight_swap_latency_ms > 0.0),
+        "heartbeats report the new version and the swap latency"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_checksum_or_missing_object_keeps_the_old_weights_and_is_retried() {
+    const G: u32 = 2;
+    let nats = nats().await;
+    let bus = nats.bus.clone();
+    let section = model_section(12, 48);
+    let config = config(nats.config.clone(), section.clone(), G, 4);
+    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
+    let (p5, p6, p7) = (
+        policy(&section, 100),
+        policy(&section, 200),
+        policy(&section, 300),
+    );
+    publish_weights(bus.as_ref(), 5, weights(&p5))
+        .await
+        .unwrap();
+    let coordinator = ScriptedCoordinator::start(
+        bus.clone(),
+        Vec::new(),
+        ScriptOptions {
+            group_size: G,
+            ..ScriptOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let metrics = Metrics::new();
+    let handles = WorkerMetrics::new(&metrics).unwrap();
+    let shutdown = CancellationToken::new();
+    let worker = tokio::spawn(asyncrl_rollout_worker::run(
+        config,
+        bus.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
+    assert!(
+        eventually(Duration::from_secs(30), || handles.policy_version.get()
+            == 5)
+        .await,
+        "version 5 not loaded"
+    );
+
+    // Version 6: the object is there, but the announced checksum is not its.
+    let good6 = weights(&p6);
+    let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
+    let info = store
+        .put(&weights_object_name(6), good6.clone())
+        .await
+        .unwrap();
+    let mut bad = WeightAnnouncement {
+        version: 6,
+        object_name: weights_object_name(6),
+        sha256: sha256_hex(b"something else"),
+        byte_size: info.size,
+        format: "safetensors".into(),
+        published_at_unix_ms: 1,
+        step: 6,
+    };
+    announce(bus.as_ref(), &bad).await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || failures(
+            &handles.weight_fetch_failures,
+            "checksum"
+        ) >= 3)
+        .await,
+        "checksum failures are counted and retried"
+    );
+    assert_eq!(handles.policy_version.get(), 5, "old weights kept");
+
+    // Generation goes on with version 5, and its log-probs are version 5's.
+    coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 1, 1));
+    let (done, _) = coordinator
+        .wait_for(Duration::from_secs(30), |l| l.completed_leases().len() == 1)
+        .await;
+    assert!(done);
+    let first = read_trajectories(bus.as_ref(), "bad-sha", G as usize, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(first.len(), G as usize);
+    for r in &first {
+        let t = &r.trajectory;
+        assert!(t.policy_versions.iter().all(|&v| v == 5));
+        let lp = recompute(&p5, &t.prompt_token_ids, &t.completion_token_ids);
+        assert!(max_abs_diff(&lp, &t.behaviour_logprobs) <= 1e-4);
+    }
+
+    // Version 7 is announced before its object exists: counted as not
+    // found, retried with backoff, and loaded once the object appears
+    // (without a new announcement).
+    let good7 = weights(&p7);
+    bad.version = 7;
+    bad.object_name = weights_object_name(7);
+    bad.sha256 = sha256_hex(&good7);
+    bad.byte_size = good7.len() as u64;
+    announce(bus.as_ref(), &bad).await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || failures(
+            &handles.weight_fetch_failures,
+            "not_found"
+        ) >= 2)
+        .await,
+        "missing objects are counted and retried"
+    );
+    assert_eq!(handles.policy_version.get(), 5);
+    store.put(&weights_object_name(7), good7).await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || handles.policy_version.get()
+            == 7)
+        .await,
+        "version 7 loaded once its object is there"
+    );
+
+    coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 1, 2));
+    let (done, _) = coordinator
+        .wait_for(Duration::from_secs(30), |l| l.completed_leases().len() == 2)
+        .await;
+    assert!(done);
+    shutdown.cancel();
+    let summary = worker.await.unwrap().unwrap();
+    let second = read_trajectories(bus.as_ref(), "bad-sha", G as usize, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(second.len(), G as usize);
+    for r in &second {
+        let t = &r.trajectory;
+        assert!(t.policy_versions.iter().all(|&v| v == 7));
+        let lp = recompute(&p7, &t.prompt_token_ids, &t.completion_token_ids);
+        assert!(max_abs_diff(&lp, &t.behaviour_logprobs) <= 1e-4);
+    }
+    assert_eq!(summary.weight_swaps, 2, "5 and 7; never the bad 6");
+    assert_eq!(summary.final_version, Some(7));
+    let total = WorkerMetrics::family_total(&handles.weight_fetch_failures, WEIGHT_FAILURE_REASONS);
+    assert_eq!(summary.weight_fetch_failures, total);
+    assert!(total >= 5);
+}
