@@ -24,21 +24,23 @@ use crate::service::{AdminCommand, ControlAction, Event, Unauthorized};
 
 /// Reads the admin token from the config (inline or file). `None`: no token
 /// configured, every mutating call is refused.
-pub fn load_admin_token(c: &CoordinatorConfig) -> Result<Option<String>, CoordinatorError> {
+pub async fn load_admin_token(c: &CoordinatorConfig) -> Result<Option<String>, CoordinatorError> {
     if let Some(t) = &c.admin_token {
         return Ok(Some(t.trim().to_owned()));
     }
     let Some(path) = &c.admin_token_file else {
         return Ok(None);
     };
-    read_token_file(path).map(Some)
+    read_token_file(path).await.map(Some)
 }
 
-pub(crate) fn read_token_file(path: &Path) -> Result<String, CoordinatorError> {
-    let text = std::fs::read_to_string(path).map_err(|e| CoordinatorError::AdminToken {
-        path: path.to_owned(),
-        reason: e.to_string(),
-    })?;
+async fn read_token_file(path: &Path) -> Result<String, CoordinatorError> {
+    let text = tokio::fs::read_to_string(path)
+        .await
+        .map_err(|e| CoordinatorError::AdminToken {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
     let token = text.trim().to_owned();
     if token.is_empty() {
         return Err(CoordinatorError::AdminToken {
@@ -199,7 +201,7 @@ pub(crate) async fn start(
     tx: mpsc::Sender<Event>,
     shutdown: CancellationToken,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), CoordinatorError> {
-    let token = load_admin_token(c)?;
+    let token = load_admin_token(c).await?;
     if token.is_none() {
         tracing::warn!(
             "no coordinator.admin_token configured: mutating admin calls will be refused"
@@ -210,12 +212,12 @@ pub(crate) async fn start(
     if let Some(t) = &c.admin_tls
         && let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file)
     {
-        let read = |p: &Path| {
-            std::fs::read(p).map_err(|e| {
+        async fn read(p: &Path) -> Result<Vec<u8>, CoordinatorError> {
+            tokio::fs::read(p).await.map_err(|e| {
                 CoordinatorError::AdminTls(format!("cannot read {}: {e}", p.display()))
             })
-        };
-        let identity = Identity::from_pem(read(cert)?, read(key)?);
+        }
+        let identity = Identity::from_pem(read(cert).await?, read(key).await?);
         server = server
             .tls_config(ServerTlsConfig::new().identity(identity))
             .map_err(|e| CoordinatorError::AdminTls(e.to_string()))?;
@@ -253,27 +255,33 @@ mod tests {
         assert!(!constant_time_eq(b"abc", b"abcd"));
     }
 
-    #[test]
-    fn token_file_errors_name_the_file() {
+    #[tokio::test]
+    async fn token_file_errors_name_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("token");
         let c = CoordinatorConfig {
             admin_token_file: Some(p.clone()),
             ..Default::default()
         };
-        let err = load_admin_token(&c).unwrap_err().to_string();
+        let err = load_admin_token(&c).await.unwrap_err().to_string();
         assert!(err.contains(&p.display().to_string()), "{err}");
         std::fs::write(&p, "\n").unwrap();
         assert!(
             load_admin_token(&c)
+                .await
                 .unwrap_err()
                 .to_string()
                 .contains("empty")
         );
         std::fs::write(&p, "s3cret\n").unwrap();
-        assert_eq!(load_admin_token(&c).unwrap().as_deref(), Some("s3cret"));
         assert_eq!(
-            load_admin_token(&CoordinatorConfig::default()).unwrap(),
+            load_admin_token(&c).await.unwrap().as_deref(),
+            Some("s3cret")
+        );
+        assert_eq!(
+            load_admin_token(&CoordinatorConfig::default())
+                .await
+                .unwrap(),
             None
         );
     }

@@ -241,7 +241,7 @@ pub async fn run_acquire_bench(
             url
         }
     };
-    let dir = tempfile_dir()?;
+    let dir = tempfile_dir().await?;
     let tasks_path = dir.join("bench-tasks.jsonl");
     let n_tasks = 10_000;
     tokio::task::spawn_blocking({
@@ -367,7 +367,7 @@ pub async fn run_acquire_bench(
     echo.abort();
     coordinator.shutdown();
     let joined = coordinator.join().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = tokio::fs::remove_dir_all(&dir).await;
     result?;
     joined?;
     let server = match own_server {
@@ -381,12 +381,14 @@ pub async fn run_acquire_bench(
     })
 }
 
-fn tempfile_dir() -> Result<std::path::PathBuf, CoordinatorError> {
+async fn tempfile_dir() -> Result<std::path::PathBuf, CoordinatorError> {
     let dir = std::env::temp_dir().join(format!(
         "asyncrl-coordinator-bench-{}-{}",
         std::process::id(),
         rand::random::<u32>()
     ));
-    std::fs::create_dir_all(&dir).map_err(|e| bench_err("create a temporary directory", e))?;
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(|e| bench_err("create a temporary directory", e))?;
     Ok(dir)
 }

@@ -124,18 +124,23 @@ fn rpc(call: &'static str) -> impl Fn(tonic::Status) -> CtlError {
     }
 }
 
-fn who(args: &CtlArgs) -> String {
-    args.who.clone().unwrap_or_else(|| {
-        let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-        let host = std::fs::read_to_string("/etc/hostname")
-            .map(|h| h.trim().to_owned())
-            .unwrap_or_default();
-        if host.is_empty() {
-            user
-        } else {
-            format!("{user}@{host}")
-        }
-    })
+async fn who(args: &CtlArgs) -> String {
+    if let Some(w) = &args.who {
+        return w.clone();
+    }
+    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+    let host = match std::env::var("HOSTNAME") {
+        Ok(h) => h,
+        Err(_) => tokio::fs::read_to_string("/etc/hostname")
+            .await
+            .unwrap_or_default(),
+    };
+    let host = host.trim();
+    if host.is_empty() {
+        user
+    } else {
+        format!("{user}@{host}")
+    }
 }
 
 fn resolve_endpoint(config: &Config, args: &CtlArgs) -> Result<(String, bool), CtlError> {
@@ -164,15 +169,15 @@ fn resolve_endpoint(config: &Config, args: &CtlArgs) -> Result<(String, bool), C
     Ok((format!("{scheme}://{host}:{}", addr.port()), tls))
 }
 
-fn read_file(what: &'static str, path: &PathBuf) -> Result<Vec<u8>, CtlError> {
-    std::fs::read(path).map_err(|e| CtlError::File {
+async fn read_file(what: &'static str, path: &PathBuf) -> Result<Vec<u8>, CtlError> {
+    tokio::fs::read(path).await.map_err(|e| CtlError::File {
         what,
         path: path.clone(),
         reason: e.to_string(),
     })
 }
 
-fn token(config: &Config, args: &CtlArgs) -> Result<String, CtlError> {
+async fn token(config: &Config, args: &CtlArgs) -> Result<String, CtlError> {
     if let Some(t) = &args.token {
         return Ok(t.clone());
     }
@@ -181,7 +186,7 @@ fn token(config: &Config, args: &CtlArgs) -> Result<String, CtlError> {
         .as_ref()
         .or(config.coordinator.admin_token_file.as_ref());
     if let Some(path) = file {
-        let t = String::from_utf8_lossy(&read_file("token file", path)?)
+        let t = String::from_utf8_lossy(&read_file("token file", path).await?)
             .trim()
             .to_owned();
         return if t.is_empty() {
@@ -219,7 +224,7 @@ async fn connect(
             .as_ref()
             .or(admin_tls.and_then(|t| t.ca_file.as_ref()));
         if let Some(ca) = ca {
-            cfg = cfg.ca_certificate(Certificate::from_pem(read_file("CA file", ca)?));
+            cfg = cfg.ca_certificate(Certificate::from_pem(read_file("CA file", ca).await?));
         }
         if let Some(d) = args
             .domain
@@ -275,12 +280,12 @@ pub async fn ctl(config: &Config, args: &CtlArgs) -> Result<String, CtlError> {
         CtlCommand::Status | CtlCommand::Workers | CtlCommand::Knobs
     );
     let token = if mutating {
-        Some(token(config, args)?)
+        Some(token(config, args).await?)
     } else {
         None
     };
     let mut client = connect(config, args).await?;
-    let who = who(args);
+    let who = who(args).await;
     match &args.command {
         CtlCommand::Status => {
             let status = client

@@ -377,15 +377,23 @@ impl Actor {
             }
             Event::LearnerStatus(s) => {
                 self.estimator.on_train_seconds(s.step_train_seconds);
+                let before = (
+                    self.sched.learner_session().to_owned(),
+                    self.sched.version(),
+                    self.sched.accepted(),
+                );
                 let change = self
                     .sched
                     .on_learner_session(&s.session_id, s.start_version);
-                if change == VersionChange::Unchanged && !s.session_id.is_empty() {
-                    *dirty |= self.state_rev.is_none();
-                }
-                *dirty |= self.on_version_change(change);
-                // A first session is adopted and must be persisted too.
-                *dirty = true;
+                self.on_version_change(change);
+                // A first session is adopted without a reset, and is
+                // persisted all the same.
+                *dirty |= before
+                    != (
+                        self.sched.learner_session().to_owned(),
+                        self.sched.version(),
+                        self.sched.accepted(),
+                    );
             }
             Event::Knobs { schedule, revision } => {
                 if revision > self.schedule_rev {

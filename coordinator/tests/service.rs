@@ -473,3 +473,61 @@ async fn a_changed_task_set_is_refused_at_restart_with_a_clear_error() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinator_rides_out_a_nats_server_restart() {
+    let mut server = NatsServer::start().unwrap();
+    let bus = nats_bus(&server.url()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let (c, _, health) = start(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let learner = Learner::new(&bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(4).await;
+    let first = w.acquire(4).await.tasks;
+    assert_eq!(first.len(), 2);
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.restart().unwrap();
+    // Requests are served again once the clients reconnected; the state
+    // written before the outage is intact.
+    let done = eventually(
+        "completion after the restart",
+        Duration::from_secs(15),
+        || async {
+            let r = w.bus.request(
+                asyncrl_protos::subjects::TASKS_COMPLETE,
+                Bytes::from(
+                    asyncrl_protos::v1::CompleteTask {
+                        worker_id: "w".into(),
+                        task_id: first[0].task_id.clone(),
+                        lease_id: first[0].lease_id.clone(),
+                        num_trajectories: 2,
+                    }
+                    .encode_to_vec(),
+                ),
+                Duration::from_secs(1),
+            );
+            let r = r.await.ok()?;
+            let r = asyncrl_protos::v1::CompleteTaskReply::decode(r.as_ref()).ok()?;
+            r.accepted.then_some(r)
+        },
+    )
+    .await;
+    assert!(done.accepted);
+    assert!(w.complete(&first[1]).await.accepted);
+    // The version watch is back too.
+    eventually(
+        "version after the restart",
+        Duration::from_secs(15),
+        || async {
+            learner.announce(1).await;
+            (c.status().await.unwrap().policy_version == 1).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(w.acquire(4).await.tasks.len(), 2);
+    assert!(health.is_ready(), "{health:?}");
+    c.shutdown();
+    c.join().await.unwrap();
+}
