@@ -88,15 +88,39 @@ fn reverse_len(rng: &mut SplitMix64) -> u64 {
     (x as u64).clamp(2, REVERSE_MAX_LEN)
 }
 
+/// Knobs of the generators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenerateOptions {
+    /// `arith`: operands are drawn from `0..max_operand`.
+    pub max_operand: u64,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self { max_operand: 100 }
+    }
+}
+
 /// Generates `n` items of `task` from `seed`; ids are `<task>-<index>`.
 pub fn generate(task: BuiltinTask, n: usize, seed: u64) -> Vec<TaskItem> {
+    generate_with(task, n, seed, GenerateOptions::default())
+}
+
+/// [`generate`] with explicit options.
+pub fn generate_with(
+    task: BuiltinTask,
+    n: usize,
+    seed: u64,
+    opts: GenerateOptions,
+) -> Vec<TaskItem> {
+    let bound = opts.max_operand.max(1);
     let mut rng = SplitMix64::new(seed ^ (task as u64).wrapping_mul(0xA24B_AED4_963E_E407));
     (0..n)
         .map(|i| {
             let (prompt, answer) = match task {
                 BuiltinTask::Arith => {
-                    let a = rng.below(100) as i64;
-                    let b = rng.below(100) as i64;
+                    let a = rng.below(bound) as i64;
+                    let b = rng.below(bound) as i64;
                     if rng.below(2) == 0 {
                         (format!("{a}+{b}="), (a + b).to_string())
                     } else {
@@ -157,6 +181,28 @@ mod tests {
                     .all(|c| BuiltinTask::Arith.alphabet().contains(c))
             );
         }
+    }
+
+    #[test]
+    fn operand_bound_is_respected() {
+        for item in generate_with(
+            BuiltinTask::Arith,
+            300,
+            5,
+            GenerateOptions { max_operand: 20 },
+        ) {
+            let ops: Vec<i64> = item
+                .prompt
+                .trim_end_matches('=')
+                .split(['+', '-'])
+                .map(|x| x.parse().unwrap())
+                .collect();
+            assert!(ops.iter().all(|o| (0..20).contains(o)), "{}", item.prompt);
+        }
+        assert_eq!(
+            generate(BuiltinTask::Arith, 10, 1),
+            generate_with(BuiltinTask::Arith, 10, 1, GenerateOptions::default())
+        );
     }
 
     #[test]
