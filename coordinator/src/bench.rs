@@ -289,22 +289,31 @@ pub async fn run_acquire_bench(
         Coordinator::start(config, server_bus, Metrics::new(), Health::new(), &shutdown).await?;
 
     let worker = format!("bench-{}", std::process::id());
-    client_bus
-        .request(
-            WORKERS_REGISTER,
-            Bytes::from(
-                RegisterWorker {
-                    worker_id: worker.clone(),
-                    capacity: 8,
-                    policy_version: 0,
-                    hostname: "bench".into(),
-                }
-                .encode_to_vec(),
-            ),
-            Duration::from_secs(10),
-        )
-        .await
-        .map_err(|e| CoordinatorError::transport("register the bench worker", e))?;
+    let register = Bytes::from(
+        RegisterWorker {
+            worker_id: worker.clone(),
+            capacity: 8,
+            policy_version: 0,
+            hostname: "bench".into(),
+        }
+        .encode_to_vec(),
+    );
+    // The subscriptions of a just-started coordinator (another connection)
+    // may not have reached the server yet.
+    let mut attempts = 0;
+    loop {
+        match client_bus
+            .request(WORKERS_REGISTER, register.clone(), Duration::from_secs(10))
+            .await
+        {
+            Ok(_) => break,
+            Err(e) if e.is_transient() && attempts < 100 => {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(CoordinatorError::transport("register the bench worker", e)),
+        }
+    }
 
     // The raw echo: a responder on one connection, requests from another.
     let raw_server = async_nats::connect(url.clone())
@@ -335,6 +344,19 @@ pub async fn run_acquire_bench(
             }
         }
     });
+
+    // Wait until the echo's subscription is in place on the server.
+    let mut attempts = 0;
+    while let Err(e) = raw_client
+        .request(echo_subject.clone(), Bytes::from_static(b"warm-up"))
+        .await
+    {
+        attempts += 1;
+        if attempts > 100 {
+            return Err(bench_err("raw echo warm-up", e));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     let mut rows = Vec::new();
     let result: Result<(), CoordinatorError> = async {

@@ -178,7 +178,10 @@ impl Coordinator {
             actor_shutdown.cancel();
             result
         });
-        // Every subscription is in place: requests are served from now on.
+        // Push the subscriptions out to the server before declaring ready.
+        if let Err(e) = bus.flush().await {
+            tracing::warn!(error = %e, "could not flush the bus after subscribing");
+        }
         health.set_ready("coordinator");
         tracing::info!(
             bus = bus.kind(),

@@ -298,7 +298,7 @@ impl Actor {
                 break;
             }
             let mut dirty = false;
-            let mut deferred: Vec<(Request, Bytes, Bytes)> = Vec::new();
+            let mut deferred: Vec<(Request, Bytes, Option<Bytes>)> = Vec::new();
             let mut immediate: Vec<(Request, Bytes)> = Vec::new();
             for ev in batch.drain(..) {
                 self.handle(ev, &mut dirty, &mut deferred, &mut immediate)
@@ -318,7 +318,9 @@ impl Actor {
                         self.health
                             .set_not_ready("coordinator", format!("stopped: {e}"));
                         for (r, _, err) in deferred {
-                            let _ = r.respond(err).await;
+                            if let Some(err) = err {
+                                let _ = r.respond(err).await;
+                            }
                         }
                         return Err(e);
                     }
@@ -327,7 +329,13 @@ impl Actor {
                         self.health
                             .set_not_ready("coordinator", format!("cannot persist state: {e}"));
                         self.persist_failed = true;
-                        immediate.extend(deferred.into_iter().map(|(r, _, err)| (r, err)));
+                        // A request without an "unavailable" answer gets none:
+                        // its requester times out and retries.
+                        immediate.extend(
+                            deferred
+                                .into_iter()
+                                .filter_map(|(r, _, err)| err.map(|e| (r, e))),
+                        );
                     }
                 }
             } else {
@@ -354,7 +362,7 @@ impl Actor {
         &mut self,
         ev: Event,
         dirty: &mut bool,
-        deferred: &mut Vec<(Request, Bytes, Bytes)>,
+        deferred: &mut Vec<(Request, Bytes, Option<Bytes>)>,
         immediate: &mut Vec<(Request, Bytes)>,
     ) -> Result<(), CoordinatorError> {
         let now = now_unix_ms();
@@ -476,13 +484,14 @@ impl Actor {
     }
 
     /// Returns (reply, whether the persisted state changed, the reply to
-    /// send instead if it cannot be persisted).
+    /// send instead if it cannot be persisted; None: no reply, so that the
+    /// requester times out and retries).
     fn handle_request(
         &mut self,
         kind: RequestKind,
         payload: &[u8],
         now: i64,
-    ) -> (Bytes, bool, Bytes) {
+    ) -> (Bytes, bool, Option<Bytes>) {
         let enc = |m: &dyn EncodeDyn| Bytes::from(m.encode_dyn());
         match kind {
             RequestKind::Register => {
@@ -517,7 +526,7 @@ impl Actor {
                     }
                 };
                 let b = enc(&reply);
-                (b.clone(), false, b)
+                (b, false, None)
             }
             RequestKind::Heartbeat => {
                 let reply = match WorkerHeartbeat::decode(payload) {
@@ -546,7 +555,7 @@ impl Actor {
                     }
                 };
                 let b = enc(&reply);
-                (b.clone(), false, b)
+                (b, false, None)
             }
             RequestKind::Acquire => {
                 let retry = self.settings.retry_after_ms;
@@ -559,7 +568,7 @@ impl Actor {
                     Ok(a) => a,
                     Err(e) => {
                         let b = enc(&deny(format!("malformed AcquireTasks: {e}")));
-                        return (b.clone(), false, b);
+                        return (b, false, None);
                     }
                 };
                 let (reply, label) = self.acquire(&a, now);
@@ -570,7 +579,7 @@ impl Actor {
                 let unavailable = enc(&deny(
                     "the coordinator cannot write its state to the KV bucket; retry".into(),
                 ));
-                (enc(&reply), granted, unavailable)
+                (enc(&reply), granted, Some(unavailable))
             }
             RequestKind::Complete => {
                 let c = match CompleteTask::decode(payload) {
@@ -580,15 +589,11 @@ impl Actor {
                             accepted: false,
                             reason: format!("malformed CompleteTask: {e}"),
                         });
-                        return (b.clone(), false, b);
+                        return (b, false, None);
                     }
                 };
                 self.registry.touch(&c.worker_id, now);
                 let index = self.tasks.index_of(&c.task_id).map(|i| i as u64);
-                let unavailable = enc(&CompleteTaskReply {
-                    accepted: false,
-                    reason: "the coordinator cannot write its state to the KV bucket; retry the completion".into(),
-                });
                 match self
                     .sched
                     .complete(&c.worker_id, &c.lease_id, index, c.num_trajectories)
@@ -602,14 +607,14 @@ impl Actor {
                             accepted: true,
                             reason: String::new(),
                         });
-                        (ok, true, unavailable)
+                        (ok, true, None)
                     }
                     Ok(Completion::AlreadyCompleted) => {
                         let b = enc(&CompleteTaskReply {
                             accepted: true,
                             reason: "already completed (a retry)".into(),
                         });
-                        (b.clone(), false, b)
+                        (b, false, None)
                     }
                     Err(refusal) => {
                         CoordinatorMetrics::reason(
@@ -621,7 +626,7 @@ impl Actor {
                             accepted: false,
                             reason: refusal.to_string(),
                         });
-                        (b.clone(), false, b)
+                        (b, false, None)
                     }
                 }
             }
@@ -631,7 +636,7 @@ impl Actor {
                     Err(e) => {
                         tracing::warn!(error = %e, "malformed ReturnTasks");
                         let b = enc(&ReturnTasksReply { returned: 0 });
-                        return (b.clone(), false, b);
+                        return (b, false, None);
                     }
                 };
                 self.registry.touch(&r.worker_id, now);
@@ -641,8 +646,7 @@ impl Actor {
                 let ok = enc(&ReturnTasksReply {
                     returned: ended.len() as u32,
                 });
-                let unavailable = enc(&ReturnTasksReply { returned: 0 });
-                (ok, !ended.is_empty(), unavailable)
+                (ok, !ended.is_empty(), None)
             }
         }
     }

@@ -1,0 +1,250 @@
+//! What the coordinator does when it cannot write its state: it answers no
+//! request whose effect is not stored (grants are refused, completions get
+//! no answer so that workers retry), reports not-ready, and recovers once
+//! the bucket takes writes again. A second writer of its state stops it.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use asyncrl_coordinator::{Coordinator, CoordinatorError, STATE_KEY};
+use asyncrl_protos::subjects::TASKS_COMPLETE;
+use asyncrl_protos::v1::{CompleteTask, CompleteTaskReply};
+use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_transport::{
+    Bus, Consumer, ConsumerSpec, KvBucket, KvEntry, KvEvent, LocalBus, Message, ObjectStore,
+    PublishAck, Request, Result, StreamSpec, TransportError,
+};
+use bytes::Bytes;
+use common::{Worker, config, eventually, write_tasks};
+use futures::stream::BoxStream;
+use prost::Message as _;
+use tokio_util::sync::CancellationToken;
+
+/// The in-process bus, with KV writes of `coordinator.state` that fail on
+/// demand (as when NATS is unreachable).
+struct FlakyBus {
+    inner: LocalBus,
+    fail: Arc<AtomicBool>,
+}
+
+struct FlakyKv {
+    inner: Arc<dyn KvBucket>,
+    fail: Arc<AtomicBool>,
+}
+
+impl FlakyKv {
+    fn check(&self, key: &str) -> Result<()> {
+        if key == STATE_KEY && self.fail.load(Ordering::SeqCst) {
+            return Err(TransportError::Timeout {
+                subject: format!("$KV.asyncrl_control.{key}"),
+                timeout: Duration::from_secs(1),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl KvBucket for FlakyKv {
+    async fn get(&self, key: &str) -> Result<Option<KvEntry>> {
+        self.inner.get(key).await
+    }
+    async fn put(&self, key: &str, value: Bytes) -> Result<u64> {
+        self.check(key)?;
+        self.inner.put(key, value).await
+    }
+    async fn create(&self, key: &str, value: Bytes) -> Result<u64> {
+        self.check(key)?;
+        self.inner.create(key, value).await
+    }
+    async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64> {
+        self.check(key)?;
+        self.inner.update(key, value, revision).await
+    }
+    async fn delete(&self, key: &str) -> Result<()> {
+        self.inner.delete(key).await
+    }
+    async fn keys(&self) -> Result<Vec<String>> {
+        self.inner.keys().await
+    }
+    async fn watch(&self, key: &str) -> Result<BoxStream<'static, Result<KvEvent>>> {
+        self.inner.watch(key).await
+    }
+}
+
+#[async_trait]
+impl Bus for FlakyBus {
+    fn kind(&self) -> &'static str {
+        "flaky-local"
+    }
+    async fn publish(&self, subject: &str, payload: Bytes) -> Result<()> {
+        self.inner.publish(subject, payload).await
+    }
+    async fn subscribe(&self, subject: &str) -> Result<BoxStream<'static, Message>> {
+        self.inner.subscribe(subject).await
+    }
+    async fn request(&self, subject: &str, payload: Bytes, timeout: Duration) -> Result<Bytes> {
+        self.inner.request(subject, payload, timeout).await
+    }
+    async fn serve(&self, subject: &str, q: Option<&str>) -> Result<BoxStream<'static, Request>> {
+        self.inner.serve(subject, q).await
+    }
+    async fn ensure_stream(&self, spec: &StreamSpec) -> Result<()> {
+        self.inner.ensure_stream(spec).await
+    }
+    async fn publish_durable(&self, subject: &str, id: &str, payload: Bytes) -> Result<PublishAck> {
+        self.inner.publish_durable(subject, id, payload).await
+    }
+    async fn stream_len(&self, stream: &str) -> Result<u64> {
+        self.inner.stream_len(stream).await
+    }
+    async fn consumer(&self, stream: &str, spec: &ConsumerSpec) -> Result<Box<dyn Consumer>> {
+        self.inner.consumer(stream, spec).await
+    }
+    async fn kv(&self, bucket: &str) -> Result<Arc<dyn KvBucket>> {
+        Ok(Arc::new(FlakyKv {
+            inner: self.inner.kv(bucket).await?,
+            fail: self.fail.clone(),
+        }))
+    }
+    async fn object_store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+        self.inner.object_store(bucket).await
+    }
+    async fn flush(&self) -> Result<()> {
+        self.inner.flush().await
+    }
+}
+
+#[tokio::test]
+async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
+    let fail = Arc::new(AtomicBool::new(false));
+    let bus: Arc<dyn Bus> = Arc::new(FlakyBus {
+        inner: LocalBus::new(),
+        fail: fail.clone(),
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 20);
+    let health = Health::new();
+    let c = Coordinator::start(
+        config(dir.path(), &tasks, 4, 0),
+        bus.clone(),
+        Metrics::new(),
+        health.clone(),
+        &CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let w = Worker::new(&bus, "w");
+    w.register(4).await;
+    let held = w.acquire(2).await.tasks;
+    assert_eq!(held.len(), 2);
+
+    fail.store(true, Ordering::SeqCst);
+    let denied = w.acquire(1).await;
+    assert!(
+        denied.tasks.is_empty(),
+        "a grant that cannot be stored must not be handed out"
+    );
+    assert!(
+        denied.reason.contains("cannot write its state"),
+        "{}",
+        denied.reason
+    );
+    assert!(!health.is_ready());
+    let complete = CompleteTask {
+        worker_id: "w".into(),
+        task_id: held[0].task_id.clone(),
+        lease_id: held[0].lease_id.clone(),
+        num_trajectories: 2,
+    };
+    let r = bus
+        .request(
+            TASKS_COMPLETE,
+            Bytes::from(complete.encode_to_vec()),
+            Duration::from_millis(300),
+        )
+        .await;
+    // No answer: a timeout on NATS, a dropped request in process; either
+    // way an error the worker retries.
+    assert!(
+        r.as_ref().is_err_and(|e| e.is_transient()),
+        "an unstored completion gets no answer: {r:?}"
+    );
+
+    fail.store(false, Ordering::SeqCst);
+    // The worker retries its completion: counted once.
+    let r = bus
+        .request(
+            TASKS_COMPLETE,
+            Bytes::from(complete.encode_to_vec()),
+            common::TIMEOUT,
+        )
+        .await
+        .unwrap();
+    let r = CompleteTaskReply::decode(r.as_ref()).unwrap();
+    assert!(r.accepted, "{}", r.reason);
+    eventually("ready again", Duration::from_secs(5), || async {
+        health.is_ready().then_some(())
+    })
+    .await;
+    assert!(w.complete(&held[1]).await.accepted);
+    let s = c.status().await.unwrap();
+    assert_eq!(s.accepted_groups, 2);
+    // The grant refused during the outage holds a lease that will expire;
+    // admission counts it until then.
+    assert_eq!(s.running_groups, 1);
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_second_writer_of_the_state_stops_the_coordinator() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 20);
+    let c = Coordinator::start(
+        config(dir.path(), &tasks, 4, 0),
+        bus.clone(),
+        Metrics::new(),
+        Health::new(),
+        &CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let w = Worker::new(&bus, "w");
+    w.register(4).await;
+    assert_eq!(w.acquire(1).await.tasks.len(), 1);
+    // Someone else (a second coordinator) writes the state.
+    let kv = bus.kv("asyncrl_control").await.unwrap();
+    let mut theirs = kv.get(STATE_KEY).await.unwrap().unwrap().value.to_vec();
+    theirs.extend_from_slice(&[0x50, 0x01]); // field 10 (accepted) = 1
+    kv.put(STATE_KEY, Bytes::from(theirs)).await.unwrap();
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        w.bus.request(
+            asyncrl_protos::subjects::TASKS_ACQUIRE,
+            Bytes::from(
+                asyncrl_protos::v1::AcquireTasks {
+                    worker_id: "w".into(),
+                    free_slots: 1,
+                }
+                .encode_to_vec(),
+            ),
+            Duration::from_secs(1),
+        ),
+    )
+    .await;
+    let err = tokio::time::timeout(Duration::from_secs(5), c.join())
+        .await
+        .expect("the coordinator stops")
+        .unwrap_err();
+    assert!(
+        matches!(err, CoordinatorError::AnotherCoordinator { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("only one coordinator"), "{err}");
+}
