@@ -42,7 +42,7 @@ async fn trajectories_are_token_exact_and_complete_after_their_publishes() {
             group_size: G,
             admission_version: ADMISSION,
             max_per_acquire: 2,
-            heartbeat_interval_ms: 100,
+            heartbeat_interval_ms: 10,
             ..ScriptOptions::default()
         },
     )

@@ -53,15 +53,21 @@ async fn sigterm_drain_publishes_the_finished_and_returns_the_unfinished() {
 
     // Run until a few trajectories are out, then freeze the model between
     // two steps and send the "SIGTERM".
-    assert!(
-        eventually(Duration::from_secs(60), || model.stats().sequences_finished
-            >= 3)
-        .await,
-        "nothing finished"
-    );
-    throttle.freeze().await;
-    let at_sigterm = model.stats();
-    assert!(at_sigterm.in_flight >= 1, "{at_sigterm:?}");
+    loop {
+        assert!(
+            eventually(Duration::from_secs(60), || {
+                let s = model.stats();
+                s.sequences_finished >= 3 && s.in_flight >= 1
+            })
+            .await,
+            "nothing finished"
+        );
+        throttle.freeze().await;
+        if model.stats().in_flight >= 1 {
+            break;
+        }
+        throttle.thaw();
+    }
     let sigterm = Instant::now();
     shutdown.cancel();
     // The sequences in flight cannot finish while the model is frozen; the
