@@ -413,11 +413,19 @@ impl Actor {
             Event::GroupDropped(g) => {
                 CoordinatorMetrics::reason(&self.metrics.groups_dropped, &g.reason);
                 let stale = g.reason.starts_with("stale");
-                if stale {
-                    self.metrics.stale_dropped.inc();
-                    *dirty = true;
+                *dirty |= stale;
+                let requeued = self.sched.on_group_dropped(&g.group_id, stale);
+                // `asyncrl_stale_dropped_total` is shared with a buffer in the
+                // same process (which counts before it reports): raise it to
+                // the reported total, never count a drop twice.
+                let (reported, counted) = (
+                    self.sched.stale_dropped_total,
+                    self.metrics.stale_dropped.get(),
+                );
+                if reported > counted {
+                    self.metrics.stale_dropped.inc_by(reported - counted);
                 }
-                match self.sched.on_group_dropped(&g.group_id, stale) {
+                match requeued {
                     Some(task) => tracing::info!(
                         task_id = %g.task_id, group_id = %g.group_id, index = task.index, epoch = task.epoch,
                         "the buffer dropped a stale group; its capacity is returned and the task is issued again"

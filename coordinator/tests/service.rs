@@ -327,6 +327,27 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
     assert_eq!(again[0].task_id, got[1].task_id);
     let text = metrics.encode_prometheus_text().unwrap();
     assert!(text.contains("asyncrl_stale_dropped_total 1"), "{text}");
+    // In one process the buffer shares the counter and counts before it
+    // reports: the coordinator does not count that drop again.
+    let shared = metrics
+        .get_or_register(
+            "stale_dropped",
+            "",
+            asyncrl_telemetry::prometheus_client::metrics::counter::Counter::<u64>::default,
+        )
+        .unwrap();
+    shared.inc();
+    bus.publish(
+        BUFFER_GROUP_DROPPED,
+        Bytes::from(drop("stale", &again[0]).encode_to_vec()),
+    )
+    .await
+    .unwrap();
+    eventually("second stale drop seen", Duration::from_secs(5), || async {
+        (c.status().await.unwrap().stale_dropped_total == 2).then_some(())
+    })
+    .await;
+    assert_eq!(shared.get(), 2);
     assert!(
         text.contains("asyncrl_groups_dropped_reported_total{reason=\"duplicate_attempt\"} 1"),
         "{text}"
