@@ -601,7 +601,9 @@ impl Actor {
                     }
                 };
                 self.registry.touch(&c.worker_id, now);
-                let index = self.tasks.index_of(&c.task_id).map(|i| i as u64);
+                let index = crate::dataset::split_wire_task_id(&c.task_id)
+                    .and_then(|(id, _)| self.tasks.index_of(id))
+                    .map(|i| i as u64);
                 match self
                     .sched
                     .complete(&c.worker_id, &c.lease_id, index, c.num_trajectories)
@@ -712,7 +714,7 @@ impl Actor {
             .filter_map(|g| {
                 let item = self.tasks.get(g.task.index as usize)?;
                 Some(Task {
-                    task_id: item.task_id.clone(),
+                    task_id: crate::dataset::wire_task_id(&item.task_id, g.task.epoch),
                     lease_id: g.lease_id,
                     prompt: item.prompt.clone(),
                     answer: item.answer.clone(),

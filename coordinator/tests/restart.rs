@@ -256,7 +256,7 @@ async fn a_coordinator_killed_with_sigkill_continues_where_it_stopped() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let all_seen = (0..N_TASKS)
-            .map(|i| format!("arith-{i}"))
+            .map(|i| format!("arith-{i}-e0"))
             .all(|id| finished.contains(&id) || issued_epoch0.contains(&id));
         if all_seen && unfinished.keys().all(|id| reissued.contains(id)) {
             break;
