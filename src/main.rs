@@ -3,16 +3,16 @@
 //! Errors are printed as one line (`error: ...`, with the chain of causes
 //! joined by `: `) and the process exits non-zero; no panic, no backtrace.
 
+mod plot;
+mod roles;
+mod train;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use asyncrl_config::{BusKind, Config};
+use asyncrl_config::Config;
 use clap::{Args, Parser, Subcommand};
-
-/// Exit code of a subcommand whose role is not built yet (and of clap's
-/// usage errors).
-const EXIT_NOT_BUILT: u8 = 2;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -28,21 +28,25 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run every role in one process over the in-process bus.
-    Train {
-        /// The run's TOML config (see examples/local.toml).
-        config: PathBuf,
-    },
+    /// Run every role in one process (the in-process bus unless --bus).
+    Train(TrainArgs),
     /// Run the coordinator: version clock, staleness admission, task leases.
     Coordinator(RoleArgs),
     /// Run a rollout worker: generation with the current policy, rewards.
     Worker(RoleArgs),
-    /// Run the replay buffer.
-    Buffer(RoleArgs),
+    /// Run the replay buffer, or export what it holds.
+    Buffer(BufferArgs),
     /// Run the learner.
     Learner(RoleArgs),
     /// Talk to a running coordinator's admin API.
-    Ctl(RoleArgs),
+    Ctl(CtlCliArgs),
+    /// Supervised warm start of the model on the run's data set.
+    Warmstart(WarmstartArgs),
+    /// Data sets of the built-in tasks.
+    Data {
+        #[command(subcommand)]
+        command: DataCommand,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -53,13 +57,104 @@ enum Command {
 }
 
 #[derive(Debug, Args)]
+struct TrainArgs {
+    /// The run's TOML config (see examples/arith.toml).
+    config: PathBuf,
+    /// Use this NATS server instead of the config's bus.url.
+    #[arg(long)]
+    bus: Option<String>,
+    /// Rollout workers to run in the process.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+}
+
+#[derive(Debug, Args)]
 struct RoleArgs {
     /// The TOML config file.
     #[arg(long, short)]
+    config: PathBuf,
+    /// Use this NATS server instead of the config's bus.url.
+    #[arg(long)]
+    bus: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct BufferArgs {
+    #[command(subcommand)]
+    command: Option<BufferCommand>,
+    /// The TOML config file.
+    #[arg(long, short)]
     config: Option<PathBuf>,
-    /// Arguments of the role's own subcommands.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-    rest: Vec<String>,
+    /// Use this NATS server instead of the config's bus.url.
+    #[arg(long)]
+    bus: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum BufferCommand {
+    /// Write the stored trajectories as Parquet (pandas/polars/duckdb read it).
+    Export {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Output format (only parquet).
+        #[arg(long, default_value = "parquet")]
+        format: String,
+        #[arg(long)]
+        out: PathBuf,
+        /// Only trajectories admitted at this version or later.
+        #[arg(long)]
+        from_version: Option<i32>,
+        /// Only trajectories admitted at this version or earlier.
+        #[arg(long)]
+        to_version: Option<i32>,
+    },
+}
+
+#[derive(Debug, Args)]
+struct CtlCliArgs {
+    /// The TOML config file (admin endpoint and token).
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    ctl: asyncrl_coordinator::ctl::CtlArgs,
+}
+
+#[derive(Debug, Args)]
+struct WarmstartArgs {
+    /// The run's TOML config: the built-in model of [model.tiny] is trained
+    /// on the first [[coordinator.datasets]] entry (model.path is ignored).
+    config: PathBuf,
+    /// Where to write the warm-started model (a Hugging Face folder).
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 600)]
+    steps: usize,
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Items held out of training to measure accuracy before and after.
+    #[arg(long, default_value_t = 200)]
+    eval: usize,
+}
+
+#[derive(Debug, Subcommand)]
+enum DataCommand {
+    /// Generate a JSONL data set of a built-in task (deterministic per seed).
+    Generate {
+        /// arith or reverse.
+        #[arg(long)]
+        task: String,
+        #[arg(long, default_value_t = 10_000)]
+        n: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// arith: operands are drawn below this bound.
+        #[arg(long, default_value_t = 100)]
+        max_operand: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -67,17 +162,16 @@ enum BenchCommand {
     /// JetStream publish-with-ack throughput through asyncrl's transport
     /// against async-nats used directly, as a ratio.
     Transport(TransportBenchArgs),
-    /// Reward against staleness bound and clipping mode.
-    Staleness(RoleArgs),
-    /// Sync against async wall-clock speedup.
-    Speedup(RoleArgs),
+    /// Acquire→grant round trips through the coordinator against a raw
+    /// request/reply echo, as a ratio.
+    Coordinator(NatsBenchArgs),
+    /// Generated tokens/s with continuous batching against static batching
+    /// on the long-tailed reverse task, as a ratio.
+    Worker,
 }
 
 #[derive(Debug, Args)]
 struct TransportBenchArgs {
-    /// The TOML config file; a `nats://` bus.url in it is the server to use.
-    #[arg(long, short)]
-    config: Option<PathBuf>,
     /// NATS server to benchmark against; default: start a private
     /// nats-server (from the project's .venv or PATH).
     #[arg(long)]
@@ -96,24 +190,17 @@ struct TransportBenchArgs {
     rounds: usize,
 }
 
-/// How a subcommand ended, short of an error.
-enum Outcome {
-    Done,
-    /// The role exists in the CLI but its crate is not written yet.
-    NotBuilt {
-        command: &'static str,
-        issue: u32,
-    },
+#[derive(Debug, Args)]
+struct NatsBenchArgs {
+    /// NATS server to benchmark against; default: a private nats-server.
+    #[arg(long)]
+    nats_url: Option<String>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
-        Ok(Outcome::Done) => ExitCode::SUCCESS,
-        Ok(Outcome::NotBuilt { command, issue }) => {
-            eprintln!("error: 'asyncrl {command}' is not built yet (see issue #{issue})");
-            ExitCode::from(EXIT_NOT_BUILT)
-        }
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
@@ -121,84 +208,225 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<Outcome> {
-    match cli.command {
-        Command::Version => {
-            print_version();
-            Ok(Outcome::Done)
-        }
-        Command::Train { config } => {
-            load_config(&config)?;
-            Ok(not_built("train", 7))
-        }
-        Command::Coordinator(args) => role(args, "coordinator", 5),
-        Command::Worker(args) => role(args, "worker", 4),
-        Command::Buffer(args) => role(args, "buffer", 6),
-        Command::Learner(args) => role(args, "learner", 3),
-        Command::Ctl(args) => role(args, "ctl", 5),
-        Command::Bench { bench } => match bench {
-            BenchCommand::Transport(args) => bench_transport(args),
-            BenchCommand::Staleness(args) => role(args, "bench staleness", 7),
-            BenchCommand::Speedup(args) => role(args, "bench speedup", 7),
-        },
-    }
-}
-
-/// A role whose crate is still empty: validate its config (so a typo is
-/// reported now, not once the role exists), then say it is not built.
-fn role(args: RoleArgs, command: &'static str, issue: u32) -> anyhow::Result<Outcome> {
-    if let Some(path) = &args.config {
-        load_config(path)?;
-    }
-    Ok(not_built(command, issue))
-}
-
-fn not_built(command: &'static str, issue: u32) -> Outcome {
-    Outcome::NotBuilt { command, issue }
-}
-
-fn load_config(path: &Path) -> anyhow::Result<Config> {
-    Ok(Config::load(path)?)
-}
-
-fn print_version() {
-    println!("asyncrl {}", env!("CARGO_PKG_VERSION"));
-    println!("{}", asyncrl_learner::device_report());
-}
-
-fn bench_transport(args: TransportBenchArgs) -> anyhow::Result<Outcome> {
-    let config = match &args.config {
-        Some(path) => load_config(path)?,
-        None => Config::default(),
-    };
-    asyncrl_telemetry::init_tracing(&config.telemetry)?;
-    let nats_url = args
-        .nats_url
-        .clone()
-        .or_else(|| (config.bus.kind() == BusKind::Nats).then(|| config.bus.url.clone()));
-    let opts = asyncrl_transport::bench::PublishBenchOptions {
-        nats_url,
-        messages: args.messages,
-        message_bytes: args.message_bytes,
-        in_flight: args.in_flight,
-        rounds: args.rounds,
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("cannot start the tokio runtime")?;
-    let report = runtime.block_on(run_transport_bench(opts))?;
-    print!("{report}");
-    Ok(Outcome::Done)
+        .context("cannot start the tokio runtime")
 }
 
-/// The one call into the transport crate's publish benchmark.
-async fn run_transport_bench(
-    opts: asyncrl_transport::bench::PublishBenchOptions,
-) -> anyhow::Result<asyncrl_transport::bench::PublishBenchReport> {
-    asyncrl_transport::bench::run_publish_bench(opts)
-        .await
-        .context("transport bench failed")
+/// Loads the config, applies a `--bus` override and sets up logging.
+fn load(path: &Path, bus: Option<&str>) -> anyhow::Result<Config> {
+    let mut config = Config::load(path)?;
+    if let Some(url) = bus {
+        config.bus.url = url.to_owned();
+        config.bus.validate()?;
+    }
+    asyncrl_telemetry::init_tracing(&config.telemetry)?;
+    Ok(config)
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Version => {
+            println!("asyncrl {}", env!("CARGO_PKG_VERSION"));
+            println!("{}", asyncrl_learner::device_report());
+            Ok(())
+        }
+        Command::Train(args) => {
+            let config = load(&args.config, args.bus.as_deref())?;
+            let opts = train::TrainOptions {
+                workers: args.workers,
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            };
+            let summary = runtime()?.block_on(train::train(config, opts))?;
+            print!("{summary}");
+            Ok(())
+        }
+        Command::Coordinator(args) => role(args, "coordinator", |c, b, m, s| async move {
+            asyncrl_coordinator::run(c, b, m, s)
+                .await
+                .map_err(Into::into)
+        }),
+        Command::Buffer(BufferArgs {
+            command:
+                Some(BufferCommand::Export {
+                    config,
+                    format,
+                    out,
+                    from_version,
+                    to_version,
+                }),
+            ..
+        }) => {
+            if format != "parquet" {
+                anyhow::bail!("--format {format:?} is not supported (only parquet)");
+            }
+            let config = Config::load(&config)?;
+            let mut args = asyncrl_buffer::ExportArgs::from_config(&config, out);
+            args.from_version = from_version;
+            args.to_version = to_version;
+            let summary = asyncrl_buffer::export(&args)?;
+            println!("{summary}");
+            Ok(())
+        }
+        Command::Buffer(BufferArgs {
+            command: None,
+            config,
+            bus,
+        }) => {
+            let config = config.context("asyncrl buffer needs --config FILE")?;
+            role(
+                RoleArgs { config, bus },
+                "buffer",
+                |c, b, m, s| async move { asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into) },
+            )
+        }
+        Command::Learner(args) => role(args, "learner", |c, b, m, s| async move {
+            asyncrl_learner::service::run(c, b, m, s)
+                .await
+                .map(|_| ())
+                .map_err(Into::into)
+        }),
+        Command::Worker(args) => role(args, "worker", |c, b, m, s| async move {
+            asyncrl_rollout_worker::run(c, b, m, s)
+                .await
+                .map(|_| ())
+                .map_err(Into::into)
+        }),
+        Command::Ctl(args) => {
+            let config = match &args.config {
+                Some(p) => Config::load(p)?,
+                None => Config::default(),
+            };
+            let out = runtime()?.block_on(asyncrl_coordinator::ctl::ctl(&config, &args.ctl))?;
+            print!("{out}");
+            Ok(())
+        }
+        Command::Warmstart(args) => warmstart(args),
+        Command::Data {
+            command:
+                DataCommand::Generate {
+                    task,
+                    n,
+                    seed,
+                    max_operand,
+                    out,
+                },
+        } => {
+            let task = asyncrl_tasks::BuiltinTask::from_name(&task).with_context(|| {
+                format!("--task {task:?} is not a built-in task (arith, reverse)")
+            })?;
+            let items = asyncrl_tasks::generate_with(
+                task,
+                n,
+                seed,
+                asyncrl_tasks::GenerateOptions { max_operand },
+            );
+            asyncrl_tasks::write_jsonl(&out, &items)?;
+            println!(
+                "wrote {} {} tasks to {}",
+                items.len(),
+                task.name(),
+                out.display()
+            );
+            Ok(())
+        }
+        Command::Bench { bench } => bench_command(bench),
+    }
+}
+
+/// Runs one role in its own process until SIGTERM/SIGINT.
+fn role<F, Fut>(args: RoleArgs, name: &'static str, body: F) -> anyhow::Result<()>
+where
+    F: FnOnce(
+        Config,
+        std::sync::Arc<dyn asyncrl_transport::Bus>,
+        asyncrl_telemetry::Metrics,
+        tokio_util::sync::CancellationToken,
+    ) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let config = load(&args.config, args.bus.as_deref())?;
+    roles::require_nats(&config, name)?;
+    runtime()?.block_on(async move {
+        let process = roles::start(&config, name).await?;
+        let bus = roles::connect(&config, &process.metrics).await?;
+        process.health.set_ready("bus");
+        tracing::info!(role = name, bus = %config.bus.url, "started");
+        let result = body(
+            config,
+            bus,
+            process.metrics.clone(),
+            process.shutdown.clone(),
+        )
+        .await;
+        process.shutdown.cancel();
+        result.with_context(|| name.to_string())
+    })
+}
+
+fn warmstart(args: WarmstartArgs) -> anyhow::Result<()> {
+    let config = load(&args.config, None)?;
+    let opts = asyncrl_learner::sft::SftOptions {
+        steps: args.steps,
+        batch_size: args.batch_size,
+        learning_rate: args.lr,
+        seed: config.run.seed,
+        temperature: asyncrl_policy::logprob_temperature(config.model.temperature),
+        grad_clip: 1.0,
+    };
+    let report = asyncrl_learner::sft::run_warm_start(&config, &opts, args.eval, &args.out)?;
+    println!(
+        "warm start: {} steps in {:.0}s; accuracy on {} held-out tasks: greedy {:.3} -> {:.3}, sampled (T={}) {:.3} -> {:.3}",
+        args.steps,
+        report.seconds,
+        args.eval,
+        report.before.greedy,
+        report.after.greedy,
+        config.model.temperature,
+        report.before.sampled,
+        report.after.sampled
+    );
+    println!("model: {}", args.out.display());
+    Ok(())
+}
+
+fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
+    let rt = runtime()?;
+    match bench {
+        BenchCommand::Transport(args) => {
+            let opts = asyncrl_transport::bench::PublishBenchOptions {
+                nats_url: args.nats_url,
+                messages: args.messages,
+                message_bytes: args.message_bytes,
+                in_flight: args.in_flight,
+                rounds: args.rounds,
+            };
+            let report = rt
+                .block_on(asyncrl_transport::bench::run_publish_bench(opts))
+                .context("transport bench")?;
+            print!("{report}");
+        }
+        BenchCommand::Coordinator(args) => {
+            let opts = asyncrl_coordinator::bench::AcquireBenchOptions {
+                nats_url: args.nats_url,
+                ..Default::default()
+            };
+            let report = rt
+                .block_on(asyncrl_coordinator::bench::run_acquire_bench(opts))
+                .context("coordinator bench")?;
+            print!("{report}");
+        }
+        BenchCommand::Worker => {
+            let opts = asyncrl_rollout_worker::bench::BatchingBenchOptions::default();
+            let report = rt
+                .block_on(asyncrl_rollout_worker::bench::run_batching_bench(opts))
+                .context("worker bench")?;
+            print!("{report}");
+        }
+    }
+    Ok(())
 }
 
 /// The error and its causes on one line, joined by `: `. A cause whose text

@@ -149,6 +149,7 @@ struct Ctx {
     start_version: i32,
     ckpt_dir: PathBuf,
     shutdown: CancellationToken,
+    progress: Option<tokio::sync::mpsc::UnboundedSender<StepStats>>,
 }
 
 /// Runs the learner until `run.max_steps` (0: until shutdown).
@@ -157,6 +158,18 @@ pub async fn run(
     bus: Arc<dyn Bus>,
     metrics: Metrics,
     shutdown: CancellationToken,
+) -> Result<LearnerSummary, LearnerError> {
+    run_with_progress(config, bus, metrics, shutdown, None).await
+}
+
+/// [`run`], sending the statistics of every step to `progress` (the
+/// one-process `asyncrl train` shows them).
+pub async fn run_with_progress(
+    config: Config,
+    bus: Arc<dyn Bus>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+    progress: Option<tokio::sync::mpsc::UnboundedSender<StepStats>>,
 ) -> Result<LearnerSummary, LearnerError> {
     let metrics = LearnerMetrics::register(&metrics)?;
     let ckpt_dir = checkpoint_dir(&config);
@@ -194,6 +207,7 @@ pub async fn run(
         metrics,
         ckpt_dir,
         shutdown,
+        progress,
     };
     ctx.reconcile_with_published().await?;
     ctx.start_version = ctx.actor.call(|t| t.version()).await?;
@@ -488,6 +502,9 @@ impl Ctx {
             );
             if stats.step % self.config.learner.checkpoint_every == 0 {
                 self.checkpoint().await?;
+            }
+            if let Some(tx) = &self.progress {
+                let _ = tx.send(stats.clone());
             }
             summary.last = Some(stats);
         }

@@ -255,7 +255,11 @@ pub fn run_warm_start(
     let items = asyncrl_tasks::load_jsonl(&dataset.path)?;
     let hold = eval_items.min(items.len() / 2);
     let (train, eval) = items.split_at(items.len() - hold);
-    let mut policy = asyncrl_policy::from_config::load_policy(&config.model, config.run.seed)?;
+    // The warm start begins from the built-in model of `[model.tiny]`
+    // (`model.path` names where its result will be read from).
+    let mut section = config.model.clone();
+    section.path = None;
+    let mut policy = asyncrl_policy::from_config::load_policy(&section, config.run.seed)?;
     let report = warm_start(
         &mut policy,
         train,

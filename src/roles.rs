@@ -1,0 +1,107 @@
+//! What every role process does around its role: logs, the one metrics
+//! registry, `/metrics` `/healthz` `/readyz`, SIGTERM/SIGINT → shutdown, and
+//! the connection to the bus.
+
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use asyncrl_config::{BusKind, Config};
+use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_transport::{Bus, TransportMetrics};
+use tokio_util::sync::CancellationToken;
+
+/// The per-process pieces a role runs with.
+pub struct Process {
+    pub metrics: Metrics,
+    pub health: Health,
+    pub shutdown: CancellationToken,
+    pub telemetry_addr: Option<std::net::SocketAddr>,
+    /// Kept alive for the life of the process.
+    _server: Option<asyncrl_telemetry::TelemetryServer>,
+}
+
+/// Starts the telemetry server and the signal handler of a process.
+pub async fn start(config: &Config, role: &str) -> anyhow::Result<Process> {
+    let metrics = Metrics::new();
+    metrics.register_info(
+        "build",
+        "What this process is",
+        vec![
+            ("role".into(), role.into()),
+            ("version".into(), env!("CARGO_PKG_VERSION").into()),
+        ],
+    )?;
+    let health = Health::new();
+    let shutdown = CancellationToken::new();
+    let server = match config.telemetry.listen_addr()? {
+        Some(addr) => {
+            let stop = shutdown.clone();
+            let server =
+                asyncrl_telemetry::serve(addr, metrics.clone(), health.clone(), async move {
+                    stop.cancelled().await
+                })
+                .await
+                .with_context(|| format!("cannot serve telemetry on {addr} (telemetry.listen)"))?;
+            tracing::info!(role, addr = %server.local_addr(), "serving /metrics /healthz /readyz");
+            Some(server)
+        }
+        None => None,
+    };
+    let telemetry_addr = server.as_ref().map(|s| s.local_addr());
+    let token = shutdown.clone();
+    let role_name = role.to_owned();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!(role = %role_name, "shutdown requested; draining");
+        token.cancel();
+    });
+    Ok(Process {
+        metrics,
+        health,
+        shutdown,
+        telemetry_addr,
+        _server: server,
+    })
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Connects to the configured bus, registering its metrics.
+pub async fn connect(config: &Config, metrics: &Metrics) -> anyhow::Result<Arc<dyn Bus>> {
+    let tm = TransportMetrics::new();
+    metrics.with_registry(|r| tm.register(r));
+    Ok(asyncrl_transport::connect(&config.bus, tm).await?)
+}
+
+/// A role process needs a server to meet the other roles on.
+pub fn require_nats(config: &Config, role: &str) -> anyhow::Result<()> {
+    if config.bus.kind() == BusKind::Local {
+        anyhow::bail!(
+            "`asyncrl {role}` runs one role and needs a NATS bus: set bus.url = \"nats://host:port\" or pass --bus (or run every role in one process with `asyncrl train`)"
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,311 @@
+//! `asyncrl train`: every role in one process (the in-process bus by
+//! default, or one NATS server with `--bus`), a progress line per step, and
+//! at the end a summary with the paths of the outputs and reward curves.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use asyncrl_config::Config;
+use asyncrl_learner::trainer::StepStats;
+use asyncrl_transport::Bus;
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::plot::{Series, line_chart, smooth};
+use crate::roles;
+
+#[derive(Debug, Clone, Default)]
+pub struct TrainOptions {
+    /// Rollout workers to run in the process.
+    pub workers: usize,
+    /// Draw a progress bar (off when stderr is not a terminal or in tests).
+    pub progress: bool,
+}
+
+/// What a run produced.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub steps: u64,
+    pub version: i32,
+    pub seconds: f64,
+    pub reward_first: f64,
+    pub reward_last: f64,
+    pub metrics_csv: PathBuf,
+    pub checkpoints: PathBuf,
+    pub curves: Vec<PathBuf>,
+    pub telemetry: Option<std::net::SocketAddr>,
+}
+
+impl std::fmt::Display for TrainSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "trained {} steps (policy version {}) in {:.1}s",
+            self.steps, self.version, self.seconds
+        )?;
+        writeln!(
+            f,
+            "mean reward of the training batches: {:.3} (first 5 steps) -> {:.3} (last 5 steps)",
+            self.reward_first, self.reward_last
+        )?;
+        writeln!(f, "metrics:     {}", self.metrics_csv.display())?;
+        writeln!(f, "checkpoints: {}", self.checkpoints.display())?;
+        for c in &self.curves {
+            writeln!(f, "curve:       {}", c.display())?;
+        }
+        Ok(())
+    }
+}
+
+type RoleResult = (&'static str, anyhow::Result<()>);
+
+/// Runs every role until the learner reaches `run.max_steps` (or Ctrl-C).
+pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSummary> {
+    std::fs::create_dir_all(&config.run.output_dir).with_context(|| {
+        format!(
+            "cannot create run.output_dir {}",
+            config.run.output_dir.display()
+        )
+    })?;
+    let process = roles::start(&config, "train").await?;
+    let bus = roles::connect(&config, &process.metrics).await?;
+    let roles_stop = CancellationToken::new();
+    let mut tasks: JoinSet<RoleResult> = JoinSet::new();
+    spawn_roles(
+        &mut tasks,
+        &config,
+        &bus,
+        &process.metrics,
+        &roles_stop,
+        opts.workers.max(1),
+    );
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<StepStats>();
+    let learner_stop = process.shutdown.clone();
+    let learner = {
+        let (config, bus, metrics) = (config.clone(), bus.clone(), process.metrics.clone());
+        tokio::spawn(async move {
+            asyncrl_learner::service::run_with_progress(
+                config,
+                bus,
+                metrics,
+                learner_stop,
+                Some(tx),
+            )
+            .await
+        })
+    };
+    let bar = progress_bar(&config, opts.progress);
+    let start = Instant::now();
+    let mut learner = learner;
+    let outcome = loop {
+        tokio::select! {
+            Some(stats) = rx.recv() => {
+                bar.set_position(stats.step);
+                bar.set_message(format!(
+                    "v{} reward {:.3} lag {:.2} ({} max) {:.0} tok/s",
+                    stats.version,
+                    stats.reward_mean,
+                    stats.objective.mean_version_lag,
+                    stats.objective.max_version_lag,
+                    stats.tokens as f64 / (stats.compute_seconds.max(1e-9)),
+                ));
+            }
+            r = &mut learner => break r.context("the learner task failed")?.context("learner"),
+            Some(done) = tasks.join_next() => {
+                // A role ended before the learner: that is an error (or Ctrl-C).
+                let (role, result) = done.context("a role task failed")?;
+                if process.shutdown.is_cancelled() {
+                    continue;
+                }
+                process.shutdown.cancel();
+                let _ = (&mut learner).await;
+                result.with_context(|| format!("{role} stopped"))?;
+                anyhow::bail!("the {role} stopped before the learner finished");
+            }
+        }
+    };
+    bar.finish_and_clear();
+    // The learner is done: drain the other roles (workers return their tasks).
+    roles_stop.cancel();
+    let grace = config.worker.drain_grace_period + Duration::from_secs(10);
+    let drained = tokio::time::timeout(grace, async {
+        while let Some(done) = tasks.join_next().await {
+            if let Ok((role, Err(e))) = done {
+                tracing::warn!(role, error = %format!("{e:#}"), "role ended with an error while draining");
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("roles did not drain within {grace:?}; stopping them");
+        tasks.abort_all();
+    }
+    process.shutdown.cancel();
+    let summary = outcome?;
+    let seconds = start.elapsed().as_secs_f64();
+    let curves = write_curves(&summary.metrics_csv, &config.run.output_dir)?;
+    let (first, last) = reward_ends(&summary.metrics_csv)?;
+    Ok(TrainSummary {
+        steps: summary.steps,
+        version: summary.version,
+        seconds,
+        reward_first: first,
+        reward_last: last,
+        metrics_csv: summary.metrics_csv,
+        checkpoints: summary.checkpoint_dir,
+        curves,
+        telemetry: process.telemetry_addr,
+    })
+}
+
+fn spawn_roles(
+    tasks: &mut JoinSet<RoleResult>,
+    config: &Config,
+    bus: &Arc<dyn Bus>,
+    metrics: &asyncrl_telemetry::Metrics,
+    stop: &CancellationToken,
+    workers: usize,
+) {
+    let (c, b, m, s) = (config.clone(), bus.clone(), metrics.clone(), stop.clone());
+    tasks.spawn(async move {
+        (
+            "coordinator",
+            asyncrl_coordinator::run(c, b, m, s)
+                .await
+                .map_err(Into::into),
+        )
+    });
+    let (c, b, m, s) = (config.clone(), bus.clone(), metrics.clone(), stop.clone());
+    tasks.spawn(async move {
+        (
+            "buffer",
+            asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into),
+        )
+    });
+    for i in 0..workers {
+        let mut c = config.clone();
+        if workers > 1 {
+            let base = c.worker.id.clone().unwrap_or_else(|| "local-worker".into());
+            c.worker.id = Some(format!("{base}-{i}"));
+        }
+        // One process, one registry: the workers share the worker metrics.
+        let (b, m, s) = (
+            bus.clone(),
+            if i == 0 {
+                metrics.clone()
+            } else {
+                asyncrl_telemetry::Metrics::new()
+            },
+            stop.clone(),
+        );
+        tasks.spawn(async move {
+            (
+                "worker",
+                asyncrl_rollout_worker::run(c, b, m, s)
+                    .await
+                    .map(|_| ())
+                    .map_err(Into::into),
+            )
+        });
+    }
+}
+
+fn progress_bar(config: &Config, enabled: bool) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let bar = if config.run.max_steps > 0 {
+        ProgressBar::new(config.run.max_steps)
+    } else {
+        ProgressBar::new_spinner()
+    };
+    let style = ProgressStyle::with_template("{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    bar.set_style(style);
+    bar.enable_steady_tick(Duration::from_millis(250));
+    bar
+}
+
+/// (step, wall seconds, reward) of every step of a learner metrics CSV.
+fn read_rewards(csv: &Path) -> anyhow::Result<Vec<(f64, f64, f64)>> {
+    let text =
+        std::fs::read_to_string(csv).with_context(|| format!("cannot read {}", csv.display()))?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .with_context(|| format!("{} has no column {name}", csv.display()))
+    };
+    let (step, wall, reward) = (col("step")?, col("wall_seconds")?, col("reward_mean")?);
+    let mut out = Vec::new();
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+        if let (Some(s), Some(w), Some(r)) = (num(step), num(wall), num(reward)) {
+            out.push((s, w, r));
+        }
+    }
+    Ok(out)
+}
+
+fn reward_ends(csv: &Path) -> anyhow::Result<(f64, f64)> {
+    let rows = read_rewards(csv)?;
+    let mean = |rows: &[(f64, f64, f64)]| {
+        if rows.is_empty() {
+            0.0
+        } else {
+            rows.iter().map(|r| r.2).sum::<f64>() / rows.len() as f64
+        }
+    };
+    let n = rows.len();
+    Ok((mean(&rows[..n.min(5)]), mean(&rows[n.saturating_sub(5)..])))
+}
+
+fn write_curves(csv: &Path, out: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let rows = read_rewards(csv)?;
+    if rows.len() < 2 {
+        return Ok(Vec::new());
+    }
+    let by_step: Vec<(f64, f64)> = rows.iter().map(|r| (r.0, r.2)).collect();
+    let by_time: Vec<(f64, f64)> = rows.iter().map(|r| (r.1, r.2)).collect();
+    let window = (rows.len() / 10).max(1);
+    let step_png = out.join("reward_vs_step.png");
+    line_chart(
+        &step_png,
+        "Training reward",
+        "learner step",
+        "mean reward",
+        &[
+            Series {
+                name: "per step".into(),
+                points: by_step.clone(),
+                band: None,
+            },
+            Series {
+                name: format!("moving mean ({window})"),
+                points: smooth(&by_step, window),
+                band: None,
+            },
+        ],
+    )?;
+    let time_png = out.join("reward_vs_time.png");
+    line_chart(
+        &time_png,
+        "Training reward",
+        "wall-clock seconds",
+        "mean reward",
+        &[Series {
+            name: format!("moving mean ({window})"),
+            points: smooth(&by_time, window),
+            band: None,
+        }],
+    )?;
+    Ok(vec![step_png, time_png])
+}
