@@ -447,6 +447,7 @@ impl Ctx {
     async fn train_loop(&mut self) -> Result<LearnerSummary, LearnerError> {
         let csv_path = self.config.run.output_dir.join("learner_metrics.csv");
         let mut csv = MetricsCsv::open(csv_path.clone())?;
+        let mut trained_log = TrainedLog::open(self.config.run.output_dir.join("trained.jsonl"))?;
         let mut summary = LearnerSummary {
             metrics_csv: csv_path,
             checkpoint_dir: self.ckpt_dir.clone(),
@@ -474,10 +475,15 @@ impl Ctx {
             self.metrics.phase("wait", wait_s);
 
             let knobs = step_knobs(&self.config, &k);
+            let ids = trained_ids(&batches);
             let stats = self
                 .actor
                 .call(move |t| t.train_step(&batches, &knobs))
                 .await??;
+            // Recorded before the weights are published: a crash in between
+            // retrains the same step (the buffer replays its groups) and the
+            // log then holds the step twice; readers keep the last entry.
+            trained_log.append(&stats, version, &ids)?;
             self.metrics.phase("compute", stats.compute_seconds);
             self.metrics.observe_step(&stats);
 
@@ -516,6 +522,82 @@ impl Ctx {
         summary.steps = step;
         summary.version = version;
         Ok(summary)
+    }
+}
+
+/// The trajectory ids and oldest token version of each record batch set.
+fn trained_ids(batches: &[RecordBatch]) -> (Vec<String>, i32) {
+    use arrow::array::AsArray;
+    let mut ids = Vec::new();
+    let mut min_version = i32::MAX;
+    for b in batches {
+        if let Some(col) = b
+            .column_by_name(asyncrl_protos::arrow_schema::UUID)
+            .and_then(|c| c.as_string_opt::<i32>())
+        {
+            ids.extend(col.iter().flatten().map(str::to_owned));
+        }
+        if let Some(list) = b
+            .column_by_name(asyncrl_protos::arrow_schema::POLICY_VERSIONS)
+            .and_then(|c| c.as_list_opt::<i32>())
+            && let Some(v) = list
+                .values()
+                .as_primitive_opt::<arrow::datatypes::Int32Type>()
+        {
+            min_version = v.values().iter().copied().fold(min_version, i32::min);
+        }
+    }
+    (
+        ids,
+        if min_version == i32::MAX {
+            -1
+        } else {
+            min_version
+        },
+    )
+}
+
+/// `trained.jsonl`: per step, the version trained at and the ids of the
+/// trajectories trained on (what the end-to-end tests check "trained exactly
+/// once" and "never staler than η" against).
+struct TrainedLog {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl TrainedLog {
+    fn open(path: PathBuf) -> Result<Self, LearnerError> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|source| LearnerError::MetricsFile {
+                path: path.clone(),
+                source,
+            })?;
+        Ok(Self { path, file })
+    }
+
+    fn append(
+        &mut self,
+        s: &StepStats,
+        trained_at: i32,
+        ids: &(Vec<String>, i32),
+    ) -> Result<(), LearnerError> {
+        let line = serde_json::json!({
+            "step": s.step,
+            "trained_at_version": trained_at,
+            "published_version": s.version,
+            "min_token_version": ids.1,
+            "max_version_lag": s.objective.max_version_lag,
+            "trajectories": ids.0,
+        });
+        writeln!(self.file, "{line}")
+            .and_then(|()| self.file.sync_data())
+            .map_err(|source| LearnerError::MetricsFile {
+                path: self.path.clone(),
+                source,
+            })
     }
 }
 
