@@ -3,6 +3,7 @@
 //! Errors are printed as one line (`error: ...`, with the chain of causes
 //! joined by `: `) and the process exits non-zero; no panic, no backtrace.
 
+mod bench;
 mod plot;
 mod roles;
 mod train;
@@ -168,6 +169,30 @@ enum BenchCommand {
     /// Generated tokens/s with continuous batching against static batching
     /// on the long-tailed reverse task, as a ratio.
     Worker,
+    /// Reward under η × clip mode × seeds from the same start: CSV, PNG
+    /// curves and a markdown table.
+    Staleness(StalenessArgs),
+}
+
+#[derive(Debug, Args)]
+struct StalenessArgs {
+    /// The base config (task, model, batch sizes); η, clip mode, seed,
+    /// steps and output directory are set per run.
+    config: PathBuf,
+    #[arg(long, value_delimiter = ',', default_value = "0,1,4,8")]
+    etas: Vec<u32>,
+    #[arg(long, value_delimiter = ',', default_value = "ppo,adaptive,m2po")]
+    clips: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    seeds: Vec<u64>,
+    /// Learner steps per run.
+    #[arg(long, default_value_t = 150)]
+    steps: u64,
+    /// Reward whose first crossing the table reports.
+    #[arg(long, default_value_t = 0.4)]
+    target: f64,
+    #[arg(long, default_value = "docs/results/staleness")]
+    out: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -416,6 +441,24 @@ fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
             let report = rt
                 .block_on(asyncrl_coordinator::bench::run_acquire_bench(opts))
                 .context("coordinator bench")?;
+            print!("{report}");
+        }
+        BenchCommand::Staleness(args) => {
+            let config = load(&args.config, None)?;
+            let clips = args
+                .clips
+                .iter()
+                .map(|c| bench::parse_clip(c))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let spec = bench::StalenessBench {
+                etas: args.etas,
+                clips,
+                seeds: args.seeds,
+                steps: args.steps,
+                target: args.target,
+                out: args.out,
+            };
+            let report = rt.block_on(bench::staleness(config, spec))?;
             print!("{report}");
         }
         BenchCommand::Worker => {

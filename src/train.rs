@@ -52,6 +52,12 @@ impl std::fmt::Display for TrainSummary {
             self.reward_first, self.reward_last
         )?;
         writeln!(f, "metrics:     {}", self.metrics_csv.display())?;
+        if let Some(addr) = self.telemetry {
+            writeln!(
+                f,
+                "prometheus:  http://{addr}/metrics (served while the run was up)"
+            )?;
+        }
         writeln!(f, "checkpoints: {}", self.checkpoints.display())?;
         for c in &self.curves {
             writeln!(f, "curve:       {}", c.display())?;
