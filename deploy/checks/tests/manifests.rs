@@ -1,0 +1,691 @@
+//! The Kubernetes manifests: every overlay renders with `kubectl kustomize`,
+//! passes `kubernetes-validate` (offline schemas), and has what an operator
+//! relies on. The objects kubernetes-validate has no schema for (KEDA's
+//! ScaledObject, the Prometheus operator's PodMonitor and PrometheusRule)
+//! are checked here field by field.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use asyncrl_config::Config;
+use asyncrl_deploy_checks::{
+    Rendered, containers, k8s_dir, overlays, require_tool, run_ok, selects,
+};
+use serde_json::Value;
+
+/// The kinds that come from CRDs; kubernetes-validate cannot know them.
+const CRD_KINDS: &[&str] = &["ScaledObject", "PodMonitor", "ServiceMonitor", "PrometheusRule"];
+
+/// The asyncrl roles and the workload that runs each.
+const ROLES: &[(&str, &str)] = &[
+    ("coordinator", "Deployment"),
+    ("buffer", "StatefulSet"),
+    ("learner", "Deployment"),
+    ("rollout-worker", "Deployment"),
+];
+
+fn rendered() -> Vec<Rendered> {
+    let all: Vec<Rendered> = overlays().iter().map(|o| Rendered::of(o)).collect();
+    let names: Vec<&str> = all.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["dev", "gpu", "gpu-hpa"], "the overlays");
+    all
+}
+
+fn name(o: &Value) -> &str {
+    o["metadata"]["name"].as_str().unwrap_or_default()
+}
+
+fn role_workload<'a>(r: &'a Rendered, role: &str) -> &'a Value {
+    let kind = ROLES
+        .iter()
+        .find(|(n, _)| *n == role)
+        .map(|(_, k)| *k)
+        .expect("a role");
+    r.get(kind, role)
+}
+
+/// The config every role of an overlay reads.
+fn config(r: &Rendered) -> Config {
+    let text = r.config_map_data("asyncrl-config", "asyncrl.toml");
+    Config::parse(&text, Some(Path::new("asyncrl.toml")))
+        .unwrap_or_else(|e| panic!("overlay {}: asyncrl.toml: {e}", r.name))
+}
+
+/// The `[kmgt]i?` quantity or `NGB` size as bytes.
+fn bytes(q: &str) -> u64 {
+    let q = q.trim();
+    let split = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
+    let (n, unit) = q.split_at(split);
+    let n: u64 = n.parse().unwrap_or_else(|_| panic!("size {q:?}"));
+    let m: u64 = match unit.trim() {
+        "" => 1,
+        "Ki" | "KiB" => 1 << 10,
+        "Mi" | "MiB" => 1 << 20,
+        "Gi" | "GiB" => 1 << 30,
+        "Ti" => 1 << 40,
+        "K" | "KB" | "k" => 1_000,
+        "M" | "MB" => 1_000_000,
+        "G" | "GB" => 1_000_000_000,
+        "T" | "TB" => 1_000_000_000_000,
+        other => panic!("unit {other:?} in {q:?}"),
+    };
+    n * m
+}
+
+/// `key: value` of nats.conf (top level or inside a block).
+fn nats_conf_value(conf: &str, key: &str) -> Option<String> {
+    conf.lines()
+        .map(|l| l.split('#').next().unwrap_or_default().trim())
+        .find_map(|l| {
+            l.strip_prefix(key)
+                .and_then(|rest| rest.trim_start().strip_prefix(':'))
+                .map(|v| v.trim().to_owned())
+        })
+}
+
+#[test]
+fn overlays_render_and_pass_kubernetes_validate() {
+    let validate = require_tool(
+        "kubernetes-validate",
+        "run scripts/setup (kubernetes-validate is pinned in scripts/requirements.txt)",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    for r in rendered() {
+        assert!(!r.objects.is_empty(), "overlay {} renders nothing", r.name);
+        let file = dir.path().join(format!("{}.yaml", r.name));
+        std::fs::write(&file, &r.yaml).unwrap();
+        // The oldest Kubernetes we support and the newest schemas shipped.
+        for version in ["1.30.0", "1.37.0"] {
+            let out = run_ok(
+                Command::new(&validate)
+                    .args(["--strict", "-k", version])
+                    .arg(&file),
+            );
+            for o in &r.objects {
+                let kind = o["kind"].as_str().unwrap_or_default();
+                if CRD_KINDS.contains(&kind) {
+                    continue;
+                }
+                let line = format!(
+                    "passed for resource {}/{}",
+                    kind.to_lowercase(),
+                    name(o)
+                );
+                assert!(
+                    out.contains(&line),
+                    "overlay {} (k8s {version}): {kind}/{} was not validated:\n{out}",
+                    r.name,
+                    name(o)
+                );
+            }
+        }
+        for o in &r.objects {
+            let kind = o["kind"].as_str().unwrap_or_default();
+            assert!(
+                o["kind"] == "Namespace" || o["metadata"]["namespace"] == "asyncrl",
+                "overlay {}: {kind}/{} is not in namespace asyncrl",
+                r.name,
+                name(o)
+            );
+        }
+    }
+}
+
+#[test]
+fn every_role_runs_the_binary_with_probes_config_and_resources() {
+    for r in rendered() {
+        let cfg = config(&r);
+        let telemetry_port: u16 = cfg
+            .telemetry
+            .listen_addr()
+            .unwrap()
+            .expect("telemetry.listen is set")
+            .port();
+        assert!(
+            cfg.telemetry.listen.starts_with("0.0.0.0:"),
+            "overlay {}: telemetry.listen must accept Prometheus and the kubelet from outside the pod",
+            r.name
+        );
+        for (role, _) in ROLES {
+            let w = role_workload(&r, role);
+            let ctx = format!("overlay {} {role}", r.name);
+            let pod = &w["spec"]["template"]["spec"];
+            assert!(
+                selects(&w["spec"]["selector"], &w["spec"]["template"]["metadata"]["labels"]),
+                "{ctx}: selector does not select its own pods"
+            );
+            let c = &pod["containers"][0];
+            let image = c["image"].as_str().unwrap_or_default();
+            let wants_torch = matches!(*role, "learner" | "rollout-worker");
+            let image_name = image.rsplit('/').next().unwrap_or_default();
+            assert!(
+                if wants_torch {
+                    image_name.starts_with("asyncrl:")
+                } else {
+                    image_name.starts_with("asyncrl-cpu:")
+                },
+                "{ctx}: image {image} (libtorch only where a role needs it)"
+            );
+            let role_arg = if *role == "rollout-worker" { "worker" } else { role };
+            let args: Vec<&str> = c["args"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            assert_eq!(
+                args,
+                [role_arg, "--config", "/etc/asyncrl/asyncrl.toml"],
+                "{ctx}: command line"
+            );
+            // The config file is the ConfigMap's asyncrl.toml.
+            let mounts = c["volumeMounts"].as_array().expect("volume mounts");
+            let config_mount = mounts
+                .iter()
+                .find(|m| m["mountPath"] == "/etc/asyncrl/asyncrl.toml")
+                .unwrap_or_else(|| panic!("{ctx}: no mount of /etc/asyncrl/asyncrl.toml"));
+            assert_eq!(config_mount["subPath"], "asyncrl.toml", "{ctx}");
+            let volume = |n: &Value| {
+                pod["volumes"]
+                    .as_array()
+                    .and_then(|v| v.iter().find(|v| v["name"] == *n))
+                    .cloned()
+                    .unwrap_or_else(|| panic!("{ctx}: no volume {n}"))
+            };
+            let cm = volume(&config_mount["name"]);
+            assert!(
+                cm["configMap"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("asyncrl-config")),
+                "{ctx}: config volume {cm}"
+            );
+            let secrets = mounts
+                .iter()
+                .find(|m| m["mountPath"] == "/etc/asyncrl/secrets")
+                .unwrap_or_else(|| panic!("{ctx}: no secrets mount"));
+            assert_eq!(
+                volume(&secrets["name"])["secret"]["secretName"],
+                "asyncrl-secrets",
+                "{ctx}"
+            );
+            // Probes on the telemetry port.
+            let port = c["ports"]
+                .as_array()
+                .and_then(|p| p.iter().find(|p| p["name"] == "metrics"))
+                .unwrap_or_else(|| panic!("{ctx}: no port named metrics"));
+            assert_eq!(port["containerPort"], telemetry_port, "{ctx}: metrics port");
+            for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+                assert_eq!(c[probe]["httpGet"]["path"], path, "{ctx}: {probe}");
+                assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{ctx}: {probe}");
+            }
+            // Requests on every container; a memory limit on every container.
+            for c in containers(w) {
+                let res = &c["resources"];
+                assert!(
+                    res["requests"]["cpu"].is_string() && res["requests"]["memory"].is_string(),
+                    "{ctx}: container {} has no cpu/memory requests",
+                    c["name"]
+                );
+                assert!(
+                    res["limits"]["memory"].is_string(),
+                    "{ctx}: container {} has no memory limit",
+                    c["name"]
+                );
+                assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true, "{ctx}");
+            }
+            assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{ctx}");
+        }
+        // The coordinator's admin API behind its Service.
+        let admin = cfg.coordinator.admin_addr().unwrap().expect("admin API on");
+        assert_eq!(admin.ip().to_string(), "0.0.0.0", "overlay {}", r.name);
+        let svc = r.get("Service", "coordinator");
+        assert!(
+            svc["spec"]["ports"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["port"] == admin.port() && p["targetPort"] == "admin"),
+            "overlay {}: Service coordinator does not expose the admin port {}",
+            r.name,
+            admin.port()
+        );
+        assert!(
+            cfg.coordinator.admin_token_file.is_some(),
+            "overlay {}: the admin API needs a token (from the Secret)",
+            r.name
+        );
+    }
+}
+
+#[test]
+fn singletons_stay_single_and_the_rollout_pool_is_left_to_its_autoscaler() {
+    for r in rendered() {
+        for role in ["coordinator", "learner"] {
+            let d = r.get("Deployment", role);
+            assert_eq!(d["spec"]["replicas"], 1, "overlay {} {role}", r.name);
+            assert_eq!(
+                d["spec"]["strategy"]["type"], "Recreate",
+                "overlay {} {role}: two at once would fight over state",
+                r.name
+            );
+        }
+        assert_eq!(r.get("StatefulSet", "buffer")["spec"]["replicas"], 1);
+        let pool = r.get("Deployment", "rollout-worker");
+        assert!(
+            pool["spec"].get("replicas").is_none(),
+            "overlay {}: rollout-worker sets replicas; re-applying would undo the autoscaler",
+            r.name
+        );
+        // Only the rollout pool is autoscaled.
+        for so in r.of_kind("ScaledObject") {
+            assert_eq!(so["spec"]["scaleTargetRef"]["name"], "rollout-worker");
+        }
+        for hpa in r.of_kind("HorizontalPodAutoscaler") {
+            assert_eq!(hpa["spec"]["scaleTargetRef"]["name"], "rollout-worker");
+        }
+    }
+}
+
+#[test]
+fn grace_periods_cover_the_workers_drain() {
+    for r in rendered() {
+        let cfg = config(&r);
+        let drain = cfg.worker.drain_grace_period.as_secs();
+        let pool = r.get("Deployment", "rollout-worker");
+        let grace = pool["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            .as_u64()
+            .expect("terminationGracePeriodSeconds on the rollout pool");
+        assert!(
+            grace >= drain + 10,
+            "overlay {}: terminationGracePeriodSeconds {grace} leaves no margin over worker.drain_grace_period {drain}s",
+            r.name
+        );
+        for (role, _) in ROLES {
+            let w = role_workload(&r, role);
+            assert!(
+                w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"].is_u64(),
+                "overlay {} {role}: set terminationGracePeriodSeconds",
+                r.name
+            );
+        }
+    }
+}
+
+#[test]
+fn gpus_where_the_shape_wants_them() {
+    for r in rendered() {
+        let gpus = |role: &str| {
+            role_workload(&r, role)["spec"]["template"]["spec"]["containers"][0]["resources"]
+                ["limits"]["nvidia.com/gpu"]
+                .as_u64()
+        };
+        let gpu_node = |role: &str| {
+            let pod = &role_workload(&r, role)["spec"]["template"]["spec"];
+            pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+                && pod["tolerations"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t["key"] == "nvidia.com/gpu"))
+        };
+        for role in ["coordinator", "buffer"] {
+            assert_eq!(gpus(role), None, "overlay {} {role}", r.name);
+        }
+        if r.name == "dev" {
+            assert_eq!(gpus("learner"), None, "dev runs on the CPU");
+            assert!(!gpu_node("learner"));
+            assert_eq!(gpus("rollout-worker"), None);
+        } else {
+            for role in ["learner", "rollout-worker"] {
+                assert_eq!(gpus(role), Some(1), "overlay {} {role}", r.name);
+                assert!(gpu_node(role), "overlay {} {role}: GPU node selector and toleration", r.name);
+            }
+            let cfg = config(&r);
+            assert!(cfg.model.path.is_some(), "overlay {}: a real model", r.name);
+        }
+    }
+}
+
+#[test]
+fn volumes_hold_what_the_config_writes() {
+    for r in rendered() {
+        let cfg = config(&r);
+        let ctx = &r.name;
+        // Each stateful role mounts a persistent volume at the directory
+        // its config writes to.
+        let data_dir = |role: &str| -> String {
+            match role {
+                "buffer" => cfg
+                    .buffer
+                    .data_dir_in(&cfg.run.output_dir)
+                    .display()
+                    .to_string(),
+                "learner" => cfg
+                    .learner
+                    .checkpoint_dir
+                    .clone()
+                    .unwrap_or_else(|| cfg.run.output_dir.join("checkpoints"))
+                    .display()
+                    .to_string(),
+                _ => cfg.run.output_dir.display().to_string(),
+            }
+        };
+        for role in ["coordinator", "buffer", "learner"] {
+            let w = role_workload(&r, role);
+            let pod = &w["spec"]["template"]["spec"];
+            let dir = data_dir(role);
+            let mount = pod["containers"][0]["volumeMounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| dir.starts_with(m["mountPath"].as_str().unwrap_or("\0")))
+                .max_by_key(|m| m["mountPath"].as_str().unwrap_or_default().len())
+                .unwrap_or_else(|| panic!("overlay {ctx} {role}: nothing mounted at {dir}"))
+                .clone();
+            let vol_name = mount["name"].as_str().unwrap();
+            let persistent = pod["volumes"]
+                .as_array()
+                .and_then(|v| v.iter().find(|v| v["name"] == vol_name))
+                .is_some_and(|v| v["persistentVolumeClaim"]["claimName"].is_string())
+                || w["spec"]["volumeClaimTemplates"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t["metadata"]["name"] == vol_name));
+            assert!(persistent, "overlay {ctx} {role}: {dir} is not on a persistent volume");
+            if let Some(claim) = pod["volumes"]
+                .as_array()
+                .and_then(|v| v.iter().find(|v| v["name"] == vol_name))
+                .and_then(|v| v["persistentVolumeClaim"]["claimName"].as_str())
+            {
+                r.get("PersistentVolumeClaim", claim);
+            }
+        }
+        // The coordinator's data set is on its volume, written by its init container.
+        let coord = r.get("Deployment", "coordinator");
+        let init = &coord["spec"]["template"]["spec"]["initContainers"][0];
+        let script = init["args"][0].as_str().unwrap_or_default();
+        for d in &cfg.coordinator.datasets {
+            assert!(
+                script.contains(&d.path.display().to_string()),
+                "overlay {ctx}: the init container does not write {}",
+                d.path.display()
+            );
+        }
+        // The model folder is mounted where [model] path points.
+        if let Some(path) = &cfg.model.path {
+            for role in ["learner", "rollout-worker"] {
+                let mounts = role_workload(&r, role)["spec"]["template"]["spec"]["containers"]
+                    [0]["volumeMounts"]
+                    .as_array()
+                    .unwrap()
+                    .clone();
+                assert!(
+                    mounts.iter().any(|m| path
+                        .display()
+                        .to_string()
+                        .starts_with(m["mountPath"].as_str().unwrap_or("\0"))
+                        && m["mountPath"] != "/"),
+                    "overlay {ctx} {role}: model.path {} is not mounted",
+                    path.display()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
+    for r in rendered() {
+        let ctx = &r.name;
+        let cfg = config(&r);
+        let conf = r.config_map_data("nats-config", "nats.conf");
+        assert!(conf.contains("jetstream"), "overlay {ctx}: JetStream is off");
+        let max_payload = bytes(
+            &nats_conf_value(&conf, "max_payload")
+                .unwrap_or_else(|| panic!("overlay {ctx}: nats.conf sets no max_payload")),
+        );
+        assert!(
+            cfg.buffer.inline_reply_max_bytes < max_payload,
+            "overlay {ctx}: buffer.inline_reply_max_bytes {} does not fit NATS max_payload {max_payload}",
+            cfg.buffer.inline_reply_max_bytes
+        );
+        let http = nats_conf_value(&conf, "http").expect("nats.conf: monitoring port (http)");
+        assert!(http.ends_with(":8222"), "overlay {ctx}: monitoring on {http}");
+        assert!(
+            conf.contains("token: $NATS_TOKEN") && cfg.bus.token_file.is_some(),
+            "overlay {ctx}: NATS and asyncrl must share the token of the Secret"
+        );
+        let sts = r.get("StatefulSet", "nats");
+        let replicas = sts["spec"]["replicas"].as_u64().unwrap() as usize;
+        assert_eq!(
+            cfg.bus.replicas, replicas,
+            "overlay {ctx}: bus.replicas (stream replicas) must equal the NATS servers"
+        );
+        if replicas > 1 {
+            for i in 0..replicas {
+                assert!(
+                    conf.contains(&format!("nats://nats-{i}.nats-headless:6222")),
+                    "overlay {ctx}: no route to nats-{i}"
+                );
+            }
+        }
+        let store = bytes(&nats_conf_value(&conf, "max_file_store").expect("max_file_store"));
+        let disk = bytes(
+            sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+                .as_str()
+                .unwrap(),
+        );
+        assert!(store < disk, "overlay {ctx}: max_file_store {store} exceeds the volume {disk}");
+        let ports: Vec<Value> = containers(sts)
+            .into_iter()
+            .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default())
+            .collect();
+        for p in ["client", "monitor", "metrics"] {
+            assert!(ports.iter().any(|x| x["name"] == p), "overlay {ctx}: nats port {p}");
+        }
+        let url = &cfg.bus.url;
+        assert!(
+            url.starts_with("nats://nats:4222"),
+            "overlay {ctx}: bus.url {url} is not the nats Service"
+        );
+        r.get("Service", "nats");
+    }
+}
+
+#[test]
+fn secrets_ship_only_in_dev() {
+    for r in rendered() {
+        let secret = r.find("Secret", "asyncrl-secrets");
+        if r.name == "dev" {
+            let s = secret.expect("dev carries its throwaway Secret");
+            for key in ["admin-token", "nats-token"] {
+                assert!(s["stringData"][key].is_string(), "dev Secret key {key}");
+            }
+        } else {
+            assert!(
+                secret.is_none(),
+                "overlay {}: ships placeholder tokens; the real Secret is created by hand",
+                r.name
+            );
+        }
+    }
+}
+
+#[test]
+fn disruption_budgets_cover_the_pool_and_nats() {
+    for r in rendered() {
+        for (pdb, target) in [("rollout-worker", ("Deployment", "rollout-worker")), ("nats", ("StatefulSet", "nats"))] {
+            let p = r.get("PodDisruptionBudget", pdb);
+            let w = r.get(target.0, target.1);
+            assert!(
+                selects(&p["spec"]["selector"], &w["spec"]["template"]["metadata"]["labels"]),
+                "overlay {}: PDB {pdb} does not select its pods",
+                r.name
+            );
+        }
+    }
+}
+
+/// Every pod that serves metrics is scraped by exactly one monitor endpoint
+/// on a port it has.
+#[test]
+fn pod_monitors_scrape_every_role_once() {
+    for r in rendered() {
+        let monitors: Vec<&Value> = r
+            .of_kind("PodMonitor")
+            .chain(r.of_kind("ServiceMonitor"))
+            .collect();
+        if r.name == "dev" {
+            assert!(monitors.is_empty(), "dev needs no Prometheus operator");
+            continue;
+        }
+        let mut scraped: BTreeMap<String, usize> = BTreeMap::new();
+        for m in &monitors {
+            assert_eq!(m["apiVersion"], "monitoring.coreos.com/v1");
+            assert_eq!(m["kind"], "PodMonitor", "this deployment uses PodMonitors");
+            let endpoints = m["spec"]["podMetricsEndpoints"]
+                .as_array()
+                .unwrap_or_else(|| panic!("PodMonitor {} has no podMetricsEndpoints", name(m)));
+            let selected: Vec<&Value> = r
+                .workloads()
+                .filter(|w| selects(&m["spec"]["selector"], &w["spec"]["template"]["metadata"]["labels"]))
+                .collect();
+            assert!(!selected.is_empty(), "PodMonitor {} selects nothing", name(m));
+            for w in selected {
+                for e in endpoints {
+                    let port = e["port"].as_str().expect("endpoint port by name");
+                    assert!(
+                        containers(w).iter().any(|c| c["ports"]
+                            .as_array()
+                            .is_some_and(|p| p.iter().any(|p| p["name"] == port))),
+                        "PodMonitor {}: {} has no port {port}",
+                        name(m),
+                        name(w)
+                    );
+                    assert_eq!(e["path"], "/metrics");
+                    assert!(
+                        e["relabelings"].as_array().is_some_and(|rl| rl.iter().any(|x| x["targetLabel"] == "role")),
+                        "PodMonitor {}: series need the `role` label the alerts use",
+                        name(m)
+                    );
+                    *scraped.entry(name(w).to_owned()).or_default() += 1;
+                }
+            }
+        }
+        for (role, _) in ROLES {
+            assert_eq!(
+                scraped.get(*role),
+                Some(&1),
+                "overlay {}: {role} must be scraped exactly once ({scraped:?})",
+                r.name
+            );
+        }
+        assert_eq!(scraped.get("nats"), Some(&1), "overlay {}: the NATS exporter", r.name);
+    }
+}
+
+#[test]
+fn the_rollout_pool_scales_on_the_recommendation() {
+    let mut scalers = 0;
+    for r in rendered() {
+        let cfg = config(&r);
+        let namespace = "asyncrl";
+        for so in r.of_kind("ScaledObject") {
+            scalers += 1;
+            assert_eq!(so["apiVersion"], "keda.sh/v1alpha1");
+            let spec = &so["spec"];
+            assert_eq!(spec["scaleTargetRef"]["name"], "rollout-worker");
+            assert_eq!(spec["scaleTargetRef"]["kind"], "Deployment");
+            let min = spec["minReplicaCount"].as_u64().expect("minReplicaCount");
+            let max = spec["maxReplicaCount"].as_u64().expect("maxReplicaCount");
+            assert!(1 <= min && min <= max, "replicas {min}..{max}");
+            assert!(
+                u64::from(cfg.coordinator.max_recommended_workers) <= max,
+                "coordinator.max_recommended_workers {} above maxReplicaCount {max}: the pool could never reach the recommendation",
+                cfg.coordinator.max_recommended_workers
+            );
+            let triggers = spec["triggers"].as_array().expect("triggers");
+            assert_eq!(triggers.len(), 1);
+            let t = &triggers[0];
+            assert_eq!(t["type"], "prometheus");
+            // replicas = ceil(value / threshold): threshold 1 follows the
+            // recommendation one to one.
+            assert_eq!(t["metricType"], "AverageValue");
+            assert_eq!(t["metadata"]["threshold"], "1");
+            let server = t["metadata"]["serverAddress"].as_str().expect("serverAddress");
+            assert!(server.starts_with("http"), "serverAddress {server}");
+            let query = t["metadata"]["query"].as_str().expect("query");
+            let sel = asyncrl_deploy_checks::promql::selectors(query).unwrap();
+            assert_eq!(sel.len(), 1, "{query}");
+            assert_eq!(sel[0].metric, "asyncrl_rollout_workers_recommended");
+            assert!(
+                sel[0]
+                    .matchers
+                    .iter()
+                    .any(|m| m.label == "namespace" && m.op == "=" && m.value == namespace),
+                "the query must select this run's namespace: {query}"
+            );
+            let fallback = spec["fallback"]["replicas"].as_u64().expect("fallback replicas");
+            assert!(min <= fallback && fallback <= max);
+        }
+        for hpa in r.of_kind("HorizontalPodAutoscaler") {
+            scalers += 1;
+            let spec = &hpa["spec"];
+            assert_eq!(spec["scaleTargetRef"]["name"], "rollout-worker");
+            let max = spec["maxReplicas"].as_u64().unwrap();
+            assert!(spec["minReplicas"].as_u64().unwrap() >= 1);
+            assert!(u64::from(cfg.coordinator.max_recommended_workers) <= max);
+            let metrics = spec["metrics"].as_array().unwrap();
+            assert_eq!(metrics.len(), 1);
+            assert_eq!(metrics[0]["type"], "External");
+            assert_eq!(
+                metrics[0]["external"]["metric"]["name"],
+                "asyncrl_rollout_workers_recommended"
+            );
+            assert_eq!(metrics[0]["external"]["target"]["type"], "AverageValue");
+            assert_eq!(metrics[0]["external"]["target"]["averageValue"], "1");
+            // prometheus-adapter serves that external metric, per namespace.
+            let values = std::fs::read_to_string(
+                k8s_dir().join("components/hpa/prometheus-adapter-values.yaml"),
+            )
+            .unwrap();
+            let values: Value = serde_yaml::from_str(&values).unwrap();
+            let rules = values["rules"]["external"].as_array().expect("rules.external");
+            let rule = rules
+                .iter()
+                .find(|x| x["name"]["as"] == "asyncrl_rollout_workers_recommended")
+                .expect("an external rule for asyncrl_rollout_workers_recommended");
+            let series = rule["seriesQuery"].as_str().unwrap();
+            assert_eq!(
+                asyncrl_deploy_checks::promql::selectors(series).unwrap()[0].metric,
+                "asyncrl_rollout_workers_recommended"
+            );
+            assert_eq!(
+                rule["resources"]["overrides"]["namespace"]["resource"], "namespace",
+                "the adapter must answer per namespace"
+            );
+            assert!(rule["metricsQuery"].as_str().unwrap().contains("<<.LabelMatchers>>"));
+        }
+        if r.name == "gpu" {
+            assert_eq!(r.of_kind("ScaledObject").count(), 1);
+            assert_eq!(r.of_kind("HorizontalPodAutoscaler").count(), 0);
+        }
+        if r.name == "gpu-hpa" {
+            assert_eq!(r.of_kind("ScaledObject").count(), 0);
+            assert_eq!(r.of_kind("HorizontalPodAutoscaler").count(), 1);
+        }
+    }
+    assert_eq!(scalers, 2);
+}
+
+#[test]
+fn the_dashboard_ships_for_the_grafana_sidecar() {
+    for r in rendered() {
+        if r.name == "dev" {
+            continue;
+        }
+        let cm = r.get("ConfigMap", "asyncrl-dashboard");
+        assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+        let json: Value = serde_json::from_str(cm["data"]["asyncrl.json"].as_str().unwrap())
+            .expect("dashboard JSON");
+        assert_eq!(json["uid"], "asyncrl-run");
+        let rule = r.get("PrometheusRule", "asyncrl");
+        assert!(rule["spec"]["groups"].as_array().is_some_and(|g| !g.is_empty()));
+    }
+}
