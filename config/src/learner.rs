@@ -68,6 +68,10 @@ pub struct LearnerConfig {
     /// How long to wait between batch requests when the buffer has too few groups.
     #[serde(with = "humantime_serde")]
     pub batch_poll_interval: Duration,
+    /// Pin the trainer thread (and the libtorch threads it starts) to these
+    /// CPU cores (empty: no pinning). `asyncrl bench speedup` uses it to give
+    /// the learner and the worker a core each.
+    pub cpu_affinity: Vec<usize>,
 }
 
 impl Default for LearnerConfig {
@@ -89,6 +93,7 @@ impl Default for LearnerConfig {
             keep_checkpoints: 2,
             keep_weight_versions: 8,
             batch_poll_interval: Duration::from_millis(50),
+            cpu_affinity: Vec::new(),
         }
     }
 }
@@ -115,6 +120,12 @@ impl LearnerConfig {
             1,
             1000,
         )?;
+        if let Some(cpu) = self.cpu_affinity.iter().find(|c| **c >= 1024) {
+            return Err(ConfigError::invalid(
+                "learner.cpu_affinity",
+                format!("core {cpu} is out of range [0, 1023]"),
+            ));
+        }
         if self.batch_poll_interval.is_zero() {
             return Err(ConfigError::invalid(
                 "learner.batch_poll_interval",

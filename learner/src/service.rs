@@ -182,7 +182,11 @@ pub async fn run_with_progress(
     let opts = trainer_options(&config);
     let model_section = config.model.clone();
     let seed = config.run.seed;
+    let affinity = config.learner.cpu_affinity.clone();
     let actor = TrainerActor::spawn(move || -> Result<Trainer, LearnerError> {
+        if let Err(e) = crate::actor::pin_current_thread(&affinity) {
+            tracing::warn!(cores = ?affinity, error = %e, "cannot pin the trainer thread");
+        }
         let policy = asyncrl_policy::from_config::load_policy(&model_section, seed)?;
         let mut trainer = Trainer::new(policy, opts);
         if let Some(ckpt) = &latest {
