@@ -253,6 +253,8 @@ pub fn registered_metrics(root: &Path) -> (BTreeMap<String, Registered>, Vec<Str
         r#"(?:(\w+)\s*:\s*)?[\w.]*\.(register|get_or_register|register_with_unit|register_info)\(\s*"([A-Za-z_:][A-Za-z0-9_:]*)""#,
     )
     .expect("valid regex");
+    let unit_re = regex::Regex::new(r"Unit::(\w+)").expect("valid regex");
+    let self_field = regex::Regex::new(r"self\.(\w+)").expect("valid regex");
     let mut found = BTreeMap::new();
     let mut unknown = Vec::new();
     for file in source_files(root) {
@@ -272,10 +274,7 @@ pub fn registered_metrics(root: &Path) -> (BTreeMap<String, Registered>, Vec<Str
             let args_code = strip_string_literals(args);
             let mut family = format!("asyncrl_{name}");
             if method == "register_with_unit" {
-                let unit = regex::Regex::new(r"Unit::(\w+)")
-                    .expect("valid regex")
-                    .captures(&args_code)
-                    .map(|c| c[1].to_lowercase());
+                let unit = unit_re.captures(&args_code).map(|c| c[1].to_lowercase());
                 match unit {
                     Some(u) => family = format!("{family}_{u}"),
                     None => {
@@ -290,12 +289,9 @@ pub fn registered_metrics(root: &Path) -> (BTreeMap<String, Registered>, Vec<Str
                 kind_in(&args_code).or_else(|| {
                     // `field: m.register("x", "help", Family::default())`, or
                     // `registry.register("x", "help", self.field.clone())`.
-                    let field = field.map(str::to_owned).or_else(|| {
-                        regex::Regex::new(r"self\.(\w+)")
-                            .expect("valid regex")
-                            .captures(&args_code)
-                            .map(|c| c[1].to_owned())
-                    })?;
+                    let field = field
+                        .map(str::to_owned)
+                        .or_else(|| self_field.captures(&args_code).map(|c| c[1].to_owned()))?;
                     field_types(text, &field)
                         .into_iter()
                         .find_map(|t| kind_in(&t))

@@ -169,9 +169,8 @@ fn tokenize(expr: &str) -> Result<Vec<Tok>, String> {
             // Numbers, durations (5m, 1h30m) and exponents (1e-3).
             while i < chars.len() {
                 let d = chars[i];
-                if d.is_ascii_alphanumeric() || d == '.' {
-                    i += 1;
-                } else if (d == '-' || d == '+') && matches!(chars[i - 1], 'e' | 'E') {
+                let exponent_sign = (d == '-' || d == '+') && matches!(chars[i - 1], 'e' | 'E');
+                if d.is_ascii_alphanumeric() || d == '.' || exponent_sign {
                     i += 1;
                 } else {
                     break;

@@ -12,7 +12,9 @@ fn tomls(dir: &Path, out: &mut Vec<PathBuf>) {
         let p = e.path();
         if p.is_dir() && p.file_name().is_some_and(|n| n != "target") {
             tomls(&p, out);
-        } else if p.extension().is_some_and(|x| x == "toml") && p.file_name().is_some_and(|n| n != "Cargo.toml") {
+        } else if p.extension().is_some_and(|x| x == "toml")
+            && p.file_name().is_some_and(|n| n != "Cargo.toml")
+        {
             out.push(p);
         }
     }
@@ -29,7 +31,10 @@ fn every_deploy_config_parses() {
         .collect();
     assert_eq!(
         names,
-        ["deploy/k8s/base/asyncrl.toml", "deploy/k8s/components/gpu/asyncrl.toml"],
+        [
+            "deploy/k8s/base/asyncrl.toml",
+            "deploy/k8s/components/gpu/asyncrl.toml"
+        ],
         "the configs the deployment ships"
     );
     for f in &files {

@@ -49,14 +49,30 @@ fn every_copied_path_exists_and_is_in_the_context() {
     assert!(!copies.is_empty());
     for c in &copies {
         if let Some(stage) = &c.from {
-            assert!(stages.contains(stage), "line {}: --from={stage} is no stage", c.line);
+            assert!(
+                stages.contains(stage),
+                "line {}: --from={stage} is no stage",
+                c.line
+            );
             continue;
         }
         for src in &c.sources {
-            assert!(!src.contains('*') && !src.contains(".."), "line {}: {src}", c.line);
+            assert!(
+                !src.contains('*') && !src.contains(".."),
+                "line {}: {src}",
+                c.line
+            );
             let p = repo_root().join(src);
-            assert!(p.exists(), "line {}: COPY {src}: no such path in the repository", c.line);
-            assert!(!ignored(src, &patterns), "line {}: {src} is excluded by the .dockerignore", c.line);
+            assert!(
+                p.exists(),
+                "line {}: COPY {src}: no such path in the repository",
+                c.line
+            );
+            assert!(
+                !ignored(src, &patterns),
+                "line {}: {src} is excluded by the .dockerignore",
+                c.line
+            );
         }
     }
 }
@@ -70,8 +86,18 @@ fn every_workspace_member_and_the_root_package_are_copied() {
         .flat_map(|c| c.sources)
         .map(|s| s.trim_end_matches('/').to_owned())
         .collect();
-    let covered = |path: &str| copied.iter().any(|c| path == c || path.starts_with(&format!("{c}/")));
-    for needed in ["Cargo.toml", "Cargo.lock", "build.rs", "src", "scripts/requirements.txt"] {
+    let covered = |path: &str| {
+        copied
+            .iter()
+            .any(|c| path == c || path.starts_with(&format!("{c}/")))
+    };
+    for needed in [
+        "Cargo.toml",
+        "Cargo.lock",
+        "build.rs",
+        "src",
+        "scripts/requirements.txt",
+    ] {
         assert!(covered(needed), "the Dockerfile does not copy {needed}");
     }
     for member in workspace_members(&repo_root()) {
@@ -89,27 +115,50 @@ fn targets_versions_and_build_match_the_project() {
     for s in ["source", "build-gpu", "build-cpu", "cpu", "gpu"] {
         assert!(stages.contains(&s.to_owned()), "stage {s}");
     }
-    assert_eq!(stages.last().map(String::as_str), Some("gpu"), "gpu is the default target");
+    assert_eq!(
+        stages.last().map(String::as_str),
+        Some("gpu"),
+        "gpu is the default target"
+    );
     // The Rust image is the workspace's rust-version.
     let cargo: toml::Value =
         toml::from_str(&std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap()).unwrap();
-    let rust = cargo["workspace"]["package"]["rust-version"].as_str().unwrap();
-    assert!(text.contains(&format!("ARG RUST_VERSION={rust}\n")), "ARG RUST_VERSION={rust}");
+    let rust = cargo["workspace"]["package"]["rust-version"]
+        .as_str()
+        .unwrap();
+    assert!(
+        text.contains(&format!("ARG RUST_VERSION={rust}\n")),
+        "ARG RUST_VERSION={rust}"
+    );
     // torch comes from the pin in scripts/requirements.txt, as scripts/setup installs it.
     let reqs = std::fs::read_to_string(repo_root().join("scripts/requirements.txt")).unwrap();
-    assert!(reqs.lines().any(|l| l.starts_with("torch==")), "torch is pinned");
+    assert!(
+        reqs.lines().any(|l| l.starts_with("torch==")),
+        "torch is pinned"
+    );
     assert!(text.contains("grep -E '^torch==' scripts/requirements.txt"));
     let instrs = dockerfile_instructions(&text);
-    let runs: Vec<&str> = instrs.iter().map(|(_, i)| i.as_str()).filter(|i| i.starts_with("RUN ")).collect();
+    let runs: Vec<&str> = instrs
+        .iter()
+        .map(|(_, i)| i.as_str())
+        .filter(|i| i.starts_with("RUN "))
+        .collect();
     assert!(
-        runs.iter().any(|r| r.contains("cargo build --release --locked --bin asyncrl") && !r.contains("--no-default-features")),
+        runs.iter().any(
+            |r| r.contains("cargo build --release --locked --bin asyncrl")
+                && !r.contains("--no-default-features")
+        ),
         "the gpu build"
     );
     assert!(
-        runs.iter().any(|r| r.contains("--no-default-features") && r.contains("ldd")),
+        runs.iter()
+            .any(|r| r.contains("--no-default-features") && r.contains("ldd")),
         "the cpu build, checked to carry no libtorch"
     );
-    assert!(text.contains("LIBTORCH_USE_PYTORCH=1"), "README's build environment");
+    assert!(
+        text.contains("LIBTORCH_USE_PYTORCH=1"),
+        "README's build environment"
+    );
     // The images run as the uid the manifests expect, on the ports they probe.
     assert!(text.contains("USER 10001:10001"));
     assert!(text.contains("EXPOSE 9464 7461"));

@@ -15,7 +15,12 @@ use asyncrl_deploy_checks::{
 use serde_json::Value;
 
 /// The kinds that come from CRDs; kubernetes-validate cannot know them.
-const CRD_KINDS: &[&str] = &["ScaledObject", "PodMonitor", "ServiceMonitor", "PrometheusRule"];
+const CRD_KINDS: &[&str] = &[
+    "ScaledObject",
+    "PodMonitor",
+    "ServiceMonitor",
+    "PrometheusRule",
+];
 
 /// The asyncrl roles and the workload that runs each.
 const ROLES: &[(&str, &str)] = &[
@@ -107,11 +112,7 @@ fn overlays_render_and_pass_kubernetes_validate() {
                 if CRD_KINDS.contains(&kind) {
                     continue;
                 }
-                let line = format!(
-                    "passed for resource {}/{}",
-                    kind.to_lowercase(),
-                    name(o)
-                );
+                let line = format!("passed for resource {}/{}", kind.to_lowercase(), name(o));
                 assert!(
                     out.contains(&line),
                     "overlay {} (k8s {version}): {kind}/{} was not validated:\n{out}",
@@ -152,7 +153,10 @@ fn every_role_runs_the_binary_with_probes_config_and_resources() {
             let ctx = format!("overlay {} {role}", r.name);
             let pod = &w["spec"]["template"]["spec"];
             assert!(
-                selects(&w["spec"]["selector"], &w["spec"]["template"]["metadata"]["labels"]),
+                selects(
+                    &w["spec"]["selector"],
+                    &w["spec"]["template"]["metadata"]["labels"]
+                ),
                 "{ctx}: selector does not select its own pods"
             );
             let c = &pod["containers"][0];
@@ -167,7 +171,11 @@ fn every_role_runs_the_binary_with_probes_config_and_resources() {
                 },
                 "{ctx}: image {image} (libtorch only where a role needs it)"
             );
-            let role_arg = if *role == "rollout-worker" { "worker" } else { role };
+            let role_arg = if *role == "rollout-worker" {
+                "worker"
+            } else {
+                role
+            };
             let args: Vec<&str> = c["args"]
                 .as_array()
                 .map(|a| a.iter().filter_map(Value::as_str).collect())
@@ -230,7 +238,10 @@ fn every_role_runs_the_binary_with_probes_config_and_resources() {
                     "{ctx}: container {} has no memory limit",
                     c["name"]
                 );
-                assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true, "{ctx}");
+                assert_eq!(
+                    c["securityContext"]["readOnlyRootFilesystem"], true,
+                    "{ctx}"
+                );
             }
             assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{ctx}");
         }
@@ -335,7 +346,11 @@ fn gpus_where_the_shape_wants_them() {
         } else {
             for role in ["learner", "rollout-worker"] {
                 assert_eq!(gpus(role), Some(1), "overlay {} {role}", r.name);
-                assert!(gpu_node(role), "overlay {} {role}: GPU node selector and toleration", r.name);
+                assert!(
+                    gpu_node(role),
+                    "overlay {} {role}: GPU node selector and toleration",
+                    r.name
+                );
             }
             let cfg = config(&r);
             assert!(cfg.model.path.is_some(), "overlay {}: a real model", r.name);
@@ -387,7 +402,10 @@ fn volumes_hold_what_the_config_writes() {
                 || w["spec"]["volumeClaimTemplates"]
                     .as_array()
                     .is_some_and(|t| t.iter().any(|t| t["metadata"]["name"] == vol_name));
-            assert!(persistent, "overlay {ctx} {role}: {dir} is not on a persistent volume");
+            assert!(
+                persistent,
+                "overlay {ctx} {role}: {dir} is not on a persistent volume"
+            );
             if let Some(claim) = pod["volumes"]
                 .as_array()
                 .and_then(|v| v.iter().find(|v| v["name"] == vol_name))
@@ -435,7 +453,10 @@ fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
         let ctx = &r.name;
         let cfg = config(&r);
         let conf = r.config_map_data("nats-config", "nats.conf");
-        assert!(conf.contains("jetstream"), "overlay {ctx}: JetStream is off");
+        assert!(
+            conf.contains("jetstream"),
+            "overlay {ctx}: JetStream is off"
+        );
         let max_payload = bytes(
             &nats_conf_value(&conf, "max_payload")
                 .unwrap_or_else(|| panic!("overlay {ctx}: nats.conf sets no max_payload")),
@@ -446,7 +467,10 @@ fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
             cfg.buffer.inline_reply_max_bytes
         );
         let http = nats_conf_value(&conf, "http").expect("nats.conf: monitoring port (http)");
-        assert!(http.ends_with(":8222"), "overlay {ctx}: monitoring on {http}");
+        assert!(
+            http.ends_with(":8222"),
+            "overlay {ctx}: monitoring on {http}"
+        );
         assert!(
             conf.contains("token: $NATS_TOKEN") && cfg.bus.token_file.is_some(),
             "overlay {ctx}: NATS and asyncrl must share the token of the Secret"
@@ -471,13 +495,19 @@ fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
                 .as_str()
                 .unwrap(),
         );
-        assert!(store < disk, "overlay {ctx}: max_file_store {store} exceeds the volume {disk}");
+        assert!(
+            store < disk,
+            "overlay {ctx}: max_file_store {store} exceeds the volume {disk}"
+        );
         let ports: Vec<Value> = containers(sts)
             .into_iter()
             .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default())
             .collect();
         for p in ["client", "monitor", "metrics"] {
-            assert!(ports.iter().any(|x| x["name"] == p), "overlay {ctx}: nats port {p}");
+            assert!(
+                ports.iter().any(|x| x["name"] == p),
+                "overlay {ctx}: nats port {p}"
+            );
         }
         let url = &cfg.bus.url;
         assert!(
@@ -510,11 +540,17 @@ fn secrets_ship_only_in_dev() {
 #[test]
 fn disruption_budgets_cover_the_pool_and_nats() {
     for r in rendered() {
-        for (pdb, target) in [("rollout-worker", ("Deployment", "rollout-worker")), ("nats", ("StatefulSet", "nats"))] {
+        for (pdb, target) in [
+            ("rollout-worker", ("Deployment", "rollout-worker")),
+            ("nats", ("StatefulSet", "nats")),
+        ] {
             let p = r.get("PodDisruptionBudget", pdb);
             let w = r.get(target.0, target.1);
             assert!(
-                selects(&p["spec"]["selector"], &w["spec"]["template"]["metadata"]["labels"]),
+                selects(
+                    &p["spec"]["selector"],
+                    &w["spec"]["template"]["metadata"]["labels"]
+                ),
                 "overlay {}: PDB {pdb} does not select its pods",
                 r.name
             );
@@ -544,9 +580,18 @@ fn pod_monitors_scrape_every_role_once() {
                 .unwrap_or_else(|| panic!("PodMonitor {} has no podMetricsEndpoints", name(m)));
             let selected: Vec<&Value> = r
                 .workloads()
-                .filter(|w| selects(&m["spec"]["selector"], &w["spec"]["template"]["metadata"]["labels"]))
+                .filter(|w| {
+                    selects(
+                        &m["spec"]["selector"],
+                        &w["spec"]["template"]["metadata"]["labels"],
+                    )
+                })
                 .collect();
-            assert!(!selected.is_empty(), "PodMonitor {} selects nothing", name(m));
+            assert!(
+                !selected.is_empty(),
+                "PodMonitor {} selects nothing",
+                name(m)
+            );
             for w in selected {
                 for e in endpoints {
                     let port = e["port"].as_str().expect("endpoint port by name");
@@ -560,7 +605,9 @@ fn pod_monitors_scrape_every_role_once() {
                     );
                     assert_eq!(e["path"], "/metrics");
                     assert!(
-                        e["relabelings"].as_array().is_some_and(|rl| rl.iter().any(|x| x["targetLabel"] == "role")),
+                        e["relabelings"]
+                            .as_array()
+                            .is_some_and(|rl| rl.iter().any(|x| x["targetLabel"] == "role")),
                         "PodMonitor {}: series need the `role` label the alerts use",
                         name(m)
                     );
@@ -576,7 +623,12 @@ fn pod_monitors_scrape_every_role_once() {
                 r.name
             );
         }
-        assert_eq!(scraped.get("nats"), Some(&1), "overlay {}: the NATS exporter", r.name);
+        assert_eq!(
+            scraped.get("nats"),
+            Some(&1),
+            "overlay {}: the NATS exporter",
+            r.name
+        );
     }
 }
 
@@ -608,7 +660,9 @@ fn the_rollout_pool_scales_on_the_recommendation() {
             // recommendation one to one.
             assert_eq!(t["metricType"], "AverageValue");
             assert_eq!(t["metadata"]["threshold"], "1");
-            let server = t["metadata"]["serverAddress"].as_str().expect("serverAddress");
+            let server = t["metadata"]["serverAddress"]
+                .as_str()
+                .expect("serverAddress");
             assert!(server.starts_with("http"), "serverAddress {server}");
             let query = t["metadata"]["query"].as_str().expect("query");
             let sel = asyncrl_deploy_checks::promql::selectors(query).unwrap();
@@ -621,7 +675,9 @@ fn the_rollout_pool_scales_on_the_recommendation() {
                     .any(|m| m.label == "namespace" && m.op == "=" && m.value == namespace),
                 "the query must select this run's namespace: {query}"
             );
-            let fallback = spec["fallback"]["replicas"].as_u64().expect("fallback replicas");
+            let fallback = spec["fallback"]["replicas"]
+                .as_u64()
+                .expect("fallback replicas");
             assert!(min <= fallback && fallback <= max);
         }
         for hpa in r.of_kind("HorizontalPodAutoscaler") {
@@ -646,7 +702,9 @@ fn the_rollout_pool_scales_on_the_recommendation() {
             )
             .unwrap();
             let values: Value = serde_yaml::from_str(&values).unwrap();
-            let rules = values["rules"]["external"].as_array().expect("rules.external");
+            let rules = values["rules"]["external"]
+                .as_array()
+                .expect("rules.external");
             let rule = rules
                 .iter()
                 .find(|x| x["name"]["as"] == "asyncrl_rollout_workers_recommended")
@@ -660,7 +718,12 @@ fn the_rollout_pool_scales_on_the_recommendation() {
                 rule["resources"]["overrides"]["namespace"]["resource"], "namespace",
                 "the adapter must answer per namespace"
             );
-            assert!(rule["metricsQuery"].as_str().unwrap().contains("<<.LabelMatchers>>"));
+            assert!(
+                rule["metricsQuery"]
+                    .as_str()
+                    .unwrap()
+                    .contains("<<.LabelMatchers>>")
+            );
         }
         if r.name == "gpu" {
             assert_eq!(r.of_kind("ScaledObject").count(), 1);
@@ -686,6 +749,10 @@ fn the_dashboard_ships_for_the_grafana_sidecar() {
             .expect("dashboard JSON");
         assert_eq!(json["uid"], "asyncrl-run");
         let rule = r.get("PrometheusRule", "asyncrl");
-        assert!(rule["spec"]["groups"].as_array().is_some_and(|g| !g.is_empty()));
+        assert!(
+            rule["spec"]["groups"]
+                .as_array()
+                .is_some_and(|g| !g.is_empty())
+        );
     }
 }

@@ -62,8 +62,7 @@ fn alert_rules() -> Vec<Value> {
 }
 
 fn dashboard() -> Value {
-    let text =
-        std::fs::read_to_string(monitoring_dir().join("dashboards/asyncrl.json")).unwrap();
+    let text = std::fs::read_to_string(monitoring_dir().join("dashboards/asyncrl.json")).unwrap();
     serde_json::from_str(&text).expect("the dashboard is JSON")
 }
 
@@ -136,7 +135,8 @@ fn check_selectors(
         problems.push(format!("{what}: queries no metric: {expr}"));
     }
     for s in &sel {
-        let known = samples.contains_key(&s.metric) || EXTERNAL_METRICS.contains(&s.metric.as_str());
+        let known =
+            samples.contains_key(&s.metric) || EXTERNAL_METRICS.contains(&s.metric.as_str());
         if !known {
             problems.push(format!(
                 "{what}: `{}` is not a metric the roles export (nor an allowed external one)",
@@ -189,7 +189,10 @@ fn the_source_parser_finds_the_roles_metrics_with_their_kinds() {
         ("asyncrl_worker_heartbeat_age_seconds", MetricKind::Gauge),
         ("asyncrl_workers", MetricKind::Gauge),
         ("asyncrl_buffer_dead_lettered", MetricKind::Counter),
-        ("asyncrl_buffer_served_token_staleness", MetricKind::Histogram),
+        (
+            "asyncrl_buffer_served_token_staleness",
+            MetricKind::Histogram,
+        ),
         ("asyncrl_learner_step_phase_seconds", MetricKind::Histogram),
         ("asyncrl_learner_token_version_lag", MetricKind::Histogram),
         ("asyncrl_worker_weight_fetch_failures", MetricKind::Counter),
@@ -202,7 +205,13 @@ fn the_source_parser_finds_the_roles_metrics_with_their_kinds() {
         assert_eq!(r.kind, kind, "{family} ({})", r.file.display());
     }
     // One file per role at least.
-    for dir in ["coordinator", "buffer", "learner", "rollout-worker", "transport"] {
+    for dir in [
+        "coordinator",
+        "buffer",
+        "learner",
+        "rollout-worker",
+        "transport",
+    ] {
         assert!(
             found
                 .values()
@@ -223,7 +232,13 @@ fn alerts_query_only_exported_metrics_and_say_what_to_do() {
         let name = r["alert"].as_str().expect("alerting rules only").to_owned();
         assert!(names.insert(name.clone()), "alert {name} twice");
         let expr = r["expr"].as_str().unwrap();
-        check_selectors(&format!("alert {name}"), expr, &samples, &words, &mut problems);
+        check_selectors(
+            &format!("alert {name}"),
+            expr,
+            &samples,
+            &words,
+            &mut problems,
+        );
         let sev = r["labels"]["severity"].as_str().unwrap_or_default();
         if !["critical", "warning", "info"].contains(&sev) {
             problems.push(format!("alert {name}: severity {sev:?}"));
@@ -243,10 +258,16 @@ fn alerts_query_only_exported_metrics_and_say_what_to_do() {
         .join("\n");
     for (what, metric) in [
         ("learner idle too long", "asyncrl_learner_step"),
-        ("learner waiting for batches", "asyncrl_learner_step_phase_seconds_sum"),
+        (
+            "learner waiting for batches",
+            "asyncrl_learner_step_phase_seconds_sum",
+        ),
         ("staleness near η", "asyncrl_learner_version_lag_mean"),
         ("stale_dropped_total rising", "asyncrl_stale_dropped_total"),
-        ("weight fetch failures", "asyncrl_worker_weight_fetch_failures_total"),
+        (
+            "weight fetch failures",
+            "asyncrl_worker_weight_fetch_failures_total",
+        ),
         ("no heartbeats", "asyncrl_worker_heartbeat_age_seconds"),
         ("dead-letter rate", "asyncrl_buffer_dead_lettered_total"),
     ] {
@@ -290,14 +311,23 @@ fn dashboard_queries_only_exported_metrics() {
     assert!(queries.len() >= 20, "only {} queries", queries.len());
     let mut used = BTreeSet::new();
     for (title, expr) in &queries {
-        for s in check_selectors(&format!("panel {title:?}"), expr, &samples, &words, &mut problems) {
+        for s in check_selectors(
+            &format!("panel {title:?}"),
+            expr,
+            &samples,
+            &words,
+            &mut problems,
+        ) {
             used.insert(s.metric);
         }
     }
     // Template variables: label_values(metric, label).
     let lv = regex::Regex::new(r"label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)").unwrap();
     for v in d["templating"]["list"].as_array().unwrap() {
-        let q = v["query"]["query"].as_str().or_else(|| v["query"].as_str()).unwrap_or_default();
+        let q = v["query"]["query"]
+            .as_str()
+            .or_else(|| v["query"].as_str())
+            .unwrap_or_default();
         if v["type"] == "query" {
             let m = lv
                 .captures(q)
@@ -313,14 +343,23 @@ fn dashboard_queries_only_exported_metrics() {
     for (what, metric) in [
         ("throughput", "asyncrl_worker_tokens_generated_total"),
         ("throughput", "asyncrl_learner_tokens_total"),
-        ("staleness histogram", "asyncrl_buffer_served_token_staleness_bucket"),
+        (
+            "staleness histogram",
+            "asyncrl_buffer_served_token_staleness_bucket",
+        ),
         ("version lag", "asyncrl_learner_version_lag_mean"),
         ("buffer depth", "asyncrl_buffer_ready_groups"),
-        ("learner step split", "asyncrl_learner_step_phase_seconds_sum"),
+        (
+            "learner step split",
+            "asyncrl_learner_step_phase_seconds_sum",
+        ),
         ("recommended workers", "asyncrl_rollout_workers_recommended"),
         ("actual workers", "asyncrl_workers"),
     ] {
-        assert!(used.contains(metric), "the dashboard does not show {what} ({metric})");
+        assert!(
+            used.contains(metric),
+            "the dashboard does not show {what} ({metric})"
+        );
     }
 }
 
@@ -340,7 +379,10 @@ fn dashboard_is_well_formed_and_every_query_parses() {
     let mut cells: BTreeSet<(u64, u64)> = BTreeSet::new();
     for p in panels(&d) {
         let title = p["title"].as_str().unwrap_or_default().to_owned();
-        assert!(ids.insert(p["id"].as_u64().unwrap()), "panel id twice: {title}");
+        assert!(
+            ids.insert(p["id"].as_u64().unwrap()),
+            "panel id twice: {title}"
+        );
         let g = &p["gridPos"];
         let (x, y, w, h) = (
             g["x"].as_u64().unwrap(),
@@ -351,13 +393,19 @@ fn dashboard_is_well_formed_and_every_query_parses() {
         assert!(x + w <= 24, "panel {title} is wider than the grid");
         for cx in x..x + w {
             for cy in y..y + h {
-                assert!(cells.insert((cx, cy)), "panel {title} overlaps another at {cx},{cy}");
+                assert!(
+                    cells.insert((cx, cy)),
+                    "panel {title} overlaps another at {cx},{cy}"
+                );
             }
         }
         if p["type"] == "row" {
             continue;
         }
-        assert!(p["description"].is_string(), "panel {title} has no description");
+        assert!(
+            p["description"].is_string(),
+            "panel {title} has no description"
+        );
         assert_eq!(p["datasource"]["uid"], "${datasource}", "panel {title}");
         for t in p["targets"].as_array().unwrap() {
             let expr = t["expr"].as_str().unwrap();
