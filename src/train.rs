@@ -78,14 +78,19 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     })?;
     let process = roles::start(&config, "train").await?;
     let bus = roles::connect(&config, &process.metrics).await?;
+    // Workers stop first (they drain: publish what they finished, return the
+    // rest to the coordinator), then the coordinator and the buffer.
+    let workers_stop = CancellationToken::new();
     let roles_stop = CancellationToken::new();
     let mut tasks: JoinSet<RoleResult> = JoinSet::new();
-    spawn_roles(
-        &mut tasks,
+    let mut workers: JoinSet<RoleResult> = JoinSet::new();
+    spawn_roles(&mut tasks, &config, &bus, &process.metrics, &roles_stop);
+    spawn_workers(
+        &mut workers,
         &config,
         &bus,
         &process.metrics,
-        &roles_stop,
+        &workers_stop,
         opts.workers.max(1),
     );
 
@@ -121,35 +126,18 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
                 ));
             }
             r = &mut learner => break r.context("the learner task failed")?.context("learner"),
-            Some(done) = tasks.join_next() => {
-                // A role ended before the learner: that is an error (or Ctrl-C).
-                let (role, result) = done.context("a role task failed")?;
-                if process.shutdown.is_cancelled() {
-                    continue;
-                }
-                process.shutdown.cancel();
-                let _ = (&mut learner).await;
-                result.with_context(|| format!("{role} stopped"))?;
-                anyhow::bail!("the {role} stopped before the learner finished");
-            }
+            Some(done) = tasks.join_next() => role_ended(done, &process.shutdown, &mut learner).await?,
+            Some(done) = workers.join_next() => role_ended(done, &process.shutdown, &mut learner).await?,
         }
     };
     bar.finish_and_clear();
-    // The learner is done: drain the other roles (workers return their tasks).
-    roles_stop.cancel();
+    // The learner is done: drain the workers (they return their unfinished
+    // tasks), then stop the coordinator and the buffer.
+    workers_stop.cancel();
     let grace = config.worker.drain_grace_period + Duration::from_secs(10);
-    let drained = tokio::time::timeout(grace, async {
-        while let Some(done) = tasks.join_next().await {
-            if let Ok((role, Err(e))) = done {
-                tracing::warn!(role, error = %format!("{e:#}"), "role ended with an error while draining");
-            }
-        }
-    })
-    .await;
-    if drained.is_err() {
-        tracing::warn!("roles did not drain within {grace:?}; stopping them");
-        tasks.abort_all();
-    }
+    drain(&mut workers, grace).await;
+    roles_stop.cancel();
+    drain(&mut tasks, Duration::from_secs(30)).await;
     process.shutdown.cancel();
     let summary = outcome?;
     let seconds = start.elapsed().as_secs_f64();
@@ -168,13 +156,46 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     })
 }
 
+/// A role task that ended while the learner still runs: an error (unless
+/// the process is shutting down).
+async fn role_ended(
+    done: Result<RoleResult, tokio::task::JoinError>,
+    shutdown: &CancellationToken,
+    learner: &mut tokio::task::JoinHandle<
+        Result<asyncrl_learner::service::LearnerSummary, asyncrl_learner::service::LearnerError>,
+    >,
+) -> anyhow::Result<()> {
+    let (role, result) = done.context("a role task failed")?;
+    if shutdown.is_cancelled() {
+        return Ok(());
+    }
+    shutdown.cancel();
+    let _ = learner.await;
+    result.with_context(|| format!("{role} stopped"))?;
+    anyhow::bail!("the {role} stopped before the learner finished")
+}
+
+async fn drain(tasks: &mut JoinSet<RoleResult>, grace: Duration) {
+    let drained = tokio::time::timeout(grace, async {
+        while let Some(done) = tasks.join_next().await {
+            if let Ok((role, Err(e))) = done {
+                tracing::warn!(role, error = %format!("{e:#}"), "role ended with an error while stopping");
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("roles did not stop within {grace:?}; aborting them");
+        tasks.abort_all();
+    }
+}
+
 fn spawn_roles(
     tasks: &mut JoinSet<RoleResult>,
     config: &Config,
     bus: &Arc<dyn Bus>,
     metrics: &asyncrl_telemetry::Metrics,
     stop: &CancellationToken,
-    workers: usize,
 ) {
     let (c, b, m, s) = (config.clone(), bus.clone(), metrics.clone(), stop.clone());
     tasks.spawn(async move {
@@ -192,6 +213,16 @@ fn spawn_roles(
             asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into),
         )
     });
+}
+
+fn spawn_workers(
+    tasks: &mut JoinSet<RoleResult>,
+    config: &Config,
+    bus: &Arc<dyn Bus>,
+    metrics: &asyncrl_telemetry::Metrics,
+    stop: &CancellationToken,
+    workers: usize,
+) {
     for i in 0..workers {
         let mut c = config.clone();
         if workers > 1 {
