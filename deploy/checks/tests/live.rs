@@ -254,12 +254,27 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
         let addr = format!("127.0.0.1:{port}");
         wait_for(
             &format!("{role} /healthz"),
-            Duration::from_secs(60),
+            Duration::from_secs(120),
             &mut procs,
             || matches!(http_get(&addr, "/healthz"), Ok((200, _))).then_some(()),
         );
-        let (status, metrics) = http_get(&addr, "/metrics").unwrap();
-        assert_eq!(status, 200, "{role} /metrics");
+        // The telemetry server starts before the role registers its
+        // metrics: wait for one of the role's own.
+        let anchor = match *role {
+            "coordinator" => "asyncrl_policy_version",
+            "buffer" => "asyncrl_buffer_ready_groups",
+            "learner" => "asyncrl_learner_step",
+            _ => "asyncrl_worker_policy_version",
+        };
+        let metrics = wait_for(
+            &format!("{anchor} on {role}'s /metrics"),
+            Duration::from_secs(120),
+            &mut procs,
+            || match http_get(&addr, "/metrics") {
+                Ok((200, body)) if exposed_samples(&body).contains(anchor) => Some(body),
+                _ => None,
+            },
+        );
         let mut check = Command::new(&promtool)
             .args(["check", "metrics"])
             .stdin(Stdio::piped())
@@ -368,7 +383,7 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
     // Every target scraped and up.
     wait_for(
         "every role up in Prometheus",
-        Duration::from_secs(20),
+        Duration::from_secs(60),
         &mut procs,
         || {
             let up = prom_query(&prom_addr, r#"sum(up{namespace="asyncrl"})"#).ok()?;
@@ -401,7 +416,7 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
     // The alert rules are loaded and evaluate without errors.
     let rules = wait_for(
         "alert rules evaluated",
-        Duration::from_secs(20),
+        Duration::from_secs(60),
         &mut procs,
         || {
             let (_, body) = http_get(&prom_addr, "/api/v1/rules").ok()?;
