@@ -13,6 +13,10 @@ use std::path::Path;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=learner/libtorch_link.rs");
+    if std::env::var_os("CARGO_FEATURE_TORCH").is_none() {
+        // Built without the tensor roles: nothing links libtorch.
+        return;
+    }
     let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
     match libtorch_link::libtorch_lib_dir(
         &["DEP_ASYNCRL_LIBTORCH_LIBTORCH_LIB"],

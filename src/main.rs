@@ -3,9 +3,12 @@
 //! Errors are printed as one line (`error: ...`, with the chain of causes
 //! joined by `: `) and the process exits non-zero; no panic, no backtrace.
 
+#[cfg(feature = "torch")]
 mod bench;
+#[cfg(feature = "torch")]
 mod plot;
 mod roles;
+#[cfg(feature = "torch")]
 mod train;
 
 use std::path::{Path, PathBuf};
@@ -255,19 +258,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => {
             println!("asyncrl {}", env!("CARGO_PKG_VERSION"));
+            #[cfg(feature = "torch")]
             println!("{}", asyncrl_learner::device_report());
+            #[cfg(not(feature = "torch"))]
+            println!(
+                "built without the `torch` feature: no libtorch (coordinator, buffer, ctl, data)"
+            );
             Ok(())
         }
-        Command::Train(args) => {
-            let config = load(&args.config, args.bus.as_deref())?;
-            let opts = train::TrainOptions {
-                workers: args.workers,
-                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
-            };
-            let summary = runtime()?.block_on(train::train(config, opts))?;
-            print!("{summary}");
-            Ok(())
-        }
+        Command::Train(args) => train_command(args),
         Command::Coordinator(args) => role(args, "coordinator", |c, b, m, s| async move {
             asyncrl_coordinator::run(c, b, m, s)
                 .await
@@ -307,18 +306,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 |c, b, m, s| async move { asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into) },
             )
         }
-        Command::Learner(args) => role(args, "learner", |c, b, m, s| async move {
-            asyncrl_learner::service::run(c, b, m, s)
-                .await
-                .map(|_| ())
-                .map_err(Into::into)
-        }),
-        Command::Worker(args) => role(args, "worker", |c, b, m, s| async move {
-            asyncrl_rollout_worker::run(c, b, m, s)
-                .await
-                .map(|_| ())
-                .map_err(Into::into)
-        }),
+        Command::Learner(args) => learner_command(args),
+        Command::Worker(args) => worker_command(args),
         Command::Ctl(args) => {
             let config = match &args.config {
                 Some(p) => Config::load(p)?,
@@ -361,6 +350,67 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+#[cfg(feature = "torch")]
+fn train_command(args: TrainArgs) -> anyhow::Result<()> {
+    let config = load(&args.config, args.bus.as_deref())?;
+    let opts = train::TrainOptions {
+        workers: args.workers,
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    };
+    let summary = runtime()?.block_on(train::train(config, opts))?;
+    print!("{summary}");
+    Ok(())
+}
+
+#[cfg(feature = "torch")]
+fn learner_command(args: RoleArgs) -> anyhow::Result<()> {
+    role(args, "learner", |c, b, m, s| async move {
+        asyncrl_learner::service::run(c, b, m, s)
+            .await
+            .map(|_| ())
+            .map_err(Into::into)
+    })
+}
+
+#[cfg(feature = "torch")]
+fn worker_command(args: RoleArgs) -> anyhow::Result<()> {
+    role(args, "worker", |c, b, m, s| async move {
+        asyncrl_rollout_worker::run(c, b, m, s)
+            .await
+            .map(|_| ())
+            .map_err(Into::into)
+    })
+}
+
+/// The error of a subcommand that needs the tensor roles in a binary built
+/// without them.
+#[cfg(not(feature = "torch"))]
+fn no_torch(command: &str) -> anyhow::Result<()> {
+    anyhow::bail!(
+        "`asyncrl {command}` needs libtorch, and this binary was built without the `torch` feature (the CPU-only control-plane image); use the full image"
+    )
+}
+
+#[cfg(not(feature = "torch"))]
+fn train_command(_: TrainArgs) -> anyhow::Result<()> {
+    no_torch("train")
+}
+
+#[cfg(not(feature = "torch"))]
+fn learner_command(_: RoleArgs) -> anyhow::Result<()> {
+    no_torch("learner")
+}
+
+#[cfg(not(feature = "torch"))]
+fn worker_command(_: RoleArgs) -> anyhow::Result<()> {
+    no_torch("worker")
+}
+
+#[cfg(not(feature = "torch"))]
+fn warmstart(_: WarmstartArgs) -> anyhow::Result<()> {
+    no_torch("warmstart")
+}
+
 /// Runs one role in its own process until SIGTERM/SIGINT.
 fn role<F, Fut>(args: RoleArgs, name: &'static str, body: F) -> anyhow::Result<()>
 where
@@ -378,7 +428,7 @@ where
         let process = roles::start(&config, name).await?;
         let bus = roles::connect(&config, &process.metrics).await?;
         process.health.set_ready("bus");
-        tracing::info!(role = name, bus = %config.bus.url, "started");
+        tracing::info!(role = name, bus = %config.bus.url, telemetry = ?process.telemetry_addr, "started");
         let result = body(
             config,
             bus,
@@ -391,6 +441,7 @@ where
     })
 }
 
+#[cfg(feature = "torch")]
 fn warmstart(args: WarmstartArgs) -> anyhow::Result<()> {
     let config = load(&args.config, None)?;
     let opts = asyncrl_learner::sft::SftOptions {
@@ -443,6 +494,7 @@ fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
                 .context("coordinator bench")?;
             print!("{report}");
         }
+        #[cfg(feature = "torch")]
         BenchCommand::Staleness(args) => {
             let config = load(&args.config, None)?;
             let clips = args
@@ -461,6 +513,7 @@ fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
             let report = rt.block_on(bench::staleness(config, spec))?;
             print!("{report}");
         }
+        #[cfg(feature = "torch")]
         BenchCommand::Worker => {
             let opts = asyncrl_rollout_worker::bench::BatchingBenchOptions::default();
             let report = rt
@@ -468,6 +521,10 @@ fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
                 .context("worker bench")?;
             print!("{report}");
         }
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Staleness(_) => return no_torch("bench staleness"),
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Worker => return no_torch("bench worker"),
     }
     Ok(())
 }
