@@ -507,6 +507,18 @@ mod tests {
         assert!(err.to_string().contains("schema"), "{err}");
     }
 
+    /// A valid two-batch segment's bytes and its batches (built once).
+    fn sample() -> &'static (Vec<u8>, Vec<RecordBatch>) {
+        static SAMPLE: std::sync::OnceLock<(Vec<u8>, Vec<RecordBatch>)> =
+            std::sync::OnceLock::new();
+        SAMPLE.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let batches = vec![batch(0, 2), batch(2, 1)];
+            write(dir.path(), SegmentCompression::None, &batches);
+            (fs::read(segment_path(dir.path(), 7)).unwrap(), batches)
+        })
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
         /// Random bytes, with or without a valid magic, never panic the reader.
@@ -530,14 +542,14 @@ mod tests {
         ) {
             let schema = trajectory_schema();
             let _ = decode_segment(&[MAGIC.as_slice(), &frame(&payload)].concat(), &schema);
-            let dir = tempfile::tempdir().unwrap();
-            write(dir.path(), SegmentCompression::None, &[batch(0, 2)]);
-            let bytes = fs::read(segment_path(dir.path(), 7)).unwrap();
+            let bytes = &sample().0;
             let schema_len = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
             let head = &bytes[..8 + 8 + schema_len];
             let _ = decode_segment(&[head, &frame(&payload)].concat(), &schema);
             // The real batch message with a few bytes changed, re-checksummed.
-            let mut msg = bytes[head.len() + 8..].to_vec();
+            let first_len =
+                u32::from_le_bytes(bytes[head.len()..head.len() + 4].try_into().unwrap()) as usize;
+            let mut msg = bytes[head.len() + 8..head.len() + 8 + first_len].to_vec();
             for (at, b) in edits {
                 let at = at % msg.len();
                 msg[at] = b;
@@ -557,10 +569,8 @@ mod tests {
             edits in proptest::collection::vec((proptest::num::usize::ANY, proptest::num::u8::ANY), 0..8),
             append in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
         ) {
-            let dir = tempfile::tempdir().unwrap();
-            let batches = vec![batch(0, 2), batch(2, 1)];
-            write(dir.path(), SegmentCompression::None, &batches);
-            let mut bytes = fs::read(segment_path(dir.path(), 7)).unwrap();
+            let (bytes, batches) = sample();
+            let mut bytes = bytes.clone();
             for (at, b) in edits {
                 let at = at % bytes.len();
                 bytes[at] = b;

@@ -292,7 +292,6 @@ impl Buffer {
             shared: shared.clone(),
             config: config.clone(),
             writer: Some(writer),
-            consumer,
         };
         let server = Server {
             shared: shared.clone(),
@@ -304,7 +303,7 @@ impl Buffer {
         let ingest_task = tokio::spawn({
             let stop = stop.clone();
             async move {
-                let r = ingest.run(stop.clone()).await;
+                let r = ingest.run(consumer, stop.clone()).await;
                 stop.cancel();
                 r
             }
@@ -407,7 +406,6 @@ struct Ingest {
     config: BufferConfig,
     /// `None` only while a blocking write holds it.
     writer: Option<SegmentWriter>,
-    consumer: Box<dyn Consumer>,
 }
 
 /// Why a message is dead-lettered: the kind (metric label) and the reason.
@@ -419,44 +417,62 @@ fn contract_kind(e: &ContractError) -> &'static str {
 }
 
 impl Ingest {
-    async fn run(mut self, stop: CancellationToken) -> Result<(), BufferError> {
+    async fn run(
+        mut self,
+        consumer: Box<dyn Consumer>,
+        stop: CancellationToken,
+    ) -> Result<(), BufferError> {
         let mut backoff = Duration::from_millis(100);
-        while !stop.is_cancelled() {
-            let fetched = tokio::select! {
-                () = stop.cancelled() => break,
-                r = self.consumer.fetch(self.config.ingest_batch, self.config.fetch_wait) => r,
+        let mut pending: Option<Vec<Delivery>> = None;
+        loop {
+            let fetch = consumer.fetch(self.config.ingest_batch, self.config.fetch_wait);
+            let fetched = match pending.take() {
+                // Fetch the next batch while this one is written and acked.
+                // A batch is never abandoned midway: it is written and acked
+                // as a whole (or naked), also when stopping.
+                Some(batch) => {
+                    let (r, fetched) = tokio::join!(self.process(batch), fetch);
+                    if let Err(e) = r {
+                        if matches!(e, BufferError::Join(_)) {
+                            return Err(e);
+                        }
+                        tracing::error!(error = %e, "ingest batch failed; its messages will be redelivered");
+                        self.shared
+                            .health
+                            .set_not_ready(HEALTH_CONDITION, format!("ingest failing: {e}"));
+                        tokio::select! {
+                            () = stop.cancelled() => {}
+                            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        }
+                    } else {
+                        self.shared.health.set_ready(HEALTH_CONDITION);
+                    }
+                    fetched
+                }
+                None => tokio::select! {
+                    () = stop.cancelled() => break,
+                    r = fetch => r,
+                },
             };
-            let deliveries = match fetched {
-                Ok(d) => d,
+            match fetched {
+                Ok(d) if !d.is_empty() => pending = Some(d),
+                Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "fetching trajectories failed; retrying");
                     tokio::select! {
-                        () = stop.cancelled() => break,
+                        () = stop.cancelled() => {}
                         () = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                     continue;
                 }
-            };
-            backoff = Duration::from_millis(100);
-            if deliveries.is_empty() {
-                continue;
             }
-            // Not cancellable midway: a batch is written and acked as a whole.
-            if let Err(e) = self.process(deliveries).await {
-                if matches!(e, BufferError::Join(_)) {
-                    return Err(e);
+            backoff = Duration::from_millis(100);
+            if stop.is_cancelled() {
+                if let Some(batch) = pending.take() {
+                    self.process(batch).await?;
                 }
-                tracing::error!(error = %e, "ingest batch failed; its messages will be redelivered");
-                self.shared
-                    .health
-                    .set_not_ready(HEALTH_CONDITION, format!("ingest failing: {e}"));
-                tokio::select! {
-                    () = stop.cancelled() => break,
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                }
-            } else {
-                self.shared.health.set_ready(HEALTH_CONDITION);
+                break;
             }
         }
         Ok(())
@@ -503,7 +519,17 @@ impl Ingest {
             })
             .await?;
             self.writer = Some(writer);
-            let (batch, segment, rotated_to, disk) = result?;
+            let (batch, segment, rotated_to, disk) = match result {
+                Ok(r) => r,
+                Err(e) => {
+                    // Nothing of this batch is acked: ask for it again soon.
+                    futures::future::join_all(
+                        deliveries.iter().map(|d| d.nak(Duration::from_secs(1))),
+                    )
+                    .await;
+                    return Err(e);
+                }
+            };
             self.shared
                 .metrics
                 .segment_write_latency

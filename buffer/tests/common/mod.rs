@@ -141,7 +141,7 @@ pub async fn ask(
         learner_version: version,
         num_groups: groups,
         eta,
-        zstd: step % 2 == 0,
+        zstd: step.is_multiple_of(2),
         step,
         wait_ms,
     };
