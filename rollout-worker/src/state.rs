@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use asyncrl_policy::{ModelHandle, SamplingParams};
 use asyncrl_transport::Bus;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::WorkerMetrics;
@@ -81,6 +81,8 @@ pub(crate) struct Shared {
     pub returned_lease_ids: Mutex<Vec<String>>,
     /// The model's token count last moved into the metrics.
     pub tokens_sampled: AtomicU64,
+    /// The version of every weight swap (from the weight loader).
+    pub loaded: watch::Receiver<Option<i32>>,
 }
 
 impl Shared {
@@ -124,6 +126,39 @@ impl Shared {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Waits until the weights in use are at least `version`: a task admitted
+    /// at version v is not sampled with older weights, or the coordinator's
+    /// staleness bound (which counts from the admission version) does not
+    /// hold. Gives up after `limit` (the buffer's staleness check remains).
+    pub async fn weights_at_least(&self, version: i32, limit: std::time::Duration) {
+        let mut loaded = self.loaded.clone();
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            loaded.borrow_and_update();
+            let in_use = self.model.version();
+            if in_use >= version {
+                return;
+            }
+            tokio::select! {
+                r = loaded.changed() => {
+                    if r.is_err() {
+                        // The weight loader stopped: nothing newer comes.
+                        return;
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(
+                        admission_version = version,
+                        in_use,
+                        waited_ms = limit.as_millis() as u64,
+                        "the weights of the task's admission version are not in use yet; generating with older ones"
+                    );
+                    return;
+                }
+            }
         }
     }
 

@@ -126,6 +126,18 @@ async fn run_task_inner(
     stops: &Stops,
 ) -> TaskEnd {
     let g = guards.len();
+    // Tokens sampled for a task carry at least its admission version.
+    let limit = shared.settings.weight_fetch_timeout;
+    let ready = tokio::select! {
+        () = shared.weights_at_least(task.admission_version, limit) => true,
+        _ = stops.abort.cancelled() => false,
+        _ = stops.generation.cancelled() => false,
+    };
+    if !ready {
+        return TaskEnd::Unfinished(
+            "stopped while waiting for the weights of its admission version".into(),
+        );
+    }
     let text = task.prompt.clone();
     let prompt = match shared
         .model

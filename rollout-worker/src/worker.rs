@@ -147,6 +147,7 @@ impl Worker {
             "rollout worker starting"
         );
         let tokens_at_start = model.stats().tokens_generated;
+        let (loaded_tx, mut loaded_rx) = watch::channel(None);
         let shared = Arc::new(Shared {
             settings,
             bus: self.bus,
@@ -165,10 +166,10 @@ impl Worker {
             fatal: Mutex::new(None),
             returned_lease_ids: Mutex::new(Vec::new()),
             tokens_sampled: AtomicU64::new(tokens_at_start),
+            loaded: loaded_rx.clone(),
         });
         let background = CancellationToken::new();
         let mut loops = JoinSet::new();
-        let (loaded_tx, mut loaded_rx) = watch::channel(None);
         loops.spawn(crate::weights::run(
             shared.clone(),
             loaded_tx,

@@ -278,3 +278,83 @@ async fn a_bad_checksum_or_missing_object_keeps_the_old_weights_and_is_retried()
     assert_eq!(summary.weight_fetch_failures, total);
     assert!(total >= 5);
 }
+
+/// A task admitted at a version newer than the weights in use (the
+/// coordinator saw the announcement first) is not sampled with the older
+/// weights: the staleness bound counts from the admission version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_admitted_at_a_newer_version_waits_for_its_weights() {
+    const G: u32 = 2;
+    let nats = nats().await;
+    let bus = nats.bus.clone();
+    let section = model_section(8, 48);
+    let config = config(nats.config.clone(), section.clone(), G, 4);
+    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
+    let (p5, p6) = (policy(&section, 100), policy(&section, 200));
+    publish_weights(bus.as_ref(), 5, weights(&p5))
+        .await
+        .unwrap();
+    let coordinator = ScriptedCoordinator::start(
+        bus.clone(),
+        Vec::new(),
+        ScriptOptions {
+            group_size: G,
+            admission_version: 6,
+            ..ScriptOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let metrics = Metrics::new();
+    let handles = WorkerMetrics::new(&metrics).unwrap();
+    let shutdown = CancellationToken::new();
+    let worker = tokio::spawn(asyncrl_rollout_worker::run(
+        config,
+        bus.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
+    assert!(
+        eventually(Duration::from_secs(30), || handles.policy_version.get()
+            == 5)
+        .await,
+        "version 5 not loaded"
+    );
+    coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 2, 1));
+    let (granted, log) = coordinator
+        .wait_for(Duration::from_secs(10), |l| l.granted_leases().len() == 2)
+        .await;
+    assert!(granted, "{log:#?}");
+    // Granted at version 6 while version 5 is in use: nothing is sampled.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(handles.tokens_generated.get(), 0);
+    assert!(coordinator.log().completed_leases().is_empty());
+
+    publish_weights(bus.as_ref(), 6, weights(&p6))
+        .await
+        .unwrap();
+    let (done, log) = coordinator
+        .wait_for(Duration::from_secs(30), |l| l.completed_leases().len() == 2)
+        .await;
+    assert!(done, "{log:#?}");
+    shutdown.cancel();
+    worker.await.unwrap().unwrap();
+    let received = read_trajectories(
+        bus.as_ref(),
+        "admission",
+        2 * G as usize,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert_eq!(received.len(), 2 * G as usize);
+    for r in &received {
+        let t = &r.trajectory;
+        assert_eq!(t.admission_version, 6);
+        assert!(
+            t.policy_versions.iter().all(|&v| v >= 6),
+            "a token older than the admission version: {:?}",
+            t.policy_versions
+        );
+    }
+}
