@@ -1,12 +1,20 @@
-//! The libtorch learner.
+//! The libtorch learner (CUDA when present).
 //!
-//! For now this crate only reports what libtorch the process linked and which
-//! devices it sees; the training loop lands with its own issue.
+//! - [`objective`]: decoupled PPO with capped off-policy weights, A-3PO
+//!   approximate proximal log-probs, `ppo` / `adaptive` / `m2po` clipping;
+//!   [`advantages`]: GRPO group normalisation.
+//! - [`batch`]: the buffer's Arrow groups as right-padded tensors.
+//! - [`trainer`]: one step on the thread that owns the model ([`actor`]),
+//!   with [`adamw`] (checkpointable state) and [`checkpoint`]s.
+//! - [`service`]: the role: knobs, batches, weight publication, resume.
+//! - [`sft`]: the supervised warm start of the built-in model.
+//! - [`device_report`]: what libtorch the process linked and what it sees.
 
 pub mod actor;
 pub mod adamw;
 pub mod advantages;
 pub mod batch;
+pub mod bench;
 pub mod checkpoint;
 pub mod metrics;
 pub mod objective;

@@ -65,12 +65,12 @@ async fn durable_stream_survives_server_kill_and_restart() {
     let len = eventually("stream_len", || bus.stream_len("SURVIVE")).await;
     assert_eq!(len, 50);
     let consumer = eventually("consumer", || bus.consumer("SURVIVE", &spec)).await;
+    // Poll until all 30 arrive: right after a restart JetStream may still be
+    // recovering, and an empty fetch is not the end of the stream.
     let mut rest = Vec::new();
-    while rest.len() < 30 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rest.len() < 30 && Instant::now() < deadline {
         let got = eventually("fetch", || consumer.fetch(30, Duration::from_secs(1))).await;
-        if got.is_empty() {
-            break;
-        }
         for d in got {
             d.ack().await.unwrap();
             rest.push(String::from_utf8(d.payload.to_vec()).unwrap());
