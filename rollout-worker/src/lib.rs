@@ -54,3 +54,23 @@ pub use worker::{HEALTH_CONDITION, Worker, WorkerSummary, run};
 
 /// Re-exported: the shutdown token [`run`] takes.
 pub use tokio_util::sync::CancellationToken;
+
+/// A shutdown token cancelled by the first SIGTERM or SIGINT (what
+/// `asyncrl worker` passes to [`run`]: Kubernetes scale-down sends SIGTERM
+/// and the worker drains). Must be called inside a tokio runtime.
+pub fn shutdown_on_signals() -> std::io::Result<CancellationToken> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = CancellationToken::new();
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "shutdown requested; draining");
+        cancel.cancel();
+    });
+    Ok(token)
+}

@@ -94,7 +94,12 @@ pub(crate) async fn run_task(
         entry.is_some_and(|e| e.revoked.load(Ordering::SeqCst))
     };
     shared.slot_freed.notify_one();
-    let end = if revoked { TaskEnd::Revoked } else { end };
+    // A revocation that arrives after the completion was accepted (or
+    // refused) does not change what happened.
+    let end = match end {
+        TaskEnd::Unfinished(_) if revoked => TaskEnd::Revoked,
+        end => end,
+    };
     match &end {
         TaskEnd::Completed => {
             shared.metrics.tasks_completed.inc();

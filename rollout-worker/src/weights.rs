@@ -321,6 +321,5 @@ async fn fetch_and_load(
     }
 }
 
-/// How long to wait before re-checking; exposed for the worker's startup
-/// log cadence.
+/// How often the worker logs that it still waits for the first weights.
 pub(crate) const STARTUP_LOG_EVERY: Duration = Duration::from_secs(10);
