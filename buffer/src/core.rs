@@ -284,6 +284,19 @@ impl Core {
         self.live_uuids.contains(&uuid)
     }
 
+    /// Whether [`Core::apply`] would drop this trajectory as a duplicate
+    /// without looking at its contents: it is held now, or it belongs to the
+    /// kept group of a task already trained on (a redelivery after an ack
+    /// that was lost, e.g. when the server restarted). Ingest skips these
+    /// before writing, so a redelivered trajectory is not stored twice.
+    pub fn is_known(&self, m: &RowMeta) -> bool {
+        self.live_uuids.contains(&m.uuid)
+            || self
+                .task_done
+                .get(&m.task)
+                .is_some_and(|(kept, consumed)| *consumed && *kept == m.group)
+    }
+
     /// Registers a segment (so that it is reported deletable once nothing
     /// live is in it) and, if `active`, makes it the one being written.
     pub fn add_segment(&mut self, id: u64, active: bool) {

@@ -497,7 +497,7 @@ impl Ingest {
                     Err(e) => dead.push((i, contract_kind(&e), e.to_string())),
                     Ok(t) => match RowMeta::of(&t) {
                         None => dead.push((i, "contract", "field `uuid` is invalid".into())),
-                        Some(m) if core.is_live(m.uuid) || !seen.insert(m.uuid) => {
+                        Some(m) if core.is_known(&m) || !seen.insert(m.uuid) => {
                             duplicates += 1;
                         }
                         Some(m) => fresh.push((i, t, m)),

@@ -483,3 +483,24 @@ fn sparse_memory_batches_are_compacted() {
     let got = arrow::compute::interleave_record_batch(&refs, &idx).unwrap();
     assert_eq!(from_record_batch(&got).unwrap(), groups(9, 1, 2, 0));
 }
+
+#[test]
+fn copies_of_trained_trajectories_are_known_before_they_are_stored() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    let t = groups(0, 2, 2, 0);
+    feed(&mut c, &t, 1);
+    let meta = |t: &Trajectory| RowMeta::of(t).unwrap();
+    assert!(t.iter().all(|t| c.is_known(&meta(t))), "held");
+    let (outcome, _) = serve(&mut c, ask(1, 0, 4, 1));
+    assert_eq!(served(&outcome), names(&[0]));
+    // Step 2 asked: step 1 is trained and its group released.
+    serve(&mut c, ask(2, 1, 4, 1));
+    assert!(!c.is_live(meta(&t[0]).uuid));
+    // A redelivered copy is known (and would be a duplicate) ...
+    assert!(c.is_known(&meta(&t[0])) && c.is_known(&meta(&t[1])));
+    let a = feed(&mut c, &t[..1], 1);
+    assert_eq!((a.stored, a.duplicates), (0, 1));
+    // ... a trajectory of another attempt of the task is not.
+    let other = traj_of("task-0", "lease-9", 99, 0, 2, 0, 4);
+    assert!(!c.is_known(&meta(&other)));
+}
