@@ -69,7 +69,19 @@ static SERIAL: AtomicU64 = AtomicU64::new(0);
 
 /// `n` fresh trajectories (groups of 1, so every one is servable at once).
 fn fresh(n: u64, g: u32) -> Vec<Trajectory> {
-    let base = SERIAL.fetch_add(n, Ordering::SeqCst);
+    // Whole groups only: start at a multiple of g.
+    let g64 = u64::from(g);
+    let n = n.div_ceil(g64) * g64;
+    let base = loop {
+        let cur = SERIAL.load(Ordering::SeqCst);
+        let base = cur.div_ceil(g64) * g64;
+        if SERIAL
+            .compare_exchange(cur, base + n, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            break base;
+        }
+    };
     (0..n)
         .map(|i| {
             let k = base + i;

@@ -704,8 +704,6 @@ impl Server {
             .log
             .take()
             .ok_or_else(|| BufferError::StateLog("lost by an earlier failure".into()))?;
-        let compact_at = self.config.state_log_compact_bytes;
-        let shared = self.shared.clone();
         let (log, r) = tokio::task::spawn_blocking(move || {
             let r = log.append(&records);
             (log, r)
@@ -713,15 +711,27 @@ impl Server {
         .await?;
         self.log = Some(log);
         r?;
-        // Compaction: one snapshot instead of the history.
-        if self.log.as_ref().is_some_and(|l| l.bytes() > compact_at) {
-            let snapshot = shared.core().snapshot();
-            if let Some(mut log) = self.log.take() {
-                let (log, r) = tokio::task::spawn_blocking(move || {
-                    let r = log.rewrite(&snapshot);
-                    (log, r)
-                })
-                .await?;
+        Ok(())
+    }
+
+    /// Compaction: one snapshot instead of the history. Runs after a plan is
+    /// committed, so that the snapshot includes what was just appended.
+    async fn maybe_compact(&mut self) {
+        let compact_at = self.config.state_log_compact_bytes;
+        if !self.log.as_ref().is_some_and(|l| l.bytes() > compact_at) {
+            return;
+        }
+        let snapshot = self.shared.core().snapshot();
+        let Some(mut log) = self.log.take() else {
+            return;
+        };
+        let joined = tokio::task::spawn_blocking(move || {
+            let r = log.rewrite(&snapshot);
+            (log, r)
+        })
+        .await;
+        match joined {
+            Ok((log, r)) => {
                 self.log = Some(log);
                 match r {
                     Ok(()) => tracing::info!("served log compacted"),
@@ -730,8 +740,8 @@ impl Server {
                     }
                 }
             }
+            Err(e) => tracing::error!(error = %e, "served log compaction task failed"),
         }
-        Ok(())
     }
 
     async fn answer(&mut self, r: BatchRequest, stop: &CancellationToken) -> BatchReply {
@@ -771,6 +781,7 @@ impl Server {
                 };
             }
             let dropped = self.shared.core().commit(plan);
+            self.maybe_compact().await;
             self.shared.report_dropped(&dropped).await;
             let replayed = matches!(outcome, Outcome::Replay(_));
             let reply = match outcome {

@@ -484,6 +484,172 @@ fn sparse_memory_batches_are_compacted() {
     assert_eq!(from_record_batch(&got).unwrap(), groups(9, 1, 2, 0));
 }
 
+/// One step of a random history.
+#[derive(Debug, Clone)]
+enum Op {
+    /// A trajectory of attempt `attempt` of task `task`.
+    Traj {
+        task: u8,
+        attempt: u8,
+        index: u8,
+        size: u8,
+        version: u8,
+    },
+    /// The same message again (a redelivery).
+    Again(usize),
+    /// A learner request; `advance` moves the learner one version on.
+    Serve { advance: bool, n: u8, eta: u8 },
+    /// The learner repeats its last step.
+    Repeat,
+    /// The buffer restarts: a new core from the log and the segments.
+    Restart,
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        6 => (0u8..8, 0u8..2, 0u8..3, 2u8..4, 0u8..6).prop_map(|(task, attempt, index, size, version)| Op::Traj { task, attempt, index, size, version }),
+        1 => (0usize..1000).prop_map(Op::Again),
+        2 => (any::<bool>(), 1u8..4, 0u8..3).prop_map(|(advance, n, eta)| Op::Serve { advance, n, eta }),
+        1 => Just(Op::Repeat),
+        1 => Just(Op::Restart),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+    /// Random ingest, duplicates, requests, repeats and restarts: no panic,
+    /// and the serving invariants hold: every served group is complete and
+    /// within η, a repeated step gets the same groups, and (fifo,
+    /// fresh_first) no group is served for two steps.
+    #[test]
+    fn random_histories_keep_the_serving_invariants(
+        ops in proptest::collection::vec(op(), 1..120),
+        policy in 0u8..3,
+    ) {
+        let (sampling, k) = match policy {
+            0 => (SamplingPolicy::Fifo, 1),
+            1 => (SamplingPolicy::FreshFirst, 1),
+            _ => (SamplingPolicy::Reuse, 2),
+        };
+        let mut c = core(sampling, k);
+        let mut sent: Vec<Trajectory> = Vec::new();
+        let mut written: Vec<Vec<Trajectory>> = Vec::new();
+        let mut log: Vec<Record> = Vec::new();
+        let mut version = 0i32;
+        let mut step = 0u64;
+        let mut served_steps: HashMap<u64, Vec<String>> = HashMap::new();
+        let mut serves: HashMap<String, u32> = HashMap::new();
+        let mut n = 0u32;
+        for op in ops {
+            match op {
+                Op::Traj { task, attempt, index, size, version: v } => {
+                    n += 1;
+                    let t = traj_of(
+                        &format!("t{task}"),
+                        &format!("t{task}-a{attempt}"),
+                        n,
+                        u32::from(index.min(size - 1)),
+                        u32::from(size),
+                        i32::from(v),
+                        3,
+                    );
+                    sent.push(t.clone());
+                    if !c.is_live(RowMeta::of(&t).unwrap().uuid) {
+                        feed(&mut c, std::slice::from_ref(&t), 1);
+                        written.push(vec![t]);
+                    }
+                }
+                Op::Again(i) if !sent.is_empty() => {
+                    let t = sent[i % sent.len()].clone();
+                    if !c.is_live(RowMeta::of(&t).unwrap().uuid) {
+                        feed(&mut c, std::slice::from_ref(&t), 1);
+                        written.push(vec![t]);
+                    }
+                }
+                Op::Again(_) => {}
+                Op::Serve { advance, n, eta } => {
+                    if advance { version += 1; }
+                    let a = ask(step + 1, version, u32::from(eta), usize::from(n));
+                    let plan = c.plan(a);
+                    log.extend(c.records(&plan, 0));
+                    let outcome = plan.outcome.clone();
+                    c.commit(plan);
+                    if let Outcome::Serve(groups) = outcome {
+                        step += 1;
+                        let (batches, idx) = c.gather(&groups).unwrap();
+                        let refs: Vec<&RecordBatch> = batches.iter().collect();
+                        let trajs = from_record_batch(
+                            &arrow::compute::interleave_record_batch(&refs, &idx).unwrap(),
+                        ).unwrap();
+                        let floor = version - i32::from(eta);
+                        for t in &trajs {
+                            proptest::prop_assert!(t.policy_versions.iter().all(|v| *v >= floor), "stale token served");
+                        }
+                        let distinct: HashSet<&String> = trajs.iter().map(|t| &t.group_id).collect();
+                        proptest::prop_assert_eq!(distinct.len(), groups.len());
+                        for g in &groups {
+                            let members: Vec<&Trajectory> = trajs.iter().filter(|t| *t.group_id == **g).collect();
+                            proptest::prop_assert_eq!(members.len() as u32, members[0].group_size, "incomplete group");
+                            let s = serves.entry(g.to_string()).or_default();
+                            *s += 1;
+                            proptest::prop_assert!(*s <= k, "group {} served {} times", g, s);
+                        }
+                        // One kept attempt per task.
+                        let tasks: HashSet<&String> = trajs.iter().map(|t| &t.task_id).collect();
+                        proptest::prop_assert_eq!(tasks.len(), groups.len());
+                        served_steps.insert(step, groups.iter().map(|g| g.to_string()).collect());
+                    }
+                }
+                Op::Repeat if step > 0 => {
+                    let plan = c.plan(ask(step, version, 0, 1));
+                    match plan.outcome {
+                        Outcome::Replay(g) => {
+                            let g: Vec<String> = g.iter().map(|s| s.to_string()).collect();
+                            proptest::prop_assert_eq!(&g, &served_steps[&step]);
+                        }
+                        other => proptest::prop_assert!(false, "step {} not replayed: {:?}", step, other),
+                    }
+                }
+                Op::Repeat => {}
+                Op::Restart => {
+                    let before = c.stats();
+                    let mut back = core(sampling, k);
+                    back.seed(&log);
+                    for t in &written {
+                        let batch = to_record_batch(t).unwrap();
+                        let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
+                        back.apply(batch, &metas, 1, true);
+                    }
+                    proptest::prop_assert!(back.finish_recovery().is_empty());
+                    let after = back.stats();
+                    proptest::prop_assert_eq!(
+                        (before.ready_groups, before.collecting_groups, before.exhausted_groups, before.live_trajectories, before.done_through),
+                        (after.ready_groups, after.collecting_groups, after.exhausted_groups, after.live_trajectories, after.done_through)
+                    );
+                    c = back;
+                }
+            }
+        }
+    }
+
+    /// The ingest path on arbitrary bytes: decode, metadata, apply. No panic.
+    #[test]
+    fn random_messages_through_ingest_never_panic(
+        msgs in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..256), 1..16),
+    ) {
+        let mut c = core(SamplingPolicy::Fifo, 1);
+        for bytes in msgs {
+            if let Ok(t) = asyncrl_protos::decode_trajectory(&bytes) {
+                if let Some(m) = RowMeta::of(&t) {
+                    let batch = to_record_batch(std::slice::from_ref(&t)).unwrap();
+                    c.apply(batch, &[m], 1, false);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn copies_of_trained_trajectories_are_known_before_they_are_stored() {
     let mut c = core(SamplingPolicy::Fifo, 1);
