@@ -169,7 +169,7 @@ fn complete_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
         .filter_map(|e| e.ok())
         .filter_map(|e| parse_step(e.file_name().to_str()?).map(|s| (s, e.path())))
         .collect();
-    dirs.sort_by(|a, b| b.0.cmp(&a.0));
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
     Ok(dirs)
 }
 
