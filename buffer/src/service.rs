@@ -718,7 +718,7 @@ impl Server {
     /// committed, so that the snapshot includes what was just appended.
     async fn maybe_compact(&mut self) {
         let compact_at = self.config.state_log_compact_bytes;
-        if !self.log.as_ref().is_some_and(|l| l.bytes() > compact_at) {
+        if self.log.as_ref().is_none_or(|l| l.bytes() <= compact_at) {
             return;
         }
         let snapshot = self.shared.core().snapshot();

@@ -640,11 +640,11 @@ proptest::proptest! {
     ) {
         let mut c = core(SamplingPolicy::Fifo, 1);
         for bytes in msgs {
-            if let Ok(t) = asyncrl_protos::decode_trajectory(&bytes) {
-                if let Some(m) = RowMeta::of(&t) {
-                    let batch = to_record_batch(std::slice::from_ref(&t)).unwrap();
-                    c.apply(batch, &[m], 1, false);
-                }
+            if let Ok(t) = asyncrl_protos::decode_trajectory(&bytes)
+                && let Some(m) = RowMeta::of(&t)
+            {
+                let batch = to_record_batch(std::slice::from_ref(&t)).unwrap();
+                c.apply(batch, &[m], 1, false);
             }
         }
     }
