@@ -78,10 +78,10 @@ pub fn encode_prompt(policy: &Policy, text: &str) -> Result<Vec<i64>> {
         .tokenizer()
         .ok_or_else(|| PolicyError::InvalidRequest("the model has no tokenizer.json".into()))?;
     let mut ids = tok.encode(text, true)?;
-    if let Some(bos) = policy.config().bos_token_id {
-        if ids.first() != Some(&bos) {
-            ids.insert(0, bos);
-        }
+    if let Some(bos) = policy.config().bos_token_id
+        && ids.first() != Some(&bos)
+    {
+        ids.insert(0, bos);
     }
     if ids.is_empty() {
         return Err(PolicyError::InvalidRequest(format!(
