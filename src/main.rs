@@ -175,6 +175,22 @@ enum BenchCommand {
     /// Reward under η × clip mode × seeds from the same start: CSV, PNG
     /// curves and a markdown table.
     Staleness(StalenessArgs),
+    /// Learner forward+backward+AdamW tokens/s of the built-in model against
+    /// the same model in PyTorch eager (same shapes, same threads), as a ratio.
+    Learner(LearnerBenchArgs),
+}
+
+#[derive(Debug, Args)]
+struct LearnerBenchArgs {
+    #[arg(long, default_value_t = 64)]
+    rows: i64,
+    #[arg(long, default_value_t = 32)]
+    seq_len: i64,
+    #[arg(long, default_value_t = 20)]
+    iterations: usize,
+    /// Intra-op CPU threads, on both sides.
+    #[arg(long, default_value_t = 1)]
+    threads: i32,
 }
 
 #[derive(Debug, Args)]
@@ -521,6 +537,21 @@ fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
                 .context("worker bench")?;
             print!("{report}");
         }
+        #[cfg(feature = "torch")]
+        BenchCommand::Learner(args) => {
+            let opts = asyncrl_learner::bench::LearnerBenchOptions {
+                rows: args.rows,
+                seq_len: args.seq_len,
+                iterations: args.iterations,
+                threads: args.threads,
+                ..Default::default()
+            };
+            let report =
+                asyncrl_learner::bench::run_learner_bench(opts).context("learner bench")?;
+            print!("{report}");
+        }
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Learner(_) => return no_torch("bench learner"),
         #[cfg(not(feature = "torch"))]
         BenchCommand::Staleness(_) => return no_torch("bench staleness"),
         #[cfg(not(feature = "torch"))]
