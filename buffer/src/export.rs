@@ -4,7 +4,9 @@
 //! Safe while the buffer runs: segments are only read (a segment being
 //! written ends at its last complete frame; a segment deleted meanwhile is
 //! skipped). Each trajectory appears once (deduplicated by uuid), in ingest
-//! order, with the schema of `asyncrl_protos::arrow_schema`. With
+//! order, with the schema of `asyncrl_protos::arrow_schema`; a trajectory
+//! that took the `index_in_group` of an earlier one (dead-lettered by the
+//! buffer) is left out. With
 //! `retention = "delete"` only what the buffer still holds is there; keep
 //! every segment with `retention = "keep"` to export a whole run.
 
@@ -19,7 +21,9 @@ use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 
 use asyncrl_config::Config;
-use asyncrl_protos::arrow_schema::{ADMISSION_VERSION, UUID, trajectory_schema};
+use asyncrl_protos::arrow_schema::{
+    ADMISSION_VERSION, GROUP_ID, INDEX_IN_GROUP, UUID, trajectory_schema,
+};
 
 use crate::segment::{list_segments, read_segment, segment_path};
 use crate::{BufferError, segment_dir};
@@ -97,7 +101,7 @@ pub fn export(args: &ExportArgs) -> Result<ExportSummary, BufferError> {
     let schema = trajectory_schema();
     let parquet = |e: parquet::errors::ParquetError| BufferError::Parquet(e.to_string());
     let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props)).map_err(parquet)?;
-    let mut seen: HashSet<String> = HashSet::new();
+    let mut seen = Seen::default();
     let mut summary = ExportSummary {
         segments: 0,
         trajectories: 0,
@@ -146,11 +150,20 @@ fn tmp_path(out: &Path) -> PathBuf {
     out.with_file_name(name)
 }
 
-/// The rows of `batch` in the version range whose uuid was not seen yet.
+/// What was exported already: uuids, and group slots (a second trajectory
+/// for the same `index_in_group` of a group broke the group contract and was
+/// dead-lettered by the buffer; the first one is the group's member).
+#[derive(Default)]
+struct Seen {
+    uuids: HashSet<String>,
+    slots: HashSet<(String, i32)>,
+}
+
+/// The rows of `batch` in the version range not exported yet.
 fn select(
     batch: &RecordBatch,
     args: &ExportArgs,
-    seen: &mut HashSet<String>,
+    seen: &mut Seen,
 ) -> Result<RecordBatch, BufferError> {
     let column = |name: &'static str| {
         batch.column_by_name(name).ok_or(BufferError::Contract(
@@ -169,12 +182,30 @@ fn select(
                 column: ADMISSION_VERSION,
             },
         ))?;
+    let groups = column(GROUP_ID)?
+        .as_string_opt::<i32>()
+        .ok_or(BufferError::Contract(
+            asyncrl_protos::ContractError::ArrowColumn { column: GROUP_ID },
+        ))?;
+    let indexes = column(INDEX_IN_GROUP)?
+        .as_primitive_opt::<Int32Type>()
+        .ok_or(BufferError::Contract(
+            asyncrl_protos::ContractError::ArrowColumn {
+                column: INDEX_IN_GROUP,
+            },
+        ))?;
     let keep: BooleanArray = (0..batch.num_rows())
         .map(|i| {
             let v = versions.value(i);
             let in_range =
                 args.from_version.is_none_or(|a| v >= a) && args.to_version.is_none_or(|b| v <= b);
-            Some(in_range && seen.insert(uuids.value(i).to_owned()))
+            let slot = (groups.value(i).to_owned(), indexes.value(i));
+            let fresh = !seen.uuids.contains(uuids.value(i)) && !seen.slots.contains(&slot);
+            if fresh {
+                seen.uuids.insert(uuids.value(i).to_owned());
+                seen.slots.insert(slot);
+            }
+            Some(in_range && fresh)
         })
         .collect();
     arrow::compute::filter_record_batch(batch, &keep).map_err(|e| BufferError::Arrow(e.to_string()))

@@ -97,9 +97,22 @@ async fn export_writes_parquet_that_pyarrow_reads() {
     trajs[5].reward = f32::NAN;
     publish(bus.as_ref(), &trajs).await;
     publish_as(bus.as_ref(), &trajs[0], "republished").await; // a duplicate
-    eventually("24 trajectories ingested", Duration::from_secs(10), || {
-        buffer.handle.stats().live_trajectories == 24
-    })
+    // Index 0 of group lease-0 again, with its own uuid: dead-lettered, and
+    // not exported although it is in the segment.
+    let intruder = asyncrl_buffer::testing::traj_of("task-0", "lease-0", 999, 0, 2, 0, 10);
+    publish(bus.as_ref(), &[intruder]).await;
+    eventually(
+        "24 stored, the intruder dead-lettered",
+        Duration::from_secs(10),
+        || {
+            buffer.handle.stats().live_trajectories == 24
+                && buffer
+                    .metrics
+                    .encode_prometheus_text()
+                    .unwrap()
+                    .contains("asyncrl_buffer_dead_lettered_total{reason=\"group\"} 1")
+        },
+    )
     .await;
     // Train some of it: with retention = keep the export still has everything.
     ask(bus.as_ref(), 1, 3, 4, 4, 0).await.unwrap();
