@@ -523,11 +523,11 @@ impl Scheduler {
         if v < from {
             return self.reset_accepted();
         }
-        // Every group the learner consumed was accepted first; less can only
-        // mean lost state, and counting it as free capacity would burst.
-        self.accepted = self
-            .accepted
-            .max(self.v() * u64::from(self.params.groups_per_step));
+        // Every group the learner consumed was accepted first or is still
+        // leased (its trajectories are acked, its completion is on the way);
+        // less can only mean lost state, and counting it as free capacity
+        // would burst.
+        self.accepted = self.accepted.max(self.consumed_floor());
         VersionChange::Advanced { from, to: v }
     }
 
@@ -542,12 +542,22 @@ impl Scheduler {
             self.version = start_version;
         }
         if first {
-            self.accepted = self
-                .accepted
-                .max(self.v() * u64::from(self.params.groups_per_step));
+            self.accepted = self.accepted.max(self.consumed_floor());
             return VersionChange::Unchanged;
         }
         self.reset_accepted()
+    }
+
+    /// The fewest accepted groups consistent with version `v`: the learner
+    /// consumed v · B groups, each counted in `accepted` or still leased. A
+    /// completion can reach the coordinator after the learner trained on the
+    /// group (always so when the coordinator was down meanwhile); raising
+    /// `accepted` to v · B then would count that completion twice when it
+    /// arrives, and capacity would be lost for good (enough of it and
+    /// admission stops: with η = 0, B pending completions at a coordinator
+    /// restart stop the run).
+    fn consumed_floor(&self) -> u64 {
+        (self.v() * u64::from(self.params.groups_per_step)).saturating_sub(self.running())
     }
 
     fn reset_accepted(&mut self) -> VersionChange {
@@ -570,7 +580,7 @@ impl Scheduler {
         let seq = self.parse_lease(group_id)?;
         let k = self.completed_seqs.remove(&seq)?;
         let c = self.completed.remove(&k)?;
-        let floor = self.v() * u64::from(self.params.groups_per_step);
+        let floor = self.consumed_floor();
         self.accepted = self.accepted.saturating_sub(1).max(floor);
         self.queue.push_front(c.task);
         Some(c.task)
@@ -754,6 +764,40 @@ mod tests {
 
     fn sched(b: u32, n: u64) -> Scheduler {
         Scheduler::new(params(b), n, "fp", "L0")
+    }
+
+    /// The learner trains on groups whose completions reach the coordinator
+    /// later (a coordinator restart in between, or just a slow reply): each
+    /// completion is counted once, and capacity is what the rule says.
+    #[test]
+    fn completions_that_arrive_after_the_learner_trained_are_counted_once() {
+        let b = 4;
+        let mut s = sched(b, 100);
+        s.on_version(0);
+        let grants = s.acquire("w", 100, 0, 0);
+        assert_eq!(grants.len(), 4);
+        // The learner consumed all four groups before any completion arrived.
+        assert!(matches!(s.on_version(1), VersionChange::Advanced { .. }));
+        assert_eq!(s.accepted(), 0, "pending completions are still leases");
+        for g in &grants {
+            s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+        }
+        assert_eq!(s.accepted(), 4);
+        assert_eq!(s.capacity(0), 4, "(η + v + 1)·B − accepted − running");
+        // The same across a restart from the persisted state.
+        let grants = s.acquire("w", 100, 0, 0);
+        let mut r = Scheduler::from_proto(params(b), &s.to_proto(), 100, "fp", 0).unwrap();
+        assert!(matches!(r.on_version(2), VersionChange::Advanced { .. }));
+        for g in &grants {
+            r.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+        }
+        assert_eq!(r.accepted(), 8);
+        assert_eq!(r.capacity(0), 4);
+        // State that was lost still cannot make capacity burst.
+        let mut lost = sched(b, 100);
+        lost.on_version(5);
+        assert_eq!(lost.accepted(), 20);
+        assert_eq!(lost.capacity(1), 8);
     }
 
     #[test]
