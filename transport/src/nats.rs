@@ -112,7 +112,10 @@ fn record_event(metrics: &TransportMetrics, event: &Event) {
         }
         Event::Draining => "draining",
         Event::Closed => {
-            tracing::warn!(event = "closed", "NATS connection closed");
+            // Reconnects never stop (max_reconnects: None), so a closed
+            // connection is one the process closed itself, on its way out:
+            // not worth a warning next to a role's one-line error.
+            tracing::info!(event = "closed", "NATS connection closed");
             "closed"
         }
         Event::SlowConsumer(sid) => {
