@@ -114,8 +114,10 @@ mod tests {
 
     #[test]
     fn builtin_from_config_round_trips_text() {
-        let mut section = ModelSection::default();
-        section.device = DeviceName::Cpu;
+        let mut section = ModelSection {
+            device: DeviceName::Cpu,
+            ..Default::default()
+        };
         section.tiny.hidden_size = 32;
         section.tiny.num_hidden_layers = 1;
         section.tiny.num_attention_heads = 2;
