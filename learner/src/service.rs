@@ -571,14 +571,10 @@ struct TrainedLog {
 
 impl TrainedLog {
     fn open(path: PathBuf) -> Result<Self, LearnerError> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|source| LearnerError::MetricsFile {
-                path: path.clone(),
-                source,
-            })?;
+        let file = open_lines(&path).map_err(|source| LearnerError::MetricsFile {
+            path: path.clone(),
+            source,
+        })?;
         Ok(Self { path, file })
     }
 
@@ -596,7 +592,8 @@ impl TrainedLog {
             "max_version_lag": s.objective.max_version_lag,
             "trajectories": ids.0,
         });
-        writeln!(self.file, "{line}")
+        self.file
+            .write_all(format!("{line}\n").as_bytes())
             .and_then(|()| self.file.sync_data())
             .map_err(|source| LearnerError::MetricsFile {
                 path: self.path.clone(),
@@ -622,14 +619,10 @@ impl MetricsCsv {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(err)?;
         }
-        let fresh = !path.exists();
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(err)?;
-        if fresh {
-            writeln!(file, "{}", Self::HEADER).map_err(err)?;
+        let mut file = open_lines(&path).map_err(err)?;
+        if file.metadata().map_err(err)?.len() == 0 {
+            file.write_all(format!("{}\n", Self::HEADER).as_bytes())
+                .map_err(err)?;
         }
         Ok(Self { path, file })
     }
@@ -642,9 +635,8 @@ impl MetricsCsv {
         publish: f64,
     ) -> Result<(), LearnerError> {
         let o = &s.objective;
-        writeln!(
-            self.file,
-            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4}",
+        let line = format!(
+            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4}\n",
             s.step,
             s.version,
             wall,
@@ -666,7 +658,79 @@ impl MetricsCsv {
             wait,
             s.compute_seconds,
             publish
-        )
-        .map_err(|source| LearnerError::MetricsFile { path: self.path.clone(), source })
+        );
+        // One write per line: a reader never sees half of one.
+        self.file
+            .write_all(line.as_bytes())
+            .map_err(|source| LearnerError::MetricsFile {
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
+/// Opens a line-per-record file for appending. A last line without its
+/// newline (the process was killed while writing it) is cut off, so that
+/// the first line written now does not continue it.
+fn open_lines(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .open(path)?;
+    let len = file.metadata()?.len();
+    let keep = whole_lines_len(&mut file, len)?;
+    if keep < len {
+        tracing::warn!(
+            file = %path.display(),
+            dropped_bytes = len - keep,
+            "cutting off a line torn by a crash"
+        );
+        file.set_len(keep)?;
+    }
+    Ok(file)
+}
+
+/// The length of the prefix of `file` (of `len` bytes) that ends with a
+/// newline (0 if there is none).
+fn whole_lines_len(file: &mut std::fs::File, len: u64) -> std::io::Result<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut buf = vec![0u8; 8192];
+    let mut end = len;
+    while end > 0 {
+        let start = end.saturating_sub(buf.len() as u64);
+        let chunk = &mut buf[..(end - start) as usize];
+        file.seek(SeekFrom::Start(start))?;
+        file.read_exact(chunk)?;
+        if let Some(i) = chunk.iter().rposition(|&b| b == b'\n') {
+            return Ok(start + i as u64 + 1);
+        }
+        end = start;
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+
+    use super::*;
+
+    #[test]
+    fn a_line_torn_by_a_crash_is_cut_off_before_appending() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trained.jsonl");
+        let first = format!("{{\"step\":1,\"pad\":\"{}\"}}\n", "x".repeat(20_000));
+        std::fs::write(&path, format!("{first}{{\"step\":2,\"traj")).unwrap();
+        let mut f = open_lines(&path).unwrap();
+        f.write_all(b"{\"step\":2}\n").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, format!("{first}{{\"step\":2}}\n"));
+        // Whole lines are left alone; a file without a newline is emptied.
+        drop(open_lines(&path).unwrap());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        std::fs::write(&path, "step,version").unwrap();
+        drop(open_lines(&path).unwrap());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
     }
 }
