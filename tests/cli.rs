@@ -32,37 +32,6 @@ fn version_starts_without_ld_library_path_and_reports_libtorch() {
 }
 
 #[test]
-fn unbuilt_roles_say_so_in_one_line_with_exit_code_2() {
-    for (args, command, issue) in [
-        (&["train", "examples/local.toml"][..], "train", 7),
-        (&["coordinator"][..], "coordinator", 5),
-        (
-            &["worker", "--config", "examples/local.toml"][..],
-            "worker",
-            4,
-        ),
-        (
-            &["buffer", "export", "--format", "parquet"][..],
-            "buffer",
-            6,
-        ),
-        (&["learner"][..], "learner", 3),
-        (&["ctl", "status"][..], "ctl", 5),
-        (&["bench", "staleness"][..], "bench staleness", 7),
-    ] {
-        let out = asyncrl(args);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert_eq!(
-            stderr,
-            format!("error: 'asyncrl {command}' is not built yet (see issue #{issue})\n"),
-            "{args:?}"
-        );
-        assert!(out.stdout.is_empty(), "{args:?}");
-    }
-}
-
-#[test]
 fn config_errors_are_one_line_and_name_the_problem() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing.toml");
