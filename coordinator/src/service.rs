@@ -38,6 +38,10 @@ use crate::registry::Registry;
 use crate::scheduler::{Completion, Scheduler, SchedulerParams, VersionChange};
 use crate::{CoordinatorError, LEARNER_STATUS_KEY, QUEUE_GROUP, STATE_KEY};
 
+/// How many unconfirmed state writes are remembered (each one a state the
+/// coordinator may find stored as its own after a lost reply).
+const MAX_UNCONFIRMED_WRITES: usize = 16;
+
 /// Events the actor handles.
 pub(crate) enum Event {
     Request {
@@ -152,7 +156,9 @@ pub(crate) struct Actor {
     schedule_rev: u64,
     kv: Arc<dyn KvBucket>,
     state_rev: Option<u64>,
-    last_attempt: Option<Bytes>,
+    /// State writes since the last confirmed one whose outcome is unknown
+    /// (the request timed out: it may have landed), and the current one.
+    unconfirmed: Vec<Bytes>,
     persist_failed: bool,
     journal: Journal,
     pending_applied: Vec<PendingApply>,
@@ -260,7 +266,7 @@ impl Actor {
             schedule_rev,
             kv,
             state_rev,
-            last_attempt: None,
+            unconfirmed: Vec::new(),
             persist_failed: false,
             journal,
             pending_applied,
@@ -743,8 +749,13 @@ impl Actor {
         self.metrics.state_bytes.set(bytes.len() as i64);
         let started = Instant::now();
         let mut retried = false;
+        if self.unconfirmed.last() != Some(&bytes) {
+            self.unconfirmed.push(bytes.clone());
+        }
+        if self.unconfirmed.len() > MAX_UNCONFIRMED_WRITES {
+            self.unconfirmed.remove(0);
+        }
         loop {
-            self.last_attempt = Some(bytes.clone());
             let result = match self.state_rev {
                 None => self.kv.create(STATE_KEY, bytes.clone()).await,
                 Some(rev) => self.kv.update(STATE_KEY, bytes.clone(), rev).await,
@@ -752,6 +763,7 @@ impl Actor {
             match result {
                 Ok(rev) => {
                     self.state_rev = Some(rev);
+                    self.unconfirmed.clear();
                     self.metrics
                         .state_persist_seconds
                         .observe(started.elapsed().as_secs_f64());
@@ -761,7 +773,9 @@ impl Actor {
                     if !retried =>
                 {
                     // Our own earlier write may have landed although its
-                    // reply was lost: then the stored value is ours.
+                    // reply was lost (also one of an earlier persist, of a
+                    // state that has changed since): then the stored value
+                    // is ours.
                     retried = true;
                     let stored = self.kv.get(STATE_KEY).await.map_err(|e| {
                         PersistError::Transient(CoordinatorError::transport(
@@ -770,7 +784,7 @@ impl Actor {
                         ))
                     })?;
                     match stored {
-                        Some(e) if Some(&e.value) == self.last_written_or_attempt().as_ref() => {
+                        Some(e) if self.unconfirmed.contains(&e.value) => {
                             self.state_rev = Some(e.revision);
                         }
                         Some(e) => {
@@ -796,10 +810,6 @@ impl Actor {
                 }
             }
         }
-    }
-
-    fn last_written_or_attempt(&self) -> Option<Bytes> {
-        self.last_attempt.clone()
     }
 
     // ------------------------------------------------------------ knobs

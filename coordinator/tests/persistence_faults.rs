@@ -25,26 +25,40 @@ use prost::Message as _;
 use tokio_util::sync::CancellationToken;
 
 /// The in-process bus, with KV writes of `coordinator.state` that fail on
-/// demand (as when NATS is unreachable).
+/// demand (as when NATS is unreachable), or that land but whose reply is
+/// lost (as when the server restarts at the wrong moment).
 struct FlakyBus {
     inner: LocalBus,
     fail: Arc<AtomicBool>,
+    lose_replies: Arc<AtomicBool>,
 }
 
 struct FlakyKv {
     inner: Arc<dyn KvBucket>,
     fail: Arc<AtomicBool>,
+    lose_replies: Arc<AtomicBool>,
+}
+
+fn timeout(key: &str) -> TransportError {
+    TransportError::Timeout {
+        subject: format!("$KV.asyncrl_control.{key}"),
+        timeout: Duration::from_secs(1),
+    }
 }
 
 impl FlakyKv {
     fn check(&self, key: &str) -> Result<()> {
         if key == STATE_KEY && self.fail.load(Ordering::SeqCst) {
-            return Err(TransportError::Timeout {
-                subject: format!("$KV.asyncrl_control.{key}"),
-                timeout: Duration::from_secs(1),
-            });
+            return Err(timeout(key));
         }
         Ok(())
+    }
+
+    fn reply(&self, key: &str, r: Result<u64>) -> Result<u64> {
+        if key == STATE_KEY && self.lose_replies.load(Ordering::SeqCst) {
+            return r.and(Err(timeout(key)));
+        }
+        r
     }
 }
 
@@ -59,11 +73,13 @@ impl KvBucket for FlakyKv {
     }
     async fn create(&self, key: &str, value: Bytes) -> Result<u64> {
         self.check(key)?;
-        self.inner.create(key, value).await
+        let r = self.inner.create(key, value).await;
+        self.reply(key, r)
     }
     async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64> {
         self.check(key)?;
-        self.inner.update(key, value, revision).await
+        let r = self.inner.update(key, value, revision).await;
+        self.reply(key, r)
     }
     async fn delete(&self, key: &str) -> Result<()> {
         self.inner.delete(key).await
@@ -109,6 +125,7 @@ impl Bus for FlakyBus {
         Ok(Arc::new(FlakyKv {
             inner: self.inner.kv(bucket).await?,
             fail: self.fail.clone(),
+            lose_replies: self.lose_replies.clone(),
         }))
     }
     async fn object_store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
@@ -125,6 +142,7 @@ async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
     let bus: Arc<dyn Bus> = Arc::new(FlakyBus {
         inner: LocalBus::new(),
         fail: fail.clone(),
+        lose_replies: Arc::default(),
     });
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 20);
@@ -197,6 +215,52 @@ async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
     // The grant refused during the outage holds a lease that will expire;
     // admission counts it until then.
     assert_eq!(s.running_groups, 1);
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+/// A state write that landed although its reply was lost is the
+/// coordinator's own, also once its state has changed since: it goes on
+/// (it used to stop, taking the write for a second coordinator's).
+#[tokio::test]
+async fn a_state_write_whose_reply_was_lost_is_recognised_as_its_own() {
+    let lose = Arc::new(AtomicBool::new(false));
+    let bus: Arc<dyn Bus> = Arc::new(FlakyBus {
+        inner: LocalBus::new(),
+        fail: Arc::default(),
+        lose_replies: lose.clone(),
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 20);
+    let health = Health::new();
+    let c = Coordinator::start(
+        config(dir.path(), &tasks, 4, 0),
+        bus.clone(),
+        Metrics::new(),
+        health.clone(),
+        &CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let w = Worker::new(&bus, "w");
+    w.register(4).await;
+    assert_eq!(w.acquire(1).await.tasks.len(), 1);
+    // The grant's state lands, its reply does not: no grant handed out.
+    lose.store(true, Ordering::SeqCst);
+    let denied = w.acquire(1).await;
+    assert!(denied.tasks.is_empty(), "{denied:?}");
+    lose.store(false, Ordering::SeqCst);
+    // Further changes are written over it, and the coordinator goes on.
+    let granted = eventually("a grant again", Duration::from_secs(5), || async {
+        let t = w.acquire(1).await.tasks;
+        (!t.is_empty()).then_some(t)
+    })
+    .await;
+    assert_eq!(granted.len(), 1);
+    assert!(w.complete(&granted[0]).await.accepted);
+    assert!(health.is_ready());
+    let s = c.status().await.expect("the coordinator still runs");
+    assert_eq!(s.accepted_groups, 1);
     c.shutdown();
     c.join().await.unwrap();
 }
