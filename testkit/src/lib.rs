@@ -179,6 +179,11 @@ impl NatsServer {
         self.store.path()
     }
 
+    /// The process id of the running server (None while it is down).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }

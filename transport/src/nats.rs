@@ -32,6 +32,7 @@ pub struct NatsBus {
     client: Client,
     js: jetstream::Context,
     replicas: usize,
+    request_timeout: Duration,
     metrics: TransportMetrics,
 }
 
@@ -180,6 +181,7 @@ impl NatsBus {
             client,
             js,
             replicas: config.replicas,
+            request_timeout: config.request_timeout,
             metrics,
         })
     }
@@ -370,6 +372,7 @@ impl Bus for NatsBus {
             .map_err(|e| self.err("consumer", e))?;
         Ok(Box::new(NatsConsumer {
             consumer,
+            request_timeout: self.request_timeout,
             metrics: self.metrics.clone(),
         }))
     }
@@ -440,6 +443,9 @@ impl Bus for NatsBus {
 
 struct NatsConsumer {
     consumer: jetstream::consumer::Consumer<pull::Config>,
+    /// Bounds a fetch beyond its wait: a pull request lost with the
+    /// connection (a server restart) is never answered.
+    request_timeout: Duration,
     metrics: TransportMetrics,
 }
 
@@ -469,12 +475,32 @@ impl NatsConsumer {
 #[async_trait]
 impl Consumer for NatsConsumer {
     async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>> {
+        let mut out = Vec::new();
+        // A pull request lost with the connection (the server restarted while
+        // it was out) is never answered: without a bound the fetch would wait
+        // forever. What arrived before the bound is returned.
+        let limit = wait + self.request_timeout;
+        match tokio::time::timeout(limit, self.fetch_into(max, wait, &mut out)).await {
+            Ok(r) => r.map(|()| out),
+            Err(_) if !out.is_empty() => Ok(out),
+            Err(_) => {
+                self.metrics.error("fetch");
+                Err(TransportError::Timeout {
+                    subject: format!("fetch from consumer {:?}", self.consumer.cached_info().name),
+                    timeout: limit,
+                })
+            }
+        }
+    }
+}
+
+impl NatsConsumer {
+    async fn fetch_into(&self, max: usize, wait: Duration, out: &mut Vec<Delivery>) -> Result<()> {
         let max = max.max(1);
         let err = |e: &dyn std::fmt::Display| {
             self.metrics.error("fetch");
             TransportError::backend("fetch", e)
         };
-        let mut out = Vec::new();
         // Whatever is ready now, without waiting.
         let mut ready = self
             .consumer
@@ -487,7 +513,7 @@ impl Consumer for NatsConsumer {
             out.push(self.delivery(m.map_err(|e| err(&e))?)?);
         }
         if !out.is_empty() || wait.is_zero() {
-            return Ok(out);
+            return Ok(());
         }
         // Nothing ready: wait for one message, then take what else is ready.
         let mut one = self
@@ -513,7 +539,7 @@ impl Consumer for NatsConsumer {
                 out.push(self.delivery(m.map_err(|e| err(&e))?)?);
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -98,6 +98,63 @@ async fn durable_stream_survives_server_kill_and_restart() {
     );
 }
 
+/// A pull request that was out when the server died is never answered; the
+/// fetch still returns (empty, or a transient error) instead of waiting
+/// forever, and the consumer fetches again after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_in_flight_when_the_server_dies_returns() {
+    let mut server = NatsServer::start().unwrap();
+    let mut config = BusConfig::nats(server.url());
+    config.request_timeout = Duration::from_secs(1);
+    let bus = NatsBus::connect(&config, TransportMetrics::new())
+        .await
+        .unwrap();
+    bus.ensure_stream(&StreamSpec::new("INFLIGHT", &["inflight.>"]))
+        .await
+        .unwrap();
+    let consumer = bus
+        .consumer("INFLIGHT", &ConsumerSpec::new("waiting"))
+        .await
+        .unwrap();
+    let consumer = std::sync::Arc::new(consumer);
+    // A frozen server takes the pull request and never answers it; then it
+    // dies, and the restarted one knows nothing of the request.
+    let pid = server.pid().expect("the server runs").to_string();
+    let frozen = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(frozen.success());
+    let fetching = {
+        let consumer = consumer.clone();
+        tokio::spawn(async move { consumer.fetch(10, Duration::ZERO).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.kill();
+    server.restart().unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(20), fetching)
+        .await
+        .expect("the fetch returned")
+        .unwrap();
+    assert!(
+        r.as_ref()
+            .map_or_else(|e| e.is_transient(), |d| d.is_empty()),
+        "{r:?}"
+    );
+    eventually("publish", || {
+        bus.publish_durable("inflight.x", "one", Bytes::from_static(b"1"))
+    })
+    .await;
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got.is_empty() && Instant::now() < deadline {
+        if let Ok(d) = consumer.fetch(10, Duration::from_millis(500)).await {
+            got = d;
+        }
+    }
+    assert_eq!(got.len(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_work_again_after_server_restart() {
     let mut server = NatsServer::start().unwrap();
