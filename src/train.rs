@@ -76,6 +76,9 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
             config.run.output_dir.display()
         )
     })?;
+    // A data set that cannot be read stops the run before any role starts:
+    // one error line, not the other roles' retries around the coordinator's.
+    asyncrl_coordinator::TaskSet::load(&config.coordinator.datasets)?;
     let process = roles::start(&config, "train").await?;
     let bus = roles::connect(&config, &process.metrics).await?;
     // Workers stop first (they drain: publish what they finished, return the
