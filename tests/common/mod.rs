@@ -1,0 +1,1314 @@
+//! A cluster of `asyncrl` role processes over a real nats-server, for the
+//! cross-process tests: configs in a temp dir, one child process per role
+//! (stdout/stderr to a log file per role), kill -9 / SIGTERM / SIGSTOP /
+//! restart of single roles, and [`Cluster::finish`], which lets a run end,
+//! stops every role and checks the invariants every test shares
+//! ([`Cluster::check_invariants`]).
+//!
+//! The role logs, the nats-server log and the learner's `trained.jsonl` are
+//! printed when a test fails (the cluster is dropped while panicking).
+
+#![allow(dead_code)] // each test binary uses a different part of it
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
+use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerInfo};
+use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
+use asyncrl_testkit::NatsServer;
+use futures::StreamExt as _;
+
+/// The `asyncrl` binary under test.
+pub fn asyncrl_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_asyncrl"))
+}
+
+/// One cluster at a time per test binary: the machines these run on have two
+/// cores, and the tests time leases and heartbeats.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// What a test run looks like.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub max_steps: u64,
+    pub eta: u32,
+    pub groups_per_step: u32,
+    pub group_size: u32,
+    pub workers: usize,
+    /// Items in the task file (more than a run admits: no epoch wraps).
+    pub tasks: usize,
+    pub lease_timeout: &'static str,
+    pub heartbeat_interval: &'static str,
+    pub dead_after: &'static str,
+    pub drain_grace_period: &'static str,
+    pub checkpoint_every: u64,
+    pub max_new_tokens: usize,
+    pub max_seq_len: usize,
+    pub max_sequences: usize,
+    /// `[model.tiny]`: hidden, layers, heads, kv heads, intermediate.
+    pub tiny: (u32, u32, u32, u32, u32),
+    /// `bus.reconnect_max_delay` of every role.
+    pub reconnect_max_delay: &'static str,
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Self {
+            max_steps: 16,
+            eta: 2,
+            groups_per_step: 4,
+            group_size: 4,
+            workers: 2,
+            tasks: 400,
+            lease_timeout: "6s",
+            heartbeat_interval: "250ms",
+            dead_after: "3s",
+            drain_grace_period: "5s",
+            checkpoint_every: 1,
+            max_new_tokens: 24,
+            max_seq_len: 32,
+            max_sequences: 16,
+            tiny: (32, 1, 2, 1, 64),
+            reconnect_max_delay: "500ms",
+        }
+    }
+}
+
+/// What [`Cluster::finish`] allows beyond a fault-free run.
+#[derive(Debug, Clone, Default)]
+pub struct Expect {
+    /// Learner processes that were killed and started again.
+    pub learner_restarts: u64,
+}
+
+/// One role process (and its restarts).
+struct Role {
+    name: String,
+    args: Vec<String>,
+    config: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+    starts: u32,
+    /// Exit status of the last incarnation, once reaped.
+    exited: Option<ExitStatus>,
+}
+
+/// A learner step as `trained.jsonl` records it.
+#[derive(Debug, Clone)]
+pub struct TrainedStep {
+    pub step: u64,
+    pub trained_at_version: i32,
+    pub published_version: i32,
+    pub min_token_version: i32,
+    pub max_version_lag: f64,
+    pub trajectories: Vec<String>,
+}
+
+impl TrainedStep {
+    fn parse(line: &str) -> Option<Self> {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        let int = |k: &str| v.get(k).and_then(serde_json::Value::as_i64);
+        Some(Self {
+            step: u64::try_from(int("step")?).ok()?,
+            trained_at_version: i32::try_from(int("trained_at_version")?).ok()?,
+            published_version: i32::try_from(int("published_version")?).ok()?,
+            min_token_version: i32::try_from(int("min_token_version")?).ok()?,
+            max_version_lag: v.get("max_version_lag")?.as_f64()?,
+            trajectories: v
+                .get("trajectories")?
+                .as_array()?
+                .iter()
+                .map(|u| u.as_str().map(str::to_owned))
+                .collect::<Option<_>>()?,
+        })
+    }
+}
+
+/// The numbers [`Cluster::check_invariants`] found, printed by every test.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub steps: u64,
+    pub trained_trajectories: usize,
+    pub stream_trajectories: usize,
+    pub stream_groups: usize,
+    pub tasks_started: usize,
+    pub tasks_trained: usize,
+    /// Complete, never trained: waiting in the buffer when the run ended.
+    pub tasks_waiting: usize,
+    /// Attempts that never completed (a killed or draining worker's).
+    pub partial_attempts: usize,
+    /// Complete attempts of a task another attempt of which was kept.
+    pub superseded_attempts: usize,
+    /// Steps `trained.jsonl` holds twice (retrained after a learner crash).
+    pub retrained_steps: usize,
+    pub announcements: usize,
+    pub max_lag: i32,
+    /// Extra stored copies of never-trained trajectories (redeliveries).
+    pub stored_copies: usize,
+    pub coordinator: StatusReply,
+}
+
+pub struct Cluster {
+    pub spec: Spec,
+    pub dir: tempfile::TempDir,
+    pub nats: NatsServer,
+    pub out: PathBuf,
+    pub tasks_file: PathBuf,
+    roles: Vec<Role>,
+    rt: tokio::runtime::Runtime,
+    /// Every `policy.version` announcement seen, in order.
+    announcements: Arc<Mutex<Vec<WeightAnnouncement>>>,
+    watcher: Option<tokio::task::JoinHandle<()>>,
+    started: Instant,
+    _serial: MutexGuard<'static, ()>,
+}
+
+impl Cluster {
+    /// Starts nats-server, writes the task file and one config per role, and
+    /// starts the coordinator, the buffer, the learner and the workers.
+    pub fn start(spec: Spec) -> Self {
+        let serial = ONE_AT_A_TIME
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let dir = tempfile::Builder::new()
+            .prefix("asyncrl-e2e-")
+            .tempdir()
+            .expect("create a temp dir");
+        let nats = NatsServer::start().expect("start nats-server (run scripts/setup)");
+        let out = dir.path().join("out");
+        let tasks_file = dir.path().join("tasks.jsonl");
+        let items = asyncrl_tasks::generate_with(
+            asyncrl_tasks::BuiltinTask::Arith,
+            spec.tasks,
+            7,
+            asyncrl_tasks::GenerateOptions { max_operand: 20 },
+        );
+        asyncrl_tasks::write_jsonl(&tasks_file, &items).expect("write the task file");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("start a tokio runtime");
+        let mut cluster = Self {
+            spec,
+            dir,
+            nats,
+            out,
+            tasks_file,
+            roles: Vec::new(),
+            rt,
+            announcements: Arc::default(),
+            watcher: None,
+            started: Instant::now(),
+            _serial: serial,
+        };
+        cluster.add_role("coordinator", &["coordinator"], None);
+        cluster.add_role("buffer", &["buffer"], None);
+        cluster.add_role("learner", &["learner"], None);
+        for i in 1..=cluster.spec.workers {
+            let name = format!("worker-{i}");
+            cluster.add_role(&name, &["worker"], Some(&name));
+        }
+        cluster.watch_versions();
+        let names: Vec<String> = cluster.roles.iter().map(|r| r.name.clone()).collect();
+        for name in names {
+            cluster.start_role(&name);
+        }
+        cluster
+    }
+
+    /// The config text of a role (only `worker.id` differs). Every server
+    /// listens on port 0; the ports are read back from the role's log.
+    fn config_text(&self, worker_id: Option<&str>) -> String {
+        let s = &self.spec;
+        let (hidden, layers, heads, kv_heads, inter) = s.tiny;
+        let worker_id = worker_id
+            .map(|id| format!("id = \"{id}\"\n"))
+            .unwrap_or_default();
+        format!(
+            r#"
+[run]
+name = "e2e"
+output_dir = "{out}"
+seed = 3
+max_steps = {max_steps}
+
+[staleness]
+eta = {eta}
+groups_per_step = {b}
+group_size = {g}
+
+[bus]
+url = "{url}"
+connect_timeout = "10s"
+request_timeout = "3s"
+reconnect_max_delay = "{reconnect}"
+
+[telemetry]
+listen = "127.0.0.1:0"
+log_format = "text"
+log_filter = "{log_filter}"
+
+[model]
+device = "cpu"
+temperature = 1.0
+max_new_tokens = {max_new}
+max_seq_len = {max_seq}
+cpu_threads = 1
+
+[model.tiny]
+hidden_size = {hidden}
+num_hidden_layers = {layers}
+num_attention_heads = {heads}
+num_key_value_heads = {kv_heads}
+intermediate_size = {inter}
+
+[coordinator]
+datasets = [{{ name = "arith", path = "{tasks}" }}]
+admin_listen = "127.0.0.1:0"
+lease_timeout = "{lease}"
+heartbeat_interval = "{hb}"
+dead_after = "{dead}"
+retry_after = "50ms"
+
+[coordinator.initial_knobs]
+learning_rate = 1e-3
+
+[buffer]
+retention = "keep"
+ack_wait = "2s"
+fetch_wait = "100ms"
+
+[learner]
+checkpoint_every = {ckpt}
+keep_checkpoints = 2
+
+[worker]
+{worker_id}max_sequences = {max_seqs}
+heartbeat_interval = "{hb}"
+acquire_backoff_max = "300ms"
+drain_grace_period = "{grace}"
+weight_fetch_timeout = "30s"
+weight_retry_backoff_max = "1s"
+"#,
+            out = self.out.display(),
+            // ASYNCRL_TEST_LOG (a tracing filter) makes the roles chattier.
+            log_filter = std::env::var("ASYNCRL_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            max_steps = s.max_steps,
+            eta = s.eta,
+            b = s.groups_per_step,
+            g = s.group_size,
+            url = self.nats.url(),
+            reconnect = s.reconnect_max_delay,
+            max_new = s.max_new_tokens,
+            max_seq = s.max_seq_len,
+            tasks = self.tasks_file.display(),
+            lease = s.lease_timeout,
+            hb = s.heartbeat_interval,
+            dead = s.dead_after,
+            ckpt = s.checkpoint_every,
+            max_seqs = s.max_sequences,
+            grace = s.drain_grace_period,
+        )
+    }
+
+    fn add_role(&mut self, name: &str, args: &[&str], worker_id: Option<&str>) {
+        let config = self.dir.path().join(format!("{name}.toml"));
+        std::fs::write(&config, self.config_text(worker_id)).expect("write a role config");
+        self.roles.push(Role {
+            name: name.to_owned(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            log: self.dir.path().join(format!("{name}.log")),
+            config,
+            child: None,
+            starts: 0,
+            exited: None,
+        });
+    }
+
+    fn role(&mut self, name: &str) -> &mut Role {
+        self.roles
+            .iter_mut()
+            .find(|r| r.name == name)
+            .unwrap_or_else(|| panic!("no role {name}"))
+    }
+
+    /// The config file a role runs with.
+    pub fn config_of(&mut self, name: &str) -> PathBuf {
+        self.role(name).config.clone()
+    }
+
+    /// Starts (or restarts) a role; its output is appended to its log.
+    pub fn start_role(&mut self, name: &str) {
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let role = self.role(name);
+        assert!(
+            role.child.is_none(),
+            "{name} is still running; kill it first"
+        );
+        role.starts += 1;
+        let mut log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&role.log)
+            .expect("open a role log");
+        writeln!(
+            log,
+            "===== start #{} of {name} at t={elapsed:.1}s =====",
+            role.starts
+        )
+        .expect("write a role log");
+        let err = log.try_clone().expect("clone a log handle");
+        let child = Command::new(asyncrl_bin())
+            .args(&role.args)
+            .arg("--config")
+            .arg(&role.config)
+            .env("NO_COLOR", "1")
+            .env("RUST_BACKTRACE", "1")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        role.child = Some(child);
+        role.exited = None;
+    }
+
+    fn signal(&mut self, name: &str, sig: &str) {
+        let pid = self
+            .role(name)
+            .child
+            .as_ref()
+            .unwrap_or_else(|| panic!("{name} is not running"))
+            .id();
+        let status = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill(1)");
+        assert!(status.success(), "kill -{sig} {name} ({pid}) failed");
+    }
+
+    /// kill -9, and reap the process.
+    pub fn kill9(&mut self, name: &str) {
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let role = self.role(name);
+        let mut child = role
+            .child
+            .take()
+            .unwrap_or_else(|| panic!("{name} is not running"));
+        child.kill().expect("SIGKILL");
+        role.exited = Some(child.wait().expect("reap a killed role"));
+        note_in_log(
+            &role.log,
+            &format!("killed with SIGKILL at t={elapsed:.1}s"),
+        );
+    }
+
+    pub fn sigterm(&mut self, name: &str) {
+        let elapsed = self.started.elapsed().as_secs_f64();
+        self.signal(name, "TERM");
+        note_in_log(
+            &self.role(name).log,
+            &format!("sent SIGTERM at t={elapsed:.1}s"),
+        );
+    }
+
+    /// Freezes a role (SIGSTOP): it keeps its connections and leases but
+    /// does nothing.
+    pub fn freeze(&mut self, name: &str) {
+        self.signal(name, "STOP");
+    }
+
+    pub fn thaw(&mut self, name: &str) {
+        self.signal(name, "CONT");
+    }
+
+    /// Waits for a role to exit and returns its status.
+    pub fn wait_exit(&mut self, name: &str, timeout: Duration) -> ExitStatus {
+        let start = Instant::now();
+        loop {
+            let role = self.role(name);
+            if let Some(status) = role.exited {
+                return status;
+            }
+            let child = role.child.as_mut().expect("a running or exited role");
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                role.child = None;
+                role.exited = Some(status);
+                return status;
+            }
+            if start.elapsed() > timeout {
+                panic!("{name} did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Panics if a role exited that was not meant to (every role but a
+    /// learner that finished with exit code 0).
+    pub fn check_alive(&mut self) {
+        for role in &mut self.roles {
+            let Some(child) = role.child.as_mut() else {
+                continue;
+            };
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                role.child = None;
+                role.exited = Some(status);
+                if !(role.name == "learner" && status.success()) {
+                    panic!("{} exited unexpectedly with {status}", role.name);
+                }
+            }
+        }
+    }
+
+    /// Polls `cond` every 50 ms until it holds, failing at once if a role
+    /// dies, or after `timeout`.
+    pub fn wait(&mut self, what: &str, timeout: Duration, mut cond: impl FnMut(&mut Self) -> bool) {
+        let start = Instant::now();
+        loop {
+            self.check_alive();
+            if cond(self) {
+                return;
+            }
+            if start.elapsed() > timeout {
+                panic!("timed out after {timeout:?} waiting for {what}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The names of the worker roles.
+    pub fn workers(&self) -> Vec<String> {
+        self.roles
+            .iter()
+            .filter(|r| r.name.starts_with("worker-"))
+            .map(|r| r.name.clone())
+            .collect()
+    }
+
+    /// The port a role's current incarnation logged for a server (the line
+    /// holding `needle` and `addr=127.0.0.1:PORT`).
+    fn logged_port(&self, name: &str, needle: &str) -> Option<u16> {
+        let role = self.roles.iter().find(|r| r.name == name)?;
+        let text = std::fs::read_to_string(&role.log).ok()?;
+        let current = text.rsplit("===== start #").next()?;
+        current
+            .lines()
+            .filter(|l| l.contains(needle))
+            .filter_map(|l| {
+                let rest = &l[l.find("addr=127.0.0.1:")? + "addr=127.0.0.1:".len()..];
+                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                digits.parse().ok()
+            })
+            .next_back()
+    }
+
+    /// A role's `/metrics`, parsed (None while it does not answer).
+    pub fn metrics(&mut self, name: &str) -> Option<Metrics> {
+        let port = self.logged_port(name, "serving /metrics")?;
+        http_get(port, "/metrics").ok().map(|t| Metrics::parse(&t))
+    }
+
+    /// `http://127.0.0.1:PORT` of the coordinator's admin API.
+    fn admin_url(&self) -> Option<String> {
+        self.logged_port("coordinator", "admin API listening")
+            .map(|p| format!("http://127.0.0.1:{p}"))
+    }
+
+    /// Polls a role's metric until `cond` holds; returns its value.
+    pub fn wait_metric(
+        &mut self,
+        name: &str,
+        metric: &str,
+        timeout: Duration,
+        cond: impl Fn(f64) -> bool,
+    ) -> f64 {
+        let mut value = None;
+        self.wait(&format!("{metric} of {name}"), timeout, |c| {
+            value = c.metrics(name).map(|m| m.sum(metric));
+            value.is_some_and(&cond)
+        });
+        value.unwrap_or_default()
+    }
+
+    /// The coordinator's status over its admin API.
+    pub fn status(&self) -> Option<StatusReply> {
+        let url = self.admin_url()?;
+        self.rt.block_on(async move {
+            let fut = async {
+                let mut client = CoordinatorAdminClient::connect(url).await.ok()?;
+                client
+                    .status(StatusRequest {})
+                    .await
+                    .ok()
+                    .map(|r| r.into_inner())
+            };
+            tokio::time::timeout(Duration::from_secs(5), fut)
+                .await
+                .ok()
+                .flatten()
+        })
+    }
+
+    /// The coordinator's worker registry over its admin API.
+    pub fn registry(&self) -> Option<Vec<WorkerInfo>> {
+        let url = self.admin_url()?;
+        self.rt.block_on(async move {
+            let fut = async {
+                let mut client = CoordinatorAdminClient::connect(url).await.ok()?;
+                client
+                    .list_workers(ListWorkersRequest {})
+                    .await
+                    .ok()
+                    .map(|r| r.into_inner().workers)
+            };
+            tokio::time::timeout(Duration::from_secs(5), fut)
+                .await
+                .ok()
+                .flatten()
+        })
+    }
+
+    /// The learner's `trained.jsonl`, every line in order.
+    pub fn trained_lines(&self) -> Vec<TrainedStep> {
+        let path = self.out.join("trained.jsonl");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return Vec::new();
+        };
+        // The learner may be writing the last line right now: only whole
+        // lines count (a torn line in the middle is an error).
+        let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+        whole
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                TrainedStep::parse(l)
+                    .unwrap_or_else(|| panic!("{}: bad line {l:?}", path.display()))
+            })
+            .collect()
+    }
+
+    /// The highest step in `trained.jsonl` (0 before the first).
+    pub fn steps_done(&self) -> u64 {
+        self.trained_lines()
+            .iter()
+            .map(|s| s.step)
+            .max()
+            .unwrap_or(0)
+    }
+
+    pub fn wait_step(&mut self, step: u64, timeout: Duration) {
+        self.wait(&format!("learner step {step}"), timeout, |c| {
+            c.steps_done() >= step
+        });
+    }
+
+    /// Freezes the workers one after the other until one is frozen while the
+    /// coordinator shows it holding leases; returns its name and lease count
+    /// (it stays frozen).
+    pub fn freeze_a_worker_holding_leases(&mut self, timeout: Duration) -> (String, u32) {
+        let start = Instant::now();
+        let workers = self.workers();
+        for attempt in 0.. {
+            let name = workers[attempt % workers.len()].clone();
+            self.freeze(&name);
+            // The registry may still be settling a grant; look twice.
+            for _ in 0..2 {
+                let leases = self
+                    .registry()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .find(|w| w.worker_id == name)
+                    .map(|w| w.leases)
+                    .unwrap_or(0);
+                if leases > 0 {
+                    return (name, leases);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            self.thaw(&name);
+            if start.elapsed() > timeout {
+                panic!("no worker held a lease while frozen within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(30 + (attempt as u64 % 7) * 10));
+        }
+        unreachable!()
+    }
+
+    /// Watches `policy.version` from the start to the end of the test (a
+    /// watch reopened whenever it ends: server restarts).
+    fn watch_versions(&mut self) {
+        let url = self.nats.url();
+        let seen = self.announcements.clone();
+        self.watcher = Some(self.rt.spawn(async move {
+            loop {
+                if let Err(e) = watch_once(&url, &seen).await
+                    && !e.contains("not found")
+                {
+                    tracing_note(&format!("policy.version watch: {e}; reopening"));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }));
+    }
+
+    pub fn announcements(&self) -> Vec<WeightAnnouncement> {
+        self.announcements
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Every message of the `TRAJECTORIES` stream, decoded, in stream order.
+    pub fn stream(&self) -> Vec<Trajectory> {
+        let url = self.nats.url();
+        self.rt.block_on(async move {
+            let client = async_nats::connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+            let js = async_nats::jetstream::new(client);
+            let mut stream = js
+                .get_stream(asyncrl_protos::subjects::TRAJECTORY_STREAM)
+                .await
+                .expect("the TRAJECTORIES stream exists");
+            let state = stream.info().await.expect("stream info").state.clone();
+            let mut out = Vec::with_capacity(state.messages as usize);
+            for seq in state.first_sequence..=state.last_sequence {
+                match stream.get_raw_message(seq).await {
+                    Ok(m) => out.push(
+                        asyncrl_protos::decode_trajectory(&m.payload)
+                            .unwrap_or_else(|e| panic!("stream message {seq}: {e}")),
+                    ),
+                    Err(e) => panic!("stream message {seq} of {state:?}: {e}"),
+                }
+            }
+            out
+        })
+    }
+
+    /// Messages in `TRAJECTORIES` and the buffer's consumer: (messages,
+    /// pending, ack pending).
+    pub fn stream_state(&self) -> Option<(u64, u64, usize)> {
+        let url = self.nats.url();
+        self.rt.block_on(async move {
+            let client = async_nats::connect(&url).await.ok()?;
+            let js = async_nats::jetstream::new(client);
+            let mut stream = js
+                .get_stream(asyncrl_protos::subjects::TRAJECTORY_STREAM)
+                .await
+                .ok()?;
+            let messages = stream.info().await.ok()?.state.messages;
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+                stream.get_consumer("asyncrl-buffer").await.ok()?;
+            let info = consumer.info().await.ok()?;
+            Some((messages, info.num_pending, info.num_ack_pending))
+        })
+    }
+
+    /// The trajectories in the buffer's segments, in the order stored.
+    pub fn stored(&self) -> Vec<Trajectory> {
+        let dir = asyncrl_buffer::segment_dir(&self.out.join("buffer"));
+        let schema = asyncrl_protos::arrow_schema::trajectory_schema();
+        let mut out = Vec::new();
+        for id in asyncrl_buffer::segment::list_segments(&dir).expect("list the buffer segments") {
+            let scan = asyncrl_buffer::segment::read_segment(&dir, id, &schema)
+                .unwrap_or_else(|e| panic!("read buffer segment {id}: {e}"));
+            for batch in &scan.batches {
+                out.extend(
+                    asyncrl_protos::arrow_schema::from_record_batch(batch)
+                        .unwrap_or_else(|e| panic!("segment {id}: {e}")),
+                );
+            }
+        }
+        out
+    }
+
+    /// Lets the run end: the learner exits 0 after `run.max_steps`; the
+    /// coordinator goes quiet (nothing running or queued, the capacity of
+    /// the final version used up); the buffer has consumed the whole stream.
+    /// Then SIGTERM stops every other role (each exits 0) and the
+    /// invariants are checked.
+    pub fn finish(&mut self, expect: &Expect) -> Report {
+        self.wait(
+            "the learner to finish run.max_steps",
+            Duration::from_secs(120),
+            |c| c.role("learner").exited.is_some(),
+        );
+        let max_steps = i64::try_from(self.spec.max_steps).expect("max_steps");
+        let mut last = None;
+        let mut polls = 0u32;
+        self.wait(
+            "the run to settle (nothing running or queued, capacity used up, stream consumed)",
+            Duration::from_secs(60),
+            |c| {
+                let status = c.status();
+                let settled = status.as_ref().is_some_and(|s| {
+                    i64::from(s.policy_version) == max_steps
+                        && s.running_groups == 0
+                        && s.requeued_tasks == 0
+                        && s.capacity_left <= 0
+                }) && c
+                    .stream_state()
+                    .is_some_and(|(_, pending, ack)| pending == 0 && ack == 0);
+                if status.is_some() {
+                    last = status;
+                }
+                polls += 1;
+                if !settled && polls.is_multiple_of(40) {
+                    eprintln!("[cluster] settling: {last:?}");
+                }
+                settled
+            },
+        );
+        let coordinator = self.status().expect("coordinator status");
+        let alive: Vec<String> = self
+            .roles
+            .iter()
+            .filter(|r| r.child.is_some())
+            .map(|r| r.name.clone())
+            .collect();
+        // Workers first (they drain), then buffer and coordinator.
+        let mut order = alive.clone();
+        order.sort_by_key(|n| match n.as_str() {
+            "coordinator" => 2,
+            "buffer" => 1,
+            _ => 0,
+        });
+        for name in &order {
+            self.sigterm(name);
+            let status = self.wait_exit(name, Duration::from_secs(30));
+            assert!(
+                status.success(),
+                "{name} exited with {status} after SIGTERM"
+            );
+        }
+        self.check_invariants(expect, coordinator)
+    }
+
+    /// The invariants of a run (see the module docs of the test files):
+    /// every trained trajectory was published and trained exactly once, in
+    /// complete groups of B per step; every task was trained at most once
+    /// and every started task has a complete attempt; versions never went
+    /// backwards; nothing trained was staler than η; the buffer stored every
+    /// published trajectory.
+    pub fn check_invariants(&self, expect: &Expect, coordinator: StatusReply) -> Report {
+        let spec = &self.spec;
+        let (b, g, eta) = (
+            spec.groups_per_step as usize,
+            spec.group_size as usize,
+            spec.eta as i32,
+        );
+        let mut report = Report {
+            coordinator,
+            ..Default::default()
+        };
+
+        // The stream: every published trajectory, by uuid.
+        let stream = self.stream();
+        report.stream_trajectories = stream.len();
+        let mut by_uuid: HashMap<&str, &Trajectory> = HashMap::new();
+        for t in &stream {
+            if let Some(prev) = by_uuid.insert(&t.uuid, t) {
+                assert_eq!(
+                    prev, t,
+                    "uuid {} is in the stream twice with different contents",
+                    t.uuid
+                );
+            }
+        }
+        // No token is older than its task's admission version: the staleness
+        // bound counts from it (a worker waits for the weights of the
+        // admission version before sampling).
+        for t in &stream {
+            assert!(
+                t.oldest_version() >= t.admission_version,
+                "trajectory {} of task {} ({}) has a token of version {} below its admission version {}",
+                t.uuid,
+                t.task_id,
+                t.worker_id,
+                t.oldest_version(),
+                t.admission_version
+            );
+        }
+        // Attempts (groups) per task, in stream order of completion.
+        let mut groups: BTreeMap<&str, Vec<&Trajectory>> = BTreeMap::new();
+        for t in by_uuid.values() {
+            groups.entry(&t.group_id).or_default().push(t);
+        }
+        report.stream_groups = groups.len();
+        let mut completed_at: HashMap<&str, usize> = HashMap::new();
+        let mut count: HashMap<&str, BTreeSet<u32>> = HashMap::new();
+        for (pos, t) in stream.iter().enumerate() {
+            let members = count.entry(&t.group_id).or_default();
+            members.insert(t.index_in_group);
+            if members.len() == g {
+                completed_at.entry(&t.group_id).or_insert(pos);
+            }
+        }
+        for (group, members) in &groups {
+            let first = members[0];
+            assert!(
+                members.len() <= g,
+                "group {group} has {} trajectories (G = {g})",
+                members.len()
+            );
+            for m in members {
+                assert_eq!(m.task_id, first.task_id, "group {group} spans two tasks");
+                assert_eq!(m.group_size as usize, g, "group {group}: group_size");
+            }
+        }
+        let mut attempts: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (group, members) in &groups {
+            attempts.entry(&members[0].task_id).or_default().push(group);
+        }
+        report.tasks_started = attempts.len();
+
+        // trained.jsonl: the last line of each step; a step retrained after a
+        // learner crash must have been given the same trajectories.
+        let lines = self.trained_lines();
+        let mut steps: BTreeMap<u64, TrainedStep> = BTreeMap::new();
+        for line in lines {
+            if let Some(prev) = steps.get(&line.step) {
+                let (a, z): (BTreeSet<_>, BTreeSet<_>) = (
+                    prev.trajectories.iter().collect(),
+                    line.trajectories.iter().collect(),
+                );
+                assert_eq!(
+                    a, z,
+                    "step {} was trained twice on different trajectories",
+                    line.step
+                );
+                report.retrained_steps += 1;
+            }
+            steps.insert(line.step, line);
+        }
+        let expected_steps: Vec<u64> = (1..=spec.max_steps).collect();
+        assert_eq!(
+            steps.keys().copied().collect::<Vec<_>>(),
+            expected_steps,
+            "trained.jsonl must hold every step 1..=max_steps"
+        );
+        report.steps = steps.len() as u64;
+
+        let mut trained_in: HashMap<&str, u64> = HashMap::new();
+        let mut trained_groups: HashMap<&str, u64> = HashMap::new();
+        let mut trained_tasks: HashMap<&str, &str> = HashMap::new();
+        let mut prev_version = i32::MIN;
+        for (step, s) in &steps {
+            // Versions: step s trains at s − 1 and publishes s.
+            assert_eq!(s.published_version, *step as i32, "step {step}: version");
+            assert_eq!(
+                s.trained_at_version,
+                *step as i32 - 1,
+                "step {step}: trained at"
+            );
+            assert!(
+                s.published_version > prev_version,
+                "versions went backwards at step {step}"
+            );
+            prev_version = s.published_version;
+            assert_eq!(
+                s.trajectories.len(),
+                b * g,
+                "step {step} trained {} trajectories, not B·G = {}",
+                s.trajectories.len(),
+                b * g
+            );
+            let mut step_groups: BTreeMap<&str, usize> = BTreeMap::new();
+            let mut min_version = i32::MAX;
+            for uuid in &s.trajectories {
+                let t = by_uuid.get(uuid.as_str()).unwrap_or_else(|| {
+                    panic!("step {step} trained {uuid}, which is not in the stream")
+                });
+                if let Some(other) = trained_in.insert(uuid, *step) {
+                    panic!("trajectory {uuid} was trained in steps {other} and {step}");
+                }
+                *step_groups.entry(&t.group_id).or_default() += 1;
+                min_version = min_version.min(t.oldest_version());
+                let lag = s.trained_at_version - t.oldest_version();
+                report.max_lag = report.max_lag.max(lag);
+                assert!(
+                    lag <= eta,
+                    "step {step} trained {uuid} with a token of version {} at version {} (η = {eta})",
+                    t.oldest_version(),
+                    s.trained_at_version
+                );
+            }
+            assert_eq!(
+                s.min_token_version, min_version,
+                "step {step}: the learner's min_token_version disagrees with the stream"
+            );
+            assert!(
+                s.max_version_lag <= f64::from(eta),
+                "step {step}: max_version_lag {} > η",
+                s.max_version_lag
+            );
+            assert_eq!(step_groups.len(), b, "step {step}: groups {step_groups:?}");
+            for (group, n) in step_groups {
+                assert_eq!(n, g, "step {step} trained {n} of group {group} (G = {g})");
+                assert_eq!(
+                    groups[group].len(),
+                    g,
+                    "step {step}: group {group} incomplete"
+                );
+                if let Some(other) = trained_groups.insert(group, *step) {
+                    panic!("group {group} was trained in steps {other} and {step}");
+                }
+                let task = groups[group][0].task_id.as_str();
+                if let Some(other) = trained_tasks.insert(task, group) {
+                    panic!("task {task} was trained twice (groups {other} and {group})");
+                }
+            }
+        }
+        report.trained_trajectories = trained_in.len();
+        report.tasks_trained = trained_tasks.len();
+
+        // Every started task has a complete attempt (nothing was lost); the
+        // one trained is the first to complete unless the buffer dropped the
+        // earlier one as stale.
+        let mut waiting = 0usize;
+        let mut not_first = 0usize;
+        for (task, task_groups) in &attempts {
+            let mut complete: Vec<&str> = task_groups
+                .iter()
+                .copied()
+                .filter(|gid| groups[gid].len() == g)
+                .collect();
+            complete.sort_by_key(|gid| completed_at[gid]);
+            report.partial_attempts += task_groups.len() - complete.len();
+            assert!(
+                !complete.is_empty(),
+                "task {task} was started ({} attempts: {task_groups:?}) but has no complete group: lost",
+                task_groups.len()
+            );
+            match trained_tasks.get(task) {
+                Some(trained) => {
+                    report.superseded_attempts += complete.len() - 1;
+                    if complete[0] != *trained {
+                        not_first += 1;
+                    }
+                }
+                None => {
+                    waiting += 1;
+                    report.superseded_attempts += complete.len() - 1;
+                }
+            }
+        }
+        report.tasks_waiting = waiting;
+        let stale = report.coordinator.stale_dropped_total as usize;
+        assert!(
+            not_first <= stale,
+            "{not_first} tasks were trained from a later attempt than the first complete one, with {stale} stale drops"
+        );
+        // The coordinator admitted no more than (η + v + 1)·B per learner
+        // session: what was not trained waits in the buffer.
+        let bound = (spec.eta as usize + 1) * b * (1 + expect.learner_restarts as usize);
+        assert!(
+            waiting <= bound,
+            "{waiting} complete tasks were never trained (bound (η+1)·B per learner session = {bound})"
+        );
+        if expect.learner_restarts == 0 {
+            assert_eq!(
+                report.coordinator.accepted_groups as usize,
+                report.tasks_trained + waiting,
+                "the coordinator's accepted count disagrees with the complete tasks in the stream"
+            );
+        }
+
+        // The coordinator started tasks in data set order without skipping.
+        let taskset = asyncrl_coordinator::TaskSet::load(&[asyncrl_config::DatasetConfig {
+            name: "arith".into(),
+            path: self.tasks_file.clone(),
+        }])
+        .expect("load the task file");
+        let mut positions: Vec<usize> = attempts
+            .keys()
+            .map(|task| {
+                let (item, epoch) = asyncrl_coordinator::dataset::split_wire_task_id(task)
+                    .unwrap_or_else(|| panic!("task id {task} has no epoch"));
+                let index = taskset
+                    .index_of(item)
+                    .unwrap_or_else(|| panic!("task {task} is not in the data set"));
+                epoch as usize * taskset.len() + index
+            })
+            .collect();
+        positions.sort_unstable();
+        assert_eq!(
+            positions,
+            (0..positions.len()).collect::<Vec<_>>(),
+            "the tasks started are not a prefix of the data set (a task was skipped)"
+        );
+
+        // policy.version as the workers saw it: never backwards, and at the
+        // end the last step's version.
+        let announcements = self.announcements();
+        report.announcements = announcements.len();
+        for pair in announcements.windows(2) {
+            assert!(
+                pair[1].version >= pair[0].version,
+                "policy.version went backwards: {} -> {}",
+                pair[0].version,
+                pair[1].version
+            );
+        }
+        for a in &announcements {
+            assert_eq!(
+                a.version as u64, a.step,
+                "announcement of version {} says step {}",
+                a.version, a.step
+            );
+        }
+        assert_eq!(
+            announcements.last().map(|a| a.version),
+            Some(spec.max_steps as i32),
+            "the last announced version"
+        );
+
+        // The buffer stored every published trajectory; a trained one
+        // exactly once (a redelivery after a lost ack is recognised). A copy
+        // of a trajectory of an attempt that was never trained may be stored
+        // again (it is dropped as superseded either way).
+        let stored = self.stored();
+        let mut stored_ids: HashMap<&str, usize> = HashMap::new();
+        for t in &stored {
+            *stored_ids.entry(&t.uuid).or_default() += 1;
+        }
+        let missing: Vec<_> = by_uuid
+            .keys()
+            .filter(|u| !stored_ids.contains_key(*u))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "the buffer lost {} published trajectories: {missing:?}",
+            missing.len()
+        );
+        let unknown: Vec<_> = stored_ids
+            .keys()
+            .filter(|u| !by_uuid.contains_key(*u))
+            .collect();
+        assert!(
+            unknown.is_empty(),
+            "the buffer stored trajectories not in the stream: {unknown:?}"
+        );
+        let twice: Vec<_> = stored_ids
+            .iter()
+            .filter(|(u, n)| **n > 1 && trained_in.contains_key(*u))
+            .collect();
+        assert!(
+            twice.is_empty(),
+            "the buffer stored trained trajectories twice: {twice:?}"
+        );
+        report.stored_copies = stored.len() - stored_ids.len();
+        eprintln!("{report:#?}");
+        report
+    }
+
+    /// The text of a role's log, every incarnation.
+    pub fn log(&mut self, name: &str) -> String {
+        std::fs::read_to_string(&self.role(name).log).unwrap_or_default()
+    }
+
+    /// The log of a role's current (or last) incarnation.
+    pub fn current_log(&mut self, name: &str) -> String {
+        let text = self.log(name);
+        text.rsplit("===== start #")
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    /// The coordinator's counter `name` (0 while it does not answer).
+    pub fn coordinator_counter(&mut self, name: &str) -> f64 {
+        self.metrics("coordinator")
+            .map(|m| m.sum(name))
+            .unwrap_or_default()
+    }
+
+    /// What the running roles say about themselves (a failed test).
+    fn dump_state(&mut self) {
+        eprintln!(
+            "\n======== cluster state ({}) ========",
+            self.dir.path().display()
+        );
+        eprintln!("coordinator status: {:?}", self.status());
+        eprintln!("worker registry: {:?}", self.registry());
+        eprintln!(
+            "stream (messages, pending, ack pending): {:?}",
+            self.stream_state()
+        );
+        let names: Vec<String> = self.roles.iter().map(|r| r.name.clone()).collect();
+        for name in names {
+            if let Some(m) = self.metrics(&name) {
+                let picked: Vec<String> =
+                    m.0.iter()
+                        .filter(|(k, _)| {
+                            [
+                                "denied",
+                                "in_flight",
+                                "ready_groups",
+                                "capacity",
+                                "policy_version",
+                                "outstanding",
+                                "acquire",
+                            ]
+                            .iter()
+                            .any(|w| k.contains(w))
+                        })
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect();
+                eprintln!("{name} metrics: {}", picked.join(", "));
+            }
+        }
+    }
+
+    fn dump_logs(&self) {
+        eprintln!("======== cluster logs ========");
+        for r in &self.roles {
+            let text = std::fs::read_to_string(&r.log).unwrap_or_default();
+            eprintln!("-------- {} ({}) --------", r.name, r.log.display());
+            eprintln!("{}", tail(&text, 80));
+        }
+        let nats_log = self.nats.store_dir().join("nats-server.log");
+        let text = std::fs::read_to_string(&nats_log).unwrap_or_default();
+        eprintln!("-------- nats-server --------\n{}", tail(&text, 30));
+        let trained = std::fs::read_to_string(self.out.join("trained.jsonl")).unwrap_or_default();
+        let short: Vec<String> = trained
+            .lines()
+            .map(|l| l.chars().take(160).collect())
+            .collect();
+        eprintln!("-------- trained.jsonl --------\n{}", short.join("\n"));
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(w) = self.watcher.take() {
+            w.abort();
+        }
+        let failed = std::thread::panicking();
+        if failed {
+            self.dump_state();
+        }
+        for r in &mut self.roles {
+            if let Some(mut child) = r.child.take() {
+                // A frozen process dies of SIGKILL too.
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        if failed {
+            self.dump_logs();
+            if std::env::var_os("ASYNCRL_KEEP_TEST_DIR").is_some() {
+                let path = self.dir.path().to_owned();
+                eprintln!("keeping {}", path.display());
+                std::mem::forget(std::mem::replace(
+                    &mut self.dir,
+                    tempfile::tempdir().expect("temp dir"),
+                ));
+            }
+        }
+    }
+}
+
+async fn watch_once(url: &str, seen: &Arc<Mutex<Vec<WeightAnnouncement>>>) -> Result<(), String> {
+    let client = async_nats::connect(url).await.map_err(|e| e.to_string())?;
+    let js = async_nats::jetstream::new(client);
+    let kv = js
+        .get_key_value(asyncrl_protos::subjects::CONTROL_BUCKET)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut watch = kv
+        .watch_with_history(asyncrl_protos::subjects::POLICY_VERSION_KEY)
+        .await
+        .map_err(|e| e.to_string())?;
+    while let Some(entry) = watch.next().await {
+        let entry = entry.map_err(|e| e.to_string())?;
+        if entry.operation != async_nats::jetstream::kv::Operation::Put {
+            continue;
+        }
+        let a = WeightAnnouncement::decode(entry.value.as_ref()).map_err(|e| e.to_string())?;
+        let mut seen = seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A reopened watch delivers the current value again.
+        if seen.last() != Some(&a) {
+            seen.push(a);
+        }
+    }
+    Err("the watch ended".into())
+}
+
+fn tracing_note(msg: &str) {
+    eprintln!("[cluster] {msg}");
+}
+
+fn note_in_log(path: &Path, msg: &str) {
+    if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(path) {
+        let _ = writeln!(f, "===== {msg} =====");
+    }
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// A minimal HTTP/1.0 GET against 127.0.0.1.
+pub fn http_get(port: u16, path: &str) -> std::io::Result<String> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other("no HTTP header"))?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return Err(std::io::Error::other(format!("HTTP status: {head}")));
+    }
+    Ok(body.to_owned())
+}
+
+/// Prometheus text exposition, as (series, value).
+#[derive(Debug, Clone, Default)]
+pub struct Metrics(pub Vec<(String, f64)>);
+
+impl Metrics {
+    pub fn parse(text: &str) -> Self {
+        Self(
+            text.lines()
+                .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+                .filter_map(|l| {
+                    let (series, value) = l.rsplit_once(' ')?;
+                    Some((series.to_owned(), value.parse().ok()?))
+                })
+                .collect(),
+        )
+    }
+
+    /// The sum over every label set of the metric `name`.
+    pub fn sum(&self, name: &str) -> f64 {
+        self.0
+            .iter()
+            .filter(|(series, _)| series.split('{').next() == Some(name))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    /// The value of the series with exactly this text (`name{a="b"}`).
+    pub fn get(&self, series: &str) -> Option<f64> {
+        self.0.iter().find(|(s, _)| s == series).map(|(_, v)| *v)
+    }
+}

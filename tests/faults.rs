@@ -1,0 +1,213 @@
+//! Fault tests: the roles as separate processes over a real nats-server,
+//! one fault each in the middle of a run, and the same invariants at the end
+//! as the fault-free run (`common::Cluster::check_invariants`): every trained
+//! trajectory was published and trained exactly once in complete groups,
+//! every started task has a complete attempt and was trained at most once,
+//! tasks were started in data set order without gaps, versions never went
+//! backwards, nothing trained was staler than η, the buffer stored every
+//! published trajectory once, and every surviving role exits 0 on SIGTERM.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, Expect, Spec};
+
+const STEP_WAIT: Duration = Duration::from_secs(60);
+
+fn spec() -> Spec {
+    Spec {
+        max_steps: 24,
+        ..Spec::default()
+    }
+}
+
+#[test]
+fn a_worker_killed_mid_rollout_has_its_tasks_issued_again() {
+    let mut c = Cluster::start(spec());
+    c.wait_step(3, STEP_WAIT);
+    // Frozen with leases, then killed: its tasks are mid-rollout.
+    let (victim, leases) = c.freeze_a_worker_holding_leases(Duration::from_secs(30));
+    let expired_before = c.coordinator_counter("asyncrl_tasks_expired_total");
+    c.kill9(&victim);
+    eprintln!("killed {victim} holding {leases} leases");
+    // The coordinator marks it dead after coordinator.dead_after and issues
+    // its tasks again.
+    c.wait_metric(
+        "coordinator",
+        "asyncrl_tasks_expired_total",
+        Duration::from_secs(30),
+        |v| v >= expired_before + f64::from(leases),
+    );
+    let report = c.finish(&Expect::default());
+    assert!(
+        report.coordinator.dead_workers >= 1,
+        "{:?}",
+        report.coordinator
+    );
+}
+
+#[test]
+fn a_buffer_killed_with_sigkill_restarts_and_loses_or_duplicates_nothing() {
+    let mut c = Cluster::start(spec());
+    c.wait_step(4, STEP_WAIT);
+    c.kill9("buffer");
+    // While it is down the workers finish what was admitted: the stream
+    // holds trajectories the buffer has not seen.
+    c.wait(
+        "the admitted tasks to finish while the buffer is down",
+        STEP_WAIT,
+        |c| {
+            c.status()
+                .is_some_and(|s| s.running_groups == 0 && s.capacity_left <= 0)
+        },
+    );
+    c.start_role("buffer");
+    let report = c.finish(&Expect::default());
+    assert!(
+        c.current_log("buffer")
+            .contains("buffer state recovered from disk"),
+        "the restarted buffer did not recover its segments"
+    );
+    assert_eq!(report.stored_copies, 0);
+}
+
+#[test]
+fn a_learner_killed_with_sigkill_resumes_from_its_checkpoint() {
+    let mut c = Cluster::start(Spec {
+        // Checkpoints lag the published versions: a restart adopts the newer
+        // published weights or retrains the step whose publish was cut off.
+        checkpoint_every: 3,
+        ..spec()
+    });
+    c.wait_step(5, STEP_WAIT);
+    c.kill9("learner");
+    let restarts = c.coordinator_counter("asyncrl_learner_restarts_total");
+    c.start_role("learner");
+    // The coordinator sees the new learner session (accepted reset to v·B).
+    c.wait_metric(
+        "coordinator",
+        "asyncrl_learner_restarts_total",
+        STEP_WAIT,
+        |v| v > restarts,
+    );
+    let log = c.current_log("learner");
+    assert!(
+        log.contains("resumed from checkpoint"),
+        "the restarted learner did not resume from a checkpoint"
+    );
+    // Versions continue (never backwards, every step once: the invariants).
+    c.finish(&Expect {
+        learner_restarts: 1,
+    });
+}
+
+#[test]
+fn a_coordinator_killed_with_sigkill_continues_from_its_persisted_state() {
+    let mut c = Cluster::start(spec());
+    c.wait_step(4, STEP_WAIT);
+    let status_before = c.status().expect("coordinator status");
+    c.kill9("coordinator");
+    // Down until the workers have noticed.
+    let errors = |c: &mut Cluster| -> f64 {
+        c.workers()
+            .iter()
+            .filter_map(|w| c.metrics(w))
+            .map(|m| m.sum("asyncrl_worker_coordinator_errors_total"))
+            .sum()
+    };
+    let before = errors(&mut c);
+    c.wait("the workers to miss the coordinator", STEP_WAIT, |c| {
+        errors(c) > before
+    });
+    c.start_role("coordinator");
+    let log = {
+        c.wait(
+            "the coordinator to restore its state",
+            Duration::from_secs(30),
+            |c| c.current_log("coordinator").contains("coordinator started"),
+        );
+        c.current_log("coordinator")
+    };
+    assert!(
+        log.contains("coordinator state restored"),
+        "the restarted coordinator did not restore its state"
+    );
+    assert!(!log.contains("new coordinator state"));
+    let report = c.finish(&Expect::default());
+    assert!(report.coordinator.cursor >= status_before.cursor);
+}
+
+#[test]
+fn a_nats_server_restart_is_survived_and_jetstream_keeps_its_data() {
+    let mut c = Cluster::start(spec());
+    c.wait_step(4, STEP_WAIT);
+    let (messages, _, _) = c.stream_state().expect("stream state");
+    let steps = c.steps_done();
+    c.nats.kill();
+    let disconnected = |c: &mut Cluster| {
+        ["coordinator", "buffer", "learner", "worker-1", "worker-2"]
+            .iter()
+            .all(|r| c.current_log(r).contains("NATS connection lost"))
+    };
+    c.wait(
+        "every role to notice the server is gone",
+        Duration::from_secs(30),
+        disconnected,
+    );
+    c.nats.restart().expect("restart nats-server");
+    let (after, _, _) = c.stream_state().expect("stream state after the restart");
+    assert!(
+        after >= messages,
+        "the stream lost messages across the restart: {messages} -> {after}"
+    );
+    c.wait("training to go on", STEP_WAIT, |c| c.steps_done() > steps);
+    c.finish(&Expect::default());
+}
+
+#[test]
+fn a_worker_stopped_with_sigterm_drains_and_returns_its_tasks() {
+    let mut c = Cluster::start(Spec {
+        // In-flight sequences are cut off at once: held tasks are returned.
+        drain_grace_period: "1ms",
+        ..spec()
+    });
+    c.wait_step(3, STEP_WAIT);
+    let (victim, leases) = c.freeze_a_worker_holding_leases(Duration::from_secs(30));
+    let returned_before = c.coordinator_counter("asyncrl_tasks_returned_total");
+    c.sigterm(&victim);
+    c.thaw(&victim);
+    let status = c.wait_exit(&victim, Duration::from_secs(30));
+    assert!(status.success(), "{victim} exited with {status}");
+    let log = c.current_log(&victim);
+    let drain = log
+        .lines()
+        .find(|l| l.contains("drain finished"))
+        .unwrap_or_else(|| panic!("{victim} logged no drain"))
+        .to_owned();
+    assert!(drain.contains("clean=true"), "{drain}");
+    let returned: f64 = drain
+        .split("returned=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no returned= in {drain:?}"));
+    eprintln!("{victim} held {leases} leases and returned {returned} tasks");
+    // The coordinator took back exactly what the worker says it returned.
+    let now = c.wait_metric(
+        "coordinator",
+        "asyncrl_tasks_returned_total",
+        Duration::from_secs(10),
+        |v| v >= returned_before + returned,
+    );
+    assert_eq!(now, returned_before + returned);
+    let gone = c
+        .registry()
+        .expect("the worker registry")
+        .into_iter()
+        .find(|w| w.worker_id == victim)
+        .map(|w| w.leases)
+        .unwrap_or(0);
+    assert_eq!(gone, 0, "the coordinator still counts leases of {victim}");
+    c.finish(&Expect::default());
+}
