@@ -78,7 +78,10 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     })?;
     // A data set that cannot be read stops the run before any role starts:
     // one error line, not the other roles' retries around the coordinator's.
-    asyncrl_coordinator::TaskSet::load(&config.coordinator.datasets)?;
+    let datasets = config.coordinator.datasets.clone();
+    tokio::task::spawn_blocking(move || asyncrl_coordinator::TaskSet::load(&datasets))
+        .await
+        .context("reading the data sets failed")??;
     let process = roles::start(&config, "train").await?;
     let bus = roles::connect(&config, &process.metrics).await?;
     // Workers stop first (they drain: publish what they finished, return the
