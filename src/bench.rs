@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use asyncrl_config::{ClipModeName, Config};
 
+use crate::metrics_csv::read_columns;
 use crate::plot::{Series, line_chart, smooth};
 use crate::train::{TrainOptions, train};
 
@@ -61,43 +62,26 @@ fn read_run(
     seed: u64,
     samples_per_step: u64,
 ) -> anyhow::Result<Vec<Row>> {
-    let text =
-        std::fs::read_to_string(csv).with_context(|| format!("cannot read {}", csv.display()))?;
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
-    let col = |n: &str| {
-        header
-            .iter()
-            .position(|h| *h == n)
-            .with_context(|| format!("{}: no column {n}", csv.display()))
-    };
-    let (c_step, c_wall, c_reward, c_lag) = (
-        col("step")?,
-        col("wall_seconds")?,
-        col("reward_mean")?,
-        col("version_lag_mean")?,
-    );
-    let mut rows = Vec::new();
-    for line in lines {
-        let f: Vec<&str> = line.split(',').collect();
-        let num = |i: usize| {
-            f.get(i)
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(f64::NAN)
-        };
-        let step = num(c_step) as u64;
-        rows.push(Row {
-            eta,
-            clip,
-            seed,
-            step,
-            samples: step * samples_per_step,
-            wall: num(c_wall),
-            reward: num(c_reward),
-            lag: num(c_lag),
-        });
-    }
-    Ok(rows)
+    let rows = read_columns(
+        csv,
+        &["step", "wall_seconds", "reward_mean", "version_lag_mean"],
+    )?;
+    Ok(rows
+        .into_iter()
+        .map(|r| {
+            let step = r[0] as u64;
+            Row {
+                eta,
+                clip,
+                seed,
+                step,
+                samples: step * samples_per_step,
+                wall: r[1],
+                reward: r[2],
+                lag: r[3],
+            }
+        })
+        .collect())
 }
 
 /// Runs every setting and writes the report into `bench.out`.
@@ -131,7 +115,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
                     c,
                     TrainOptions {
                         workers: 1,
-                        progress: false,
+                        ..Default::default()
                     },
                 )
                 .await

@@ -6,8 +6,12 @@
 #[cfg(feature = "torch")]
 mod bench;
 #[cfg(feature = "torch")]
+mod metrics_csv;
+#[cfg(feature = "torch")]
 mod plot;
 mod roles;
+#[cfg(feature = "torch")]
+mod speedup;
 #[cfg(feature = "torch")]
 mod train;
 
@@ -178,6 +182,43 @@ enum BenchCommand {
     /// Learner forward+backward+AdamW tokens/s of the built-in model against
     /// the same model in PyTorch eager (same shapes, same threads), as a ratio.
     Learner(LearnerBenchArgs),
+    /// Sync (η = 0) against async training on the long-tailed reverse task,
+    /// learner and worker pinned to separate cores: the measured speedup next
+    /// to the pipelining bound from the same runs.
+    Speedup(SpeedupArgs),
+}
+
+#[derive(Debug, Args)]
+struct SpeedupArgs {
+    /// Learner steps per run.
+    #[arg(long, default_value_t = 40)]
+    steps: u64,
+    /// First steps of each run not measured.
+    #[arg(long, default_value_t = 5)]
+    warmup: u64,
+    /// η of the asynchronous runs.
+    #[arg(long, default_value_t = 4)]
+    eta: u32,
+    /// Runs of each mode (alternating sync, async).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// B: groups per learner step.
+    #[arg(long, default_value_t = 8)]
+    groups_per_step: u32,
+    /// G: completions per prompt.
+    #[arg(long, default_value_t = 8)]
+    group_size: u32,
+    /// Slots of the worker's decode batch.
+    #[arg(long, default_value_t = 64)]
+    max_sequences: usize,
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    learner_cores: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    worker_cores: Vec<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value = "docs/results/speedup")]
+    out: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -372,6 +413,7 @@ fn train_command(args: TrainArgs) -> anyhow::Result<()> {
     let opts = train::TrainOptions {
         workers: args.workers,
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        ..Default::default()
     };
     let summary = runtime()?.block_on(train::train(config, opts))?;
     print!("{summary}");
@@ -530,6 +572,24 @@ fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
             print!("{report}");
         }
         #[cfg(feature = "torch")]
+        BenchCommand::Speedup(args) => {
+            let spec = speedup::SpeedupBench {
+                steps: args.steps,
+                warmup: args.warmup,
+                eta: args.eta,
+                rounds: args.rounds,
+                groups_per_step: args.groups_per_step,
+                group_size: args.group_size,
+                max_sequences: args.max_sequences,
+                learner_cores: args.learner_cores,
+                worker_cores: args.worker_cores,
+                seed: args.seed,
+                out: args.out,
+            };
+            let report = rt.block_on(speedup::speedup(spec))?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
         BenchCommand::Worker => {
             let opts = asyncrl_rollout_worker::bench::BatchingBenchOptions::default();
             let report = rt
@@ -556,6 +616,8 @@ fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Staleness(_) => return no_torch("bench staleness"),
         #[cfg(not(feature = "torch"))]
         BenchCommand::Worker => return no_torch("bench worker"),
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Speedup(_) => return no_torch("bench speedup"),
     }
     Ok(())
 }

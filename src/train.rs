@@ -9,11 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use asyncrl_config::Config;
 use asyncrl_learner::trainer::StepStats;
+use asyncrl_rollout_worker::{CompletionLengths, Worker};
 use asyncrl_transport::Bus;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics_csv::read_columns;
 use crate::plot::{Series, line_chart, smooth};
 use crate::roles;
 
@@ -23,6 +25,9 @@ pub struct TrainOptions {
     pub workers: usize,
     /// Draw a progress bar (off when stderr is not a terminal or in tests).
     pub progress: bool,
+    /// How the workers decide completion lengths (benchmarks set
+    /// [`CompletionLengths::ReferenceAnswer`]; runs leave it to the model).
+    pub completion_lengths: CompletionLengths,
 }
 
 /// What a run produced.
@@ -98,6 +103,7 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
         &process.metrics,
         &workers_stop,
         opts.workers.max(1),
+        opts.completion_lengths,
     );
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<StepStats>();
@@ -228,6 +234,7 @@ fn spawn_workers(
     metrics: &asyncrl_telemetry::Metrics,
     stop: &CancellationToken,
     workers: usize,
+    lengths: CompletionLengths,
 ) {
     for i in 0..workers {
         let mut c = config.clone();
@@ -248,7 +255,9 @@ fn spawn_workers(
         tasks.spawn(async move {
             (
                 "worker",
-                asyncrl_rollout_worker::run(c, b, m, s)
+                Worker::new(c, b, m)
+                    .with_completion_lengths(lengths)
+                    .run(s)
                     .await
                     .map(|_| ())
                     .map_err(Into::into),
@@ -276,26 +285,12 @@ fn progress_bar(config: &Config, enabled: bool) -> ProgressBar {
 
 /// (step, wall seconds, reward) of every step of a learner metrics CSV.
 fn read_rewards(csv: &Path) -> anyhow::Result<Vec<(f64, f64, f64)>> {
-    let text =
-        std::fs::read_to_string(csv).with_context(|| format!("cannot read {}", csv.display()))?;
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
-    let col = |name: &str| {
-        header
-            .iter()
-            .position(|h| *h == name)
-            .with_context(|| format!("{} has no column {name}", csv.display()))
-    };
-    let (step, wall, reward) = (col("step")?, col("wall_seconds")?, col("reward_mean")?);
-    let mut out = Vec::new();
-    for line in lines {
-        let f: Vec<&str> = line.split(',').collect();
-        let num = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
-        if let (Some(s), Some(w), Some(r)) = (num(step), num(wall), num(reward)) {
-            out.push((s, w, r));
-        }
-    }
-    Ok(out)
+    let rows = read_columns(csv, &["step", "wall_seconds", "reward_mean"])?;
+    Ok(rows
+        .into_iter()
+        .filter(|r| r.iter().all(|v| v.is_finite()))
+        .map(|r| (r[0], r[1], r[2]))
+        .collect())
 }
 
 fn reward_ends(csv: &Path) -> anyhow::Result<(f64, f64)> {

@@ -197,3 +197,26 @@ fn a_role_without_a_nats_bus_says_so() {
         assert_one_error_line(&args, &out, &["needs a NATS bus", "bus.url"]);
     }
 }
+
+#[test]
+fn speedup_bench_refuses_cores_it_cannot_use_before_running_anything() {
+    let dir = tempdir();
+    let out_dir = dir.path().join("speedup");
+    let out_str = out_dir.to_str().expect("utf-8 path");
+    for (cores, names) in [
+        (
+            ["--learner-cores", "1", "--worker-cores", "1"],
+            &["core 1 is in both", "--worker-cores"][..],
+        ),
+        (
+            ["--learner-cores", "0", "--worker-cores", "1000"],
+            &["core 1000 is not available"][..],
+        ),
+    ] {
+        let mut args = vec!["bench", "speedup", "--out", out_str];
+        args.extend(cores);
+        let out = asyncrl(&args);
+        assert_one_error_line(&args, &out, names);
+        assert!(!out_dir.exists(), "nothing is written before the checks");
+    }
+}

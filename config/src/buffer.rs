@@ -244,21 +244,8 @@ impl BufferConfig {
 
 #[cfg(test)]
 mod tests {
-    use crate::Config;
-
     use super::*;
-
-    fn check(text: &str, expect_err: Option<&str>) {
-        match (Config::parse(text, None), expect_err) {
-            (Ok(_), None) => {}
-            (Err(e), Some(want)) => {
-                let got = e.to_string();
-                assert!(got.contains(want), "error `{got}` should mention `{want}`");
-                assert!(!got.contains('\n'), "error should be one line: {got:?}");
-            }
-            (got, want) => panic!("config {text:?}: expected {want:?}, got {got:?}"),
-        }
-    }
+    use crate::test_check::check;
 
     #[test]
     fn buffer_config_table() {

@@ -339,20 +339,7 @@ impl CoordinatorConfig {
 
 #[cfg(test)]
 mod tests {
-    use crate::Config;
-
-    /// One case: config text, and either Ok or a fragment the error must contain.
-    fn check(text: &str, expect_err: Option<&str>) {
-        match (Config::parse(text, None), expect_err) {
-            (Ok(_), None) => {}
-            (Err(e), Some(want)) => {
-                let got = e.to_string();
-                assert!(got.contains(want), "error `{got}` should mention `{want}`");
-                assert!(!got.contains('\n'), "error should be one line: {got:?}");
-            }
-            (got, want) => panic!("config {text:?}: expected {want:?}, got {got:?}"),
-        }
-    }
+    use crate::test_check::check;
 
     #[test]
     fn coordinator_table() {

@@ -120,12 +120,7 @@ impl LearnerConfig {
             1,
             1000,
         )?;
-        if let Some(cpu) = self.cpu_affinity.iter().find(|c| **c >= 1024) {
-            return Err(ConfigError::invalid(
-                "learner.cpu_affinity",
-                format!("core {cpu} is out of range [0, 1023]"),
-            ));
-        }
+        crate::check_cores("learner.cpu_affinity", &self.cpu_affinity)?;
         if self.batch_poll_interval.is_zero() {
             return Err(ConfigError::invalid(
                 "learner.batch_poll_interval",

@@ -140,12 +140,24 @@ pub fn check_range<T: PartialOrd + std::fmt::Display>(
     Ok(())
 }
 
+/// Checks that no core in `cores` is beyond what an affinity mask holds.
+pub fn check_cores(key: &str, cores: &[usize]) -> Result<(), ConfigError> {
+    if let Some(cpu) = cores.iter().find(|c| **c >= 1024) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("core {cpu} is out of range [0, 1023]"),
+        ));
+    }
+    Ok(())
+}
+
+/// The data-driven config tests of every section go through [`test_check::check`].
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod test_check {
+    use super::Config;
 
     /// One case: config text, and either Ok or a fragment the error must contain.
-    fn check(text: &str, expect_err: Option<&str>) {
+    pub(crate) fn check(text: &str, expect_err: Option<&str>) {
         match (Config::parse(text, None), expect_err) {
             (Ok(_), None) => {}
             (Err(e), Some(want)) => {
@@ -156,6 +168,12 @@ mod tests {
             (got, want) => panic!("config {text:?}: expected {want:?}, got {got:?}"),
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_check::check;
+    use super::*;
 
     #[test]
     fn config_table() {
@@ -205,6 +223,17 @@ mod tests {
             None,
         );
         check("[worker]\nid = \"a b\"", Some("worker.id"));
+        check("[worker]\ncpu_affinity = [1]", None);
+        check(
+            "[worker]\ncpu_affinity = [4096]",
+            Some("`worker.cpu_affinity` core 4096 is out of range"),
+        );
+        check("[worker]\ncpu_affinity = [-1]", Some("cpu_affinity"));
+        check("[learner]\ncpu_affinity = [0, 1]", None);
+        check(
+            "[learner]\ncpu_affinity = [1024]",
+            Some("`learner.cpu_affinity` core 1024 is out of range"),
+        );
         check("[worker]\nid = \"\"", Some("worker.id"));
         check("[worker]\nmax_sequences = 0", Some("worker.max_sequences"));
         check(

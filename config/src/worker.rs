@@ -14,6 +14,7 @@
 //! weight_retry_backoff_min = "500ms"
 //! weight_retry_backoff_max = "30s"
 //! metrics_interval = "1s"         # how often engine counters are sampled into metrics
+//! cpu_affinity = []               # pin the model thread to these cores (empty: no pinning)
 //!
 //! [worker.reward]                 # leave out for the built-in verifiers
 //! endpoint = "http://127.0.0.1:50061"   # an external RewardService (gRPC)
@@ -110,6 +111,10 @@ pub struct WorkerConfig {
     /// How often the model thread's counters are sampled into metrics.
     #[serde(with = "humantime_serde")]
     pub metrics_interval: Duration,
+    /// Pin the model thread (and the libtorch threads it starts) to these
+    /// CPU cores (empty: no pinning); with `learner.cpu_affinity` it keeps
+    /// a one-machine run's learner and worker on cores of their own.
+    pub cpu_affinity: Vec<usize>,
     pub reward: WorkerRewardConfig,
 }
 
@@ -128,6 +133,7 @@ impl Default for WorkerConfig {
             weight_retry_backoff_min: Duration::from_millis(500),
             weight_retry_backoff_max: Duration::from_secs(30),
             metrics_interval: Duration::from_secs(1),
+            cpu_affinity: Vec::new(),
             reward: WorkerRewardConfig::default(),
         }
     }
@@ -152,6 +158,7 @@ impl WorkerConfig {
             ));
         }
         check_range("worker.max_sequences", self.max_sequences, 1, 4096)?;
+        crate::check_cores("worker.cpu_affinity", &self.cpu_affinity)?;
         check_range(
             "worker.max_tasks_in_flight",
             self.max_tasks_in_flight,

@@ -10,35 +10,7 @@ use crate::trainer::Trainer;
 
 type Job = Box<dyn FnOnce(&mut Trainer) + Send>;
 
-/// Pins the calling thread to `cores` (Linux; a no-op elsewhere or when
-/// `cores` is empty). Threads it starts later inherit the mask.
-pub fn pin_current_thread(cores: &[usize]) -> std::io::Result<()> {
-    if cores.is_empty() {
-        return Ok(());
-    }
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes within
-        // it for indices below CPU_SETSIZE (checked), and
-        // sched_setaffinity(0, ..) applies to the calling thread only.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            for &c in cores {
-                if c >= libc::CPU_SETSIZE as usize {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidInput,
-                        format!("core {c}"),
-                    ));
-                }
-                libc::CPU_SET(c, &mut set);
-            }
-            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-    }
-    Ok(())
-}
+pub use asyncrl_policy::pin_current_thread;
 
 /// A handle to the thread that owns the [`Trainer`].
 #[derive(Clone)]

@@ -609,7 +609,7 @@ struct MetricsCsv {
 }
 
 impl MetricsCsv {
-    const HEADER: &'static str = "step,version,wall_seconds,reward_mean,reward_failed,loss,clip_low,clip_high,weight_masked,m2po_masked,approx_kl,entropy,grad_norm,learning_rate,tokens,groups,version_lag_mean,version_lag_max,wait_seconds,compute_seconds,publish_seconds";
+    const HEADER: &'static str = "step,version,wall_seconds,reward_mean,reward_failed,loss,clip_low,clip_high,weight_masked,m2po_masked,approx_kl,entropy,grad_norm,learning_rate,tokens,groups,version_lag_mean,version_lag_max,wait_seconds,compute_seconds,publish_seconds,padded_tokens";
 
     fn open(path: PathBuf) -> Result<Self, LearnerError> {
         let err = |source| LearnerError::MetricsFile {
@@ -636,7 +636,7 @@ impl MetricsCsv {
     ) -> Result<(), LearnerError> {
         let o = &s.objective;
         let line = format!(
-            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4}\n",
+            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4},{}\n",
             s.step,
             s.version,
             wall,
@@ -657,7 +657,8 @@ impl MetricsCsv {
             o.max_version_lag,
             wait,
             s.compute_seconds,
-            publish
+            publish,
+            s.padded_tokens
         );
         // One write per line: a reader never sees half of one.
         self.file

@@ -94,6 +94,10 @@ pub struct StepStats {
     pub groups: usize,
     pub trajectories: usize,
     pub tokens: i64,
+    /// Rows × padded length of the batch: the positions the forward and
+    /// backward passes compute (what the step's cost follows; long-tailed
+    /// batches pad every row to their longest sequence).
+    pub padded_tokens: i64,
     /// Mean reward of the scored trajectories.
     pub reward_mean: f64,
     pub reward_failed: usize,
@@ -264,6 +268,7 @@ impl Trainer {
         stats.groups = host.groups;
         stats.trajectories = host.rewards.len();
         stats.tokens = host.tokens;
+        stats.padded_tokens = batch.input_ids.numel() as i64;
         let scored: Vec<f64> = host
             .rewards
             .iter()

@@ -30,6 +30,7 @@
 //! log-probs in float32), else the CPU in float32.
 
 pub mod actor;
+pub mod affinity;
 pub mod config;
 pub mod decode;
 pub mod error;
@@ -41,6 +42,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use actor::{EngineOptions, EngineStats, ModelHandle};
+pub use affinity::pin_current_thread;
 pub use config::{ModelConfig, ModelType, RopeScaling};
 pub use decode::{
     DecodeBatch, DecodeBatchOptions, FinishReason, SampledToken, SeqId, SequenceOutput,

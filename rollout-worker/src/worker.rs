@@ -128,7 +128,15 @@ impl Worker {
                     },
                     thread_name: "asyncrl-worker-model".into(),
                 };
-                ModelHandle::spawn(opts, move || load_policy(&section, seed)).await?
+                let cores = self.config.worker.cpu_affinity.clone();
+                ModelHandle::spawn(opts, move || {
+                    // Before libtorch starts its threads: they inherit the mask.
+                    if let Err(e) = asyncrl_policy::pin_current_thread(&cores) {
+                        tracing::warn!(cores = ?cores, error = %e, "cannot pin the model thread");
+                    }
+                    load_policy(&section, seed)
+                })
+                .await?
             }
         };
         settings.max_sequences = model.batch_options().max_slots;

@@ -166,3 +166,53 @@ async fn external_reward_service_scores_and_failures_are_published_as_failed() {
     let m = WorkerMetrics::new(&metrics).unwrap();
     assert_eq!(m.reward_failures.get(), u64::from(G));
 }
+
+/// The `Cpus_allowed_list` of this process's thread whose name starts with
+/// `prefix` (Linux `/proc`), once it exists.
+#[cfg(target_os = "linux")]
+fn thread_cpus(prefix: &str) -> Option<String> {
+    for entry in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if comm.trim_end().starts_with(prefix) {
+            let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
+            return status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|v| v.trim().to_owned());
+        }
+    }
+    None
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_thread_runs_on_the_cores_of_worker_cpu_affinity() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let mut config = config(BusConfig::default(), model_section(4, 32), 2, 2);
+    // The last core this process may use: the model thread gets only it,
+    // the runtime's threads keep the whole set.
+    let allowed = asyncrl_policy::affinity::current_thread_cores().expect("affinity");
+    let core = *allowed.last().expect("a core");
+    config.worker.cpu_affinity = vec![core];
+    let shutdown = CancellationToken::new();
+    let worker = tokio::spawn(run(config, bus, Metrics::new(), shutdown.clone()));
+    let mut pinned = None;
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            pinned = thread_cpus("asyncrl-worker");
+            pinned.is_some()
+        })
+        .await,
+        "the worker's model thread never started"
+    );
+    assert_eq!(pinned.as_deref(), Some(core.to_string().as_str()));
+    if allowed.len() > 1 {
+        assert_ne!(
+            asyncrl_policy::affinity::current_thread_cores(),
+            Some(vec![core]),
+            "only the model thread is pinned"
+        );
+    }
+    shutdown.cancel();
+    worker.await.expect("join").expect("worker");
+}

@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use generate::{BuiltinTask, GenerateOptions, SplitMix64, generate, generate_with};
+pub use generate::{
+    BuiltinTask, GenerateOptions, REVERSE_MAX_LEN, SplitMix64, generate, generate_with,
+};
 pub use verify::{Verdict, score};
 
 /// One prompt with its reference answer.

@@ -1,0 +1,222 @@
+//! The sync-vs-async benches through the binary, at a size CI can afford:
+//! they run to the end, write the report they promise (CSV, PNG, markdown)
+//! and the staleness in it never exceeds η. The figures themselves are
+//! measured on the reference machine (docs/results/), not asserted here.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn asyncrl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run asyncrl")
+}
+
+fn succeeded(args: &[&str], out: &Output) {
+    assert!(
+        out.status.success(),
+        "asyncrl {args:?} failed\nstderr: {}\nstdout: {}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// Rows of a CSV as maps from column name to field.
+fn csv_rows(path: &Path) -> Vec<std::collections::HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).expect("read csv");
+    let mut lines = text.lines();
+    let header: Vec<String> = lines
+        .next()
+        .expect("header")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    lines
+        .map(|l| {
+            header
+                .iter()
+                .cloned()
+                .zip(l.split(',').map(str::to_owned))
+                .collect()
+        })
+        .collect()
+}
+
+fn num(row: &std::collections::HashMap<String, String>, key: &str) -> f64 {
+    row.get(key)
+        .unwrap_or_else(|| panic!("no column {key}"))
+        .parse()
+        .unwrap_or_else(|_| panic!("{key} is not a number"))
+}
+
+fn non_empty_png(path: &Path) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(bytes.starts_with(b"\x89PNG"), "{} is a PNG", path.display());
+}
+
+/// The cores this process may run on (`Cpus_allowed_list`, e.g. `0-1,4`).
+fn allowed_cores() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let Some(list) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+    else {
+        return Vec::new();
+    };
+    let mut cores = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => cores.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()),
+            None => cores.push(part.parse().unwrap()),
+        }
+    }
+    cores
+}
+
+#[test]
+fn speedup_bench_reports_both_modes_and_the_bound() {
+    let cores = allowed_cores();
+    assert!(
+        cores.len() >= 2,
+        "the speedup bench needs two cores; this process may use {cores:?}"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("speedup");
+    let (learner, worker) = (cores[0].to_string(), cores[1].to_string());
+    let args = [
+        "bench",
+        "speedup",
+        "--steps",
+        "5",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--eta",
+        "2",
+        "--groups-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-sequences",
+        "16",
+        "--learner-cores",
+        &learner,
+        "--worker-cores",
+        &worker,
+        "--out",
+        out.to_str().expect("utf-8"),
+    ];
+    let output = asyncrl(&args);
+    succeeded(&args, &output);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("measured speedup"), "{stdout}");
+    assert!(stdout.contains("pipelining bound"), "{stdout}");
+
+    let rows = csv_rows(&out.join("speedup.csv"));
+    assert_eq!(rows.len(), 2, "one sync and one async run");
+    let (sync, async_) = (&rows[0], &rows[1]);
+    assert_eq!(sync["mode"], "sync");
+    assert_eq!(async_["mode"], "async");
+    for r in &rows {
+        assert!(num(r, "seconds_per_step") > 0.0);
+        assert!(num(r, "compute_seconds") > 0.0);
+        assert!(num(r, "padded_tokens_per_step") >= num(r, "tokens_per_step"));
+    }
+    assert_eq!(num(sync, "version_lag_max"), 0.0, "η = 0 trains fresh data");
+    assert!(num(async_, "version_lag_max") <= 2.0, "never staler than η");
+    // In the synchronous run the learner waits for every batch.
+    assert!(num(sync, "wait_seconds") > 0.0);
+    let md = std::fs::read_to_string(out.join("speedup.md")).expect("table");
+    assert!(md.contains("| **measured speedup** |"), "{md}");
+    non_empty_png(&out.join("speedup.png"));
+    for run in ["eta0-round0", "eta2-round0"] {
+        let steps = csv_rows(&out.join("runs").join(run).join("learner_metrics.csv"));
+        assert_eq!(steps.len(), 5, "{run} trained its 5 steps");
+    }
+}
+
+#[test]
+fn staleness_bench_writes_curves_and_a_table_per_setting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("arith.jsonl");
+    let args = [
+        "data",
+        "generate",
+        "--task",
+        "arith",
+        "--n",
+        "200",
+        "--max-operand",
+        "20",
+        "--out",
+        data.to_str().expect("utf-8"),
+    ];
+    succeeded(&args, &asyncrl(&args));
+    let config = dir.path().join("bench.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[staleness]
+groups_per_step = 2
+group_size = 4
+
+[telemetry]
+listen = ""
+log_filter = "warn"
+
+[model]
+device = "cpu"
+max_new_tokens = 4
+max_seq_len = 16
+cpu_threads = 1
+
+[model.tiny]
+hidden_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+intermediate_size = 64
+
+[coordinator]
+datasets = [{{ name = "arith", path = "{}" }}]
+"#,
+            data.display()
+        ),
+    )
+    .expect("config");
+    let out = dir.path().join("staleness");
+    let args = [
+        "bench",
+        "staleness",
+        config.to_str().expect("utf-8"),
+        "--etas",
+        "0,2",
+        "--clips",
+        "adaptive",
+        "--seeds",
+        "0",
+        "--steps",
+        "4",
+        "--out",
+        out.to_str().expect("utf-8"),
+    ];
+    let output = asyncrl(&args);
+    succeeded(&args, &output);
+    let rows = csv_rows(&out.join("staleness.csv"));
+    assert_eq!(rows.len(), 2 * 4, "two settings × 4 steps");
+    for r in &rows {
+        let eta = num(r, "eta");
+        assert!(num(r, "version_lag_mean") <= eta, "{r:?}");
+        assert!((0.0..=1.0).contains(&num(r, "reward_mean")), "{r:?}");
+    }
+    let table = std::fs::read_to_string(out.join("staleness.md")).expect("table");
+    assert!(table.contains("| 0 | adaptive |"), "{table}");
+    assert!(table.contains("| 2 | adaptive |"), "{table}");
+    non_empty_png(&out.join("reward_vs_samples.png"));
+    non_empty_png(&out.join("reward_vs_wallclock.png"));
+}
