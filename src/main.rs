@@ -74,6 +74,11 @@ struct TrainArgs {
     /// Rollout workers to run in the process.
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// Replace what a previous in-process run left in run.output_dir
+    /// (checkpoints, buffer segments, logs); without it such a directory is
+    /// refused, since the in-process bus cannot resume it.
+    #[arg(long)]
+    fresh: bool,
 }
 
 #[derive(Debug, Args)]
@@ -300,6 +305,16 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the tokio runtime")
 }
 
+/// Runs `fut` to completion on a new runtime, then gives the runtime's
+/// blocking tasks (file writes, fsyncs) a bounded time to finish: a stuck
+/// one must not keep the process from exiting once its work is done.
+fn block_on<F: std::future::Future>(fut: F) -> anyhow::Result<F::Output> {
+    let rt = runtime()?;
+    let out = rt.block_on(fut);
+    rt.shutdown_timeout(std::time::Duration::from_secs(10));
+    Ok(out)
+}
+
 /// Loads the config, applies a `--bus` override and sets up logging.
 fn load(path: &Path, bus: Option<&str>) -> anyhow::Result<Config> {
     let mut config = Config::load(path)?;
@@ -370,7 +385,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Some(p) => Config::load(p)?,
                 None => Config::default(),
             };
-            let out = runtime()?.block_on(asyncrl_coordinator::ctl::ctl(&config, &args.ctl))?;
+            let out = block_on(asyncrl_coordinator::ctl::ctl(&config, &args.ctl))??;
             print!("{out}");
             Ok(())
         }
@@ -412,10 +427,11 @@ fn train_command(args: TrainArgs) -> anyhow::Result<()> {
     let config = load(&args.config, args.bus.as_deref())?;
     let opts = train::TrainOptions {
         workers: args.workers,
+        fresh: args.fresh,
         progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         ..Default::default()
     };
-    let summary = runtime()?.block_on(train::train(config, opts))?;
+    let summary = block_on(train::train(config, opts))??;
     print!("{summary}");
     Ok(())
 }
@@ -482,7 +498,7 @@ where
 {
     let config = load(&args.config, args.bus.as_deref())?;
     roles::require_nats(&config, name)?;
-    runtime()?.block_on(async move {
+    block_on(async move {
         let process = roles::start(&config, name).await?;
         let bus = roles::connect(&config, &process.metrics).await?;
         process.health.set_ready("bus");
@@ -496,7 +512,7 @@ where
         .await;
         process.shutdown.cancel();
         result.with_context(|| name.to_string())
-    })
+    })?
 }
 
 #[cfg(feature = "torch")]

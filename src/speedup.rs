@@ -282,6 +282,7 @@ pub async fn speedup(bench: SpeedupBench) -> anyhow::Result<String> {
                     workers: 1,
                     progress: false,
                     completion_lengths: CompletionLengths::ReferenceAnswer,
+                    fresh: false,
                 },
             )
             .await

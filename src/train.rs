@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use asyncrl_config::Config;
+use asyncrl_config::{BusKind, Config};
 use asyncrl_learner::trainer::StepStats;
 use asyncrl_rollout_worker::{CompletionLengths, Worker};
 use asyncrl_transport::Bus;
@@ -28,6 +28,8 @@ pub struct TrainOptions {
     /// How the workers decide completion lengths (benchmarks set
     /// [`CompletionLengths::ReferenceAnswer`]; runs leave it to the model).
     pub completion_lengths: CompletionLengths,
+    /// Replace what a previous in-process run left in `run.output_dir`.
+    pub fresh: bool,
 }
 
 /// What a run produced.
@@ -75,6 +77,7 @@ type RoleResult = (&'static str, anyhow::Result<()>);
 
 /// Runs every role until the learner reaches `run.max_steps` (or Ctrl-C).
 pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSummary> {
+    clear_or_refuse_previous_run(&config, opts.fresh)?;
     std::fs::create_dir_all(&config.run.output_dir).with_context(|| {
         format!(
             "cannot create run.output_dir {}",
@@ -95,7 +98,26 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     let roles_stop = CancellationToken::new();
     let mut tasks: JoinSet<RoleResult> = JoinSet::new();
     let mut workers: JoinSet<RoleResult> = JoinSet::new();
-    spawn_roles(&mut tasks, &config, &bus, &process.metrics, &roles_stop);
+    let coordinator_up = spawn_roles(
+        &mut tasks,
+        &config,
+        &bus,
+        &process.metrics,
+        &process.health,
+        &roles_stop,
+    );
+    // Workers start once the coordinator serves: they would otherwise
+    // retry (and warn about) their registration while it loads the data.
+    if coordinator_up.await.is_err() {
+        // The coordinator failed to start; its task holds the error.
+        roles_stop.cancel();
+        while let Some(done) = tasks.join_next().await {
+            if let (role @ "coordinator", Err(e)) = done.context("a role task failed")? {
+                return Err(e.context(format!("{role} stopped")));
+            }
+        }
+        anyhow::bail!("the coordinator stopped before it started serving");
+    }
     spawn_workers(
         &mut workers,
         &config,
@@ -168,6 +190,74 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     })
 }
 
+/// The state a previous run left in `run.output_dir`: checkpoints, the
+/// buffer's segments, the learner's and coordinator's logs (the paths that
+/// exist and are not empty).
+fn previous_run_state(config: &Config) -> Vec<PathBuf> {
+    let out = &config.run.output_dir;
+    let journal = config
+        .coordinator
+        .journal_path
+        .clone()
+        .unwrap_or_else(|| out.join("coordinator-journal.jsonl"));
+    [
+        asyncrl_learner::service::checkpoint_dir(config),
+        config.buffer.data_dir_in(out),
+        out.join("learner_metrics.csv"),
+        out.join("trained.jsonl"),
+        journal,
+    ]
+    .into_iter()
+    .filter(|p| match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => std::fs::read_dir(p).is_ok_and(|mut d| d.next().is_some()),
+        Ok(m) => m.len() > 0,
+        Err(_) => false,
+    })
+    .collect()
+}
+
+/// Over the in-process bus the coordinator's state and the published
+/// weights live in memory, so a run cannot resume what an earlier one left
+/// on disk (its buffer would refuse the steps it already served): such a
+/// directory is refused, or cleared with `fresh`. Over NATS the server
+/// holds that state and a run resumes.
+fn clear_or_refuse_previous_run(config: &Config, fresh: bool) -> anyhow::Result<()> {
+    if config.bus.kind() != BusKind::Local {
+        if fresh {
+            anyhow::bail!(
+                "--fresh clears a previous in-process run; over NATS (bus.url = {}) a run resumes from the server's state instead",
+                config.bus.url
+            );
+        }
+        return Ok(());
+    }
+    let previous = previous_run_state(config);
+    if previous.is_empty() {
+        return Ok(());
+    }
+    let names = previous
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if !fresh {
+        anyhow::bail!(
+            "run.output_dir {} holds a previous run ({names}); an in-process run (bus.url = \"local\") cannot resume it: pass --fresh to replace it, or set another run.output_dir",
+            config.run.output_dir.display()
+        );
+    }
+    for p in &previous {
+        let removed = if p.is_dir() {
+            std::fs::remove_dir_all(p)
+        } else {
+            std::fs::remove_file(p)
+        };
+        removed.with_context(|| format!("--fresh: cannot remove {}", p.display()))?;
+    }
+    tracing::info!(removed = %names, "--fresh: cleared the previous run");
+    Ok(())
+}
+
 /// A role task that ended while the learner still runs: an error (unless
 /// the process is shutting down).
 async fn role_ended(
@@ -202,21 +292,32 @@ async fn drain(tasks: &mut JoinSet<RoleResult>, grace: Duration) {
     }
 }
 
+/// Starts the coordinator and the buffer; the receiver fires once the
+/// coordinator serves (it is dropped unfired if the coordinator fails to
+/// start, and the coordinator's task then ends with the error).
 fn spawn_roles(
     tasks: &mut JoinSet<RoleResult>,
     config: &Config,
     bus: &Arc<dyn Bus>,
     metrics: &asyncrl_telemetry::Metrics,
+    health: &asyncrl_telemetry::Health,
     stop: &CancellationToken,
-) {
-    let (c, b, m, s) = (config.clone(), bus.clone(), metrics.clone(), stop.clone());
+) -> tokio::sync::oneshot::Receiver<()> {
+    let (up_tx, up_rx) = tokio::sync::oneshot::channel();
+    let (c, b, m, h, s) = (
+        config.clone(),
+        bus.clone(),
+        metrics.clone(),
+        health.clone(),
+        stop.clone(),
+    );
     tasks.spawn(async move {
-        (
-            "coordinator",
-            asyncrl_coordinator::run(c, b, m, s)
-                .await
-                .map_err(Into::into),
-        )
+        let run = async move {
+            let coordinator = asyncrl_coordinator::Coordinator::start(c, b, m, h, &s).await?;
+            let _ = up_tx.send(());
+            coordinator.join().await
+        };
+        ("coordinator", run.await.map_err(Into::into))
     });
     let (c, b, m, s) = (config.clone(), bus.clone(), metrics.clone(), stop.clone());
     tasks.spawn(async move {
@@ -225,6 +326,7 @@ fn spawn_roles(
             asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into),
         )
     });
+    up_rx
 }
 
 fn spawn_workers(

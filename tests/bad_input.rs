@@ -220,3 +220,47 @@ fn speedup_bench_refuses_cores_it_cannot_use_before_running_anything() {
         assert!(!out_dir.exists(), "nothing is written before the checks");
     }
 }
+
+#[test]
+fn a_second_in_process_run_into_the_same_directory_needs_fresh() {
+    let dir = tempdir();
+    let tasks = tasks_file(dir.path());
+    let config = write_config(dir.path(), "local.toml", "local", "", &tasks);
+    let config = config.to_str().expect("utf-8 path");
+    let first = ["train", config];
+    let out = asyncrl(&first);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let steps = |dir: &Path| {
+        std::fs::read_to_string(dir.join("out").join("learner_metrics.csv"))
+            .expect("metrics")
+            .lines()
+            .count()
+            - 1
+    };
+    assert_eq!(steps(dir.path()), 1);
+
+    // Again without --fresh: refused before anything runs, naming the way out.
+    let out = asyncrl(&first);
+    assert_one_error_line(&first, &out, &["holds a previous run", "--fresh"]);
+    assert_eq!(steps(dir.path()), 1, "nothing was touched");
+
+    // With --fresh: a new run from step 0, not a second step on the old one.
+    let again = ["train", "--fresh", config];
+    let out = asyncrl(&again);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(steps(dir.path()), 1);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("trained 1 steps"));
+
+    // --fresh over NATS is refused (the server's state is what resumes).
+    let nats = ["train", "--fresh", "--bus", "nats://127.0.0.1:1", config];
+    let out = asyncrl(&nats);
+    assert_one_error_line(&nats, &out, &["--fresh", "over NATS"]);
+}

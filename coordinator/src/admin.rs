@@ -203,9 +203,13 @@ pub(crate) async fn start(
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), CoordinatorError> {
     let token = load_admin_token(c).await?;
     if token.is_none() {
-        tracing::warn!(
-            "no coordinator.admin_token configured: mutating admin calls will be refused"
-        );
+        // Worth a warning where others can reach the API; on loopback (a
+        // local run) it is the expected setup.
+        if addr.ip().is_loopback() {
+            tracing::info!(%addr, "no coordinator.admin_token configured: mutating admin calls will be refused");
+        } else {
+            tracing::warn!(%addr, "no coordinator.admin_token configured: mutating admin calls will be refused");
+        }
     }
     let mut server = Server::builder();
     let mut tls = false;

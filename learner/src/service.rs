@@ -7,7 +7,8 @@
 //! replays the same groups if `s` was served before a crash), train on the
 //! trainer thread, publish the weights of version `s` to the object store and
 //! then the announcement to `policy.version`, write `learner.status`, and
-//! checkpoint every `checkpoint_every` steps.
+//! checkpoint every `checkpoint_every` steps, on SIGTERM, and after the last
+//! step of the run (`run.max_steps`).
 //!
 //! Resume: the newest complete checkpoint; if `policy.version` announces a
 //! newer version (trained and published before a crash, after the last
@@ -388,6 +389,11 @@ impl Ctx {
         let b = self.config.staleness.groups_per_step;
         let poll = self.config.learner.batch_poll_interval;
         let wait_ms: u32 = 1000;
+        // A refusal names a state of the buffer that asking again does not
+        // change (a step it already served and released, a step behind what
+        // it trained): retried for a while in case the buffer is still
+        // recovering, then an error instead of a silent hang.
+        let mut refused_since: Option<(Instant, String)> = None;
         loop {
             if self.shutdown.is_cancelled() {
                 return Ok(None);
@@ -412,7 +418,21 @@ impl Ctx {
                         LearnerError::Buffer(format!("batch reply does not decode: {e}"))
                     })?;
                     if !reply.error.is_empty() {
-                        tracing::warn!(step = s, error = %reply.error, "buffer refused the batch; retrying");
+                        match &refused_since {
+                            Some((since, reason)) if *reason == reply.error => {
+                                if since.elapsed() >= REFUSAL_PATIENCE {
+                                    return Err(LearnerError::Buffer(format!(
+                                        "the buffer refuses step {s} (for {}s): {}",
+                                        REFUSAL_PATIENCE.as_secs(),
+                                        reply.error
+                                    )));
+                                }
+                            }
+                            _ => {
+                                tracing::warn!(step = s, error = %reply.error, "buffer refused the batch; retrying");
+                                refused_since = Some((Instant::now(), reply.error.clone()));
+                            }
+                        }
                     } else if reply.num_groups > 0 {
                         return Ok(Some(self.decode_batch(&reply).await?));
                     }
@@ -518,8 +538,15 @@ impl Ctx {
             }
             summary.last = Some(stats);
         }
-        if self.shutdown.is_cancelled() {
-            // SIGTERM: leave a checkpoint of exactly where we are.
+        // The last step trained in this run, unless `checkpoint_every`
+        // already saved it.
+        let unsaved_last = summary
+            .last
+            .as_ref()
+            .is_some_and(|s| s.step % self.config.learner.checkpoint_every != 0);
+        if self.shutdown.is_cancelled() || unsaved_last {
+            // SIGTERM or the end of the run: leave a checkpoint of exactly
+            // where we are (the model the run produced).
             self.checkpoint().await?;
         }
         let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
@@ -601,6 +628,10 @@ impl TrainedLog {
             })
     }
 }
+
+/// How long the buffer may keep refusing a step (with the same reason)
+/// before the learner gives up with an error.
+const REFUSAL_PATIENCE: Duration = Duration::from_secs(30);
 
 /// One line per step, appended (a resumed run continues the same file).
 struct MetricsCsv {

@@ -170,6 +170,24 @@ async fn exercise(bus: Arc<dyn Bus>) {
     .unwrap();
     assert_eq!(sched.sealed_through_step, 3);
 
+    // The run's last step (3, not a multiple of checkpoint_every = 2) was
+    // checkpointed when the run ended.
+    let latest = asyncrl_learner::checkpoint::load_latest(&summary.checkpoint_dir)
+        .unwrap()
+        .expect("a checkpoint");
+    assert_eq!(latest.meta.step, 3);
+    // A crash between publishing version 3 and that checkpoint leaves the
+    // one of step 2: emulate it.
+    std::fs::remove_dir_all(&latest.dir).unwrap();
+    assert_eq!(
+        asyncrl_learner::checkpoint::load_latest(&summary.checkpoint_dir)
+            .unwrap()
+            .expect("the step-2 checkpoint")
+            .meta
+            .step,
+        2
+    );
+
     // Restart (the checkpoint is at step 2, version 3 was published after it):
     // the learner adopts version 3 and continues with step 4.
     let c = config(dir.path(), 5);
@@ -250,5 +268,55 @@ async fn shutdown_while_waiting_for_batches_checkpoints_and_returns() {
             .unwrap()
             .is_some(),
         "SIGTERM leaves a checkpoint"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_that_keeps_refusing_a_step_stops_the_learner_with_its_reason() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path(), 3);
+    let kv = bus.kv(subjects::CONTROL_BUCKET).await.unwrap();
+    kv.put(KNOBS_KEY, encode_schedule(&new_schedule(initial_knobs(&c))))
+        .await
+        .unwrap();
+    // What a buffer that served later steps of an earlier run answers.
+    let mut requests = bus.serve(subjects::BUFFER_BATCH, None).await.unwrap();
+    let asked = Arc::new(AtomicU64::new(0));
+    let counter = asked.clone();
+    tokio::spawn(async move {
+        while let Some(req) = requests.next().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            let reply = BatchReply {
+                error: "step 1 is already trained (a request for step 9 came before)".into(),
+                ..Default::default()
+            };
+            let _ = req.respond(Bytes::from(reply.encode_to_vec())).await;
+        }
+    });
+    let started = std::time::Instant::now();
+    let result = tokio::time::timeout(
+        Duration::from_secs(120),
+        asyncrl_learner::service::run(
+            c,
+            bus.clone(),
+            asyncrl_telemetry::Metrics::new(),
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("the learner gives up instead of asking forever");
+    let e = result
+        .expect_err("a permanent refusal is an error")
+        .to_string();
+    assert!(e.contains("refuses step 1"), "{e}");
+    assert!(e.contains("already trained"), "{e}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(30),
+        "retried for a while first"
+    );
+    assert!(
+        asked.load(Ordering::SeqCst) > 1,
+        "it asked again before giving up"
     );
 }
