@@ -84,7 +84,7 @@ fn a_learner_killed_with_sigkill_resumes_from_its_checkpoint() {
     c.kill9("learner");
     let restarts = c.coordinator_counter("asyncrl_learner_restarts_total");
     c.start_role("learner");
-    // The coordinator sees the new learner session (accepted reset to v·B).
+    // The coordinator sees the new learner session (versions carry on).
     c.wait_metric(
         "coordinator",
         "asyncrl_learner_restarts_total",

@@ -160,7 +160,7 @@ impl CoordinatorMetrics {
             )?,
             learner_restarts: m.register(
                 "learner_restarts",
-                "Learner restarts seen (accepted reset to v * B)",
+                "Learner restarts seen (a new learner session, or its version going down)",
                 Counter::default(),
             )?,
             rollout_workers_recommended: m.register(

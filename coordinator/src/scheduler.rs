@@ -145,11 +145,14 @@ pub enum VersionChange {
         from: i32,
         to: i32,
     },
-    /// The learner restarted (new session, or its version went down):
-    /// `accepted` was reset to v · B.
+    /// The learner restarted (new session, or its version went down).
+    /// When its version went down, `accepted` was reset to v · B; when the
+    /// version carried on, the groups accepted before are still in the
+    /// (durable) buffer and `accepted` was kept.
     LearnerRestart {
         version: i32,
         accepted_before: u64,
+        reset: bool,
     },
 }
 
@@ -538,12 +541,24 @@ impl Scheduler {
         }
         let first = self.learner_session.is_empty();
         self.learner_session = session.to_owned();
+        // The new learner resumed where the versions were (from a checkpoint
+        // plus the published weights): nothing it will train was lost.
+        let carried_on = start_version >= self.version;
         if start_version > self.version {
             self.version = start_version;
         }
         if first {
             self.accepted = self.accepted.max(self.consumed_floor());
             return VersionChange::Unchanged;
+        }
+        if carried_on {
+            let before = self.accepted;
+            self.accepted = self.accepted.max(self.consumed_floor());
+            return VersionChange::LearnerRestart {
+                version: self.version,
+                accepted_before: before,
+                reset: false,
+            };
         }
         self.reset_accepted()
     }
@@ -566,6 +581,7 @@ impl Scheduler {
         VersionChange::LearnerRestart {
             version: self.version,
             accepted_before: before,
+            reset: true,
         }
     }
 
@@ -962,7 +978,7 @@ mod tests {
     }
 
     #[test]
-    fn learner_restart_resets_accepted_to_v_times_b() {
+    fn learner_restart_keeps_accepted_unless_the_version_went_down() {
         let mut s = sched(4, 100);
         assert_eq!(s.on_learner_session("s1", 0), VersionChange::Unchanged);
         let g = s.acquire("w", 12, 2, 0);
@@ -973,23 +989,42 @@ mod tests {
         assert_eq!(s.accepted(), 10);
         // Same session again: nothing happens.
         assert_eq!(s.on_learner_session("s1", 2), VersionChange::Unchanged);
+        // A new session that carries on at version 2: the two accepted groups
+        // it has not trained are still in the buffer, so no new capacity.
         assert_eq!(
             s.on_learner_session("s2", 2),
             VersionChange::LearnerRestart {
                 version: 2,
-                accepted_before: 10
+                accepted_before: 10,
+                reset: false
             }
         );
-        assert_eq!(s.accepted(), 8);
-        // A version that goes down is a restart from an older checkpoint.
+        assert_eq!(s.accepted(), 10);
+        // A version that goes down is a restart from an older state: reset
+        // to v · B.
         assert_eq!(
             s.on_version(1),
             VersionChange::LearnerRestart {
                 version: 1,
-                accepted_before: 8
+                accepted_before: 10,
+                reset: true
             }
         );
         assert_eq!(s.accepted(), 4);
+        // So is a new session that starts below the known version (version
+        // 2 first raised accepted to what 2 · B consumed groups imply:
+        // 8 − 2 running).
+        s.on_version(2);
+        assert_eq!(s.accepted(), 6);
+        assert_eq!(
+            s.on_learner_session("s3", 1),
+            VersionChange::LearnerRestart {
+                version: 2,
+                accepted_before: 6,
+                reset: true
+            }
+        );
+        assert_eq!(s.accepted(), 8);
         // Running leases are untouched.
         assert_eq!(s.running(), 2);
     }

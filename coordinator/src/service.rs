@@ -475,14 +475,23 @@ impl Actor {
             VersionChange::LearnerRestart {
                 version,
                 accepted_before,
+                reset,
             } => {
                 self.metrics.learner_restarts.inc();
-                tracing::warn!(
-                    version,
-                    accepted_before,
-                    accepted = self.sched.accepted(),
-                    "learner restart: accepted reset to v * B"
-                );
+                if reset {
+                    tracing::warn!(
+                        version,
+                        accepted_before,
+                        accepted = self.sched.accepted(),
+                        "learner restart below the known version: accepted reset to v * B"
+                    );
+                } else {
+                    tracing::info!(
+                        version,
+                        accepted = self.sched.accepted(),
+                        "learner restart: versions carry on, accepted groups are still in the buffer"
+                    );
+                }
                 true
             }
         }
