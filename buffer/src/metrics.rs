@@ -105,6 +105,9 @@ pub struct BufferMetrics {
     pub groups_served: Counter,
     pub batches_served: Counter,
     pub batches_replayed: Counter,
+    /// Batch requests refused (a step already trained, or served before
+    /// and released): a learner whose state disagrees with the buffer's.
+    pub batches_refused: Counter,
     pub resident_bytes: Gauge,
     pub resident_bytes_per_token: Gauge<f64, AtomicU64>,
     pub disk_bytes: Gauge,
@@ -172,6 +175,11 @@ impl BufferMetrics {
             batches_replayed: m.get_or_register(
                 "buffer_batches_replayed",
                 "Learner batches served again for a repeated step",
+                Counter::default,
+            )?,
+            batches_refused: m.get_or_register(
+                "buffer_batches_refused",
+                "Learner batch requests refused (the reply names why)",
                 Counter::default,
             )?,
             resident_bytes: m.get_or_register(

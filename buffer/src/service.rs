@@ -299,6 +299,7 @@ impl Buffer {
             log: Some(log),
             objects: None,
             objects_by_step: BTreeMap::new(),
+            last_refusal: None,
         };
         let ingest_task = tokio::spawn({
             let stop = stop.clone();
@@ -668,6 +669,9 @@ struct Server {
     objects: Option<Arc<dyn ObjectStore>>,
     /// Batches handed over through the object store, by step.
     objects_by_step: BTreeMap<u64, String>,
+    /// The last refusal (step, reason): a learner asking again gets the same
+    /// answer, logged once as a warning.
+    last_refusal: Option<(u64, String)>,
 }
 
 impl Server {
@@ -807,7 +811,17 @@ impl Server {
                     reply
                 }
                 Outcome::Refused(error) => {
-                    tracing::warn!(step = ask.step, version = ask.version, %error, "batch request refused");
+                    self.shared.metrics.batches_refused.inc();
+                    let again = self
+                        .last_refusal
+                        .as_ref()
+                        .is_some_and(|(step, e)| *step == ask.step && *e == error);
+                    if again {
+                        tracing::debug!(step = ask.step, version = ask.version, %error, "batch request refused again");
+                    } else {
+                        tracing::warn!(step = ask.step, version = ask.version, %error, "batch request refused");
+                        self.last_refusal = Some((ask.step, error.clone()));
+                    }
                     BatchReply {
                         step: ask.step,
                         error,

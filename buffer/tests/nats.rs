@@ -261,6 +261,7 @@ async fn a_repeated_step_gets_the_same_groups_across_a_restart() {
     assert_eq!(again2, step2, "the same trajectories in the same order");
     let err = ask(bus.as_ref(), 1, 0, 4, 4, 0).await.unwrap_err();
     assert!(err.contains("already trained"), "{err}");
+    assert_eq!(buffer.metric("buffer_batches_refused_total"), 1.0);
     let (_, step3) = ask(bus.as_ref(), 3, 2, 4, 4, 0).await.unwrap();
     let mut all: Vec<String> = step1.iter().map(|t| t.uuid.clone()).collect();
     all.extend(step2.iter().map(|t| t.uuid.clone()));
