@@ -162,6 +162,17 @@ fn a_nats_server_restart_is_survived_and_jetstream_keeps_its_data() {
         "the stream lost messages across the restart: {messages} -> {after}"
     );
     c.wait("training to go on", STEP_WAIT, |c| c.steps_done() > steps);
+    // The coordinator heard no one while it was cut off itself: that
+    // silence did not make it declare live workers dead.
+    let log = c.current_log("coordinator");
+    assert!(
+        !log.contains("marked dead"),
+        "live workers were declared dead across the restart:\n{}",
+        log.lines()
+            .filter(|l| l.contains("marked dead"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     c.finish(&Expect::default());
 }
 

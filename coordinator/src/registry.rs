@@ -75,11 +75,15 @@ impl Registry {
         self.workers.get(id)
     }
 
-    /// Marks workers not heard from within `dead_after_ms` dead.
-    pub fn sweep(&mut self, now_ms: i64, dead_after_ms: i64) -> Sweep {
+    /// Marks workers not heard from within `dead_after_ms` dead. Silence
+    /// counts only from `hearing_since_ms` on (when the coordinator's own
+    /// connection last came up): a worker that heartbeats into a server the
+    /// coordinator cannot reach is not dead.
+    pub fn sweep(&mut self, now_ms: i64, dead_after_ms: i64, hearing_since_ms: i64) -> Sweep {
         let mut sweep = Sweep::default();
         for e in self.workers.values_mut() {
-            if e.alive && now_ms - e.last_heard_ms >= dead_after_ms {
+            let heard = e.last_heard_ms.max(hearing_since_ms);
+            if e.alive && now_ms - heard >= dead_after_ms {
                 e.alive = false;
                 sweep.died.push(e.worker_id.clone());
             }
@@ -114,10 +118,10 @@ mod tests {
         r.register("w1", "host-a", 16, 0, 0);
         r.register("w2", "host-b", 8, 0, 0);
         r.touch("w1", 4_000);
-        assert_eq!(r.sweep(5_000, 5_000).died, vec!["w2".to_owned()]);
+        assert_eq!(r.sweep(5_000, 5_000, 0).died, vec!["w2".to_owned()]);
         assert_eq!((r.alive_count(), r.dead_count()), (1, 1));
-        assert!(r.sweep(5_500, 5_000).died.is_empty());
-        assert_eq!(r.sweep(9_000, 5_000).died, vec!["w1".to_owned()]);
+        assert!(r.sweep(5_500, 5_000, 0).died.is_empty());
+        assert_eq!(r.sweep(9_000, 5_000, 0).died, vec!["w1".to_owned()]);
         r.touch("w2", 9_100).tokens_per_second = 12.5;
         let w2 = r.get("w2").unwrap();
         assert!(w2.alive && w2.registered && w2.capacity == 8 && w2.hostname == "host-b");
@@ -125,5 +129,16 @@ mod tests {
         r.touch("w3", 9_200);
         assert!(!r.get("w3").unwrap().registered);
         assert_eq!(r.iter().count(), 3);
+    }
+
+    #[test]
+    fn silence_before_the_coordinator_could_hear_does_not_count() {
+        let mut r = Registry::new();
+        r.register("w1", "host-a", 16, 0, 0);
+        // The coordinator's connection came back at 4 s: 4.9 s of silence
+        // since its last heartbeat, but only 0.9 s that it could have heard.
+        assert!(r.sweep(4_900, 3_000, 4_000).died.is_empty());
+        // 3 s after the reconnect with nothing heard: dead.
+        assert_eq!(r.sweep(7_000, 3_000, 4_000).died, vec!["w1".to_owned()]);
     }
 }

@@ -155,6 +155,8 @@ pub(crate) struct Actor {
     schedule: KnobSchedule,
     schedule_rev: u64,
     kv: Arc<dyn KvBucket>,
+    /// Asked whether the coordinator can hear the workers at all.
+    bus: Arc<dyn Bus>,
     state_rev: Option<u64>,
     /// State writes since the last confirmed one whose outcome is unknown
     /// (the request timed out: it may have landed), and the current one.
@@ -265,6 +267,7 @@ impl Actor {
             schedule,
             schedule_rev,
             kv,
+            bus: bus.clone(),
             state_rev,
             unconfirmed: Vec::new(),
             persist_failed: false,
@@ -453,7 +456,17 @@ impl Actor {
                 }
                 self.metrics.tasks_expired.inc_by(expired.len() as u64);
                 *dirty |= !expired.is_empty();
-                for w in self.registry.sweep(now, self.settings.dead_after_ms).died {
+                // While the coordinator itself is cut off it hears no one:
+                // nobody is judged dead by that silence.
+                let died = match self.bus.connected_since_unix_ms() {
+                    Some(since) => {
+                        self.registry
+                            .sweep(now, self.settings.dead_after_ms, since)
+                            .died
+                    }
+                    None => Vec::new(),
+                };
+                for w in died {
                     let ended = self.sched.expire_worker(&w, now);
                     tracing::warn!(worker = %w, leases = ended.len(), "worker missed its heartbeats: marked dead, its leases expire");
                     self.metrics.tasks_expired.inc_by(ended.len() as u64);

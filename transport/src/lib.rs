@@ -393,6 +393,14 @@ pub trait Bus: Send + Sync {
 
     /// Waits until everything published so far has reached the server.
     async fn flush(&self) -> Result<()>;
+
+    /// Since when (Unix ms) this process has been connected without a
+    /// break; `None` while it is disconnected. Whoever judges others by
+    /// silence (the coordinator's heartbeat sweep) must not count the time
+    /// it could not hear. The in-process bus is always connected.
+    fn connected_since_unix_ms(&self) -> Option<i64> {
+        Some(0)
+    }
 }
 
 /// Connects to the bus named by the config: the in-process bus for

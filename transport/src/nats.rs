@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, kv, object_store, stream};
@@ -34,6 +35,28 @@ pub struct NatsBus {
     replicas: usize,
     request_timeout: Duration,
     metrics: TransportMetrics,
+    link: Arc<Link>,
+}
+
+/// The connection's state as the client's events report it.
+#[derive(Debug, Default)]
+struct Link {
+    connected: AtomicBool,
+    /// Unix ms of the last (re)connect.
+    since_ms: AtomicI64,
+}
+
+impl Link {
+    fn up(&self) {
+        self.since_ms.store(unix_ms(), Ordering::SeqCst);
+        self.connected.store(true, Ordering::SeqCst);
+    }
+}
+
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// Exponential backoff for reconnects: 50 ms doubling, capped at `max`.
@@ -42,7 +65,11 @@ fn reconnect_delay(attempts: usize, max: Duration) -> Duration {
     Duration::from_millis(50u64.saturating_mul(1 << exp)).min(max)
 }
 
-async fn connect_options(config: &BusConfig, metrics: &TransportMetrics) -> Result<ConnectOptions> {
+async fn connect_options(
+    config: &BusConfig,
+    metrics: &TransportMetrics,
+    link: &Arc<Link>,
+) -> Result<ConnectOptions> {
     let url = config.url.clone();
     let mut opts = match (
         &config.credentials_file,
@@ -81,6 +108,7 @@ async fn connect_options(config: &BusConfig, metrics: &TransportMetrics) -> Resu
     }
     let max_delay = config.reconnect_max_delay;
     let m = metrics.clone();
+    let link = link.clone();
     Ok(opts
         .name("asyncrl")
         .subscription_capacity(config.subscription_capacity)
@@ -90,6 +118,11 @@ async fn connect_options(config: &BusConfig, metrics: &TransportMetrics) -> Resu
         .reconnect_delay_callback(move |attempts| reconnect_delay(attempts, max_delay))
         .event_callback(move |event| {
             let m = m.clone();
+            match &event {
+                Event::Connected => link.up(),
+                Event::Disconnected => link.connected.store(false, Ordering::SeqCst),
+                _ => {}
+            }
             async move { record_event(&m, &event) }
         }))
 }
@@ -155,8 +188,9 @@ impl NatsBus {
             })?;
         let deadline = tokio::time::Instant::now() + config.connect_timeout;
         let mut attempt = 0usize;
+        let link = Arc::new(Link::default());
         let client = loop {
-            let opts = connect_options(config, &metrics).await?;
+            let opts = connect_options(config, &metrics, &link).await?;
             match opts.connect(servers.clone()).await {
                 Ok(client) => break client,
                 Err(e) => {
@@ -177,12 +211,14 @@ impl NatsBus {
             }
         };
         let js = jetstream::new(client.clone());
+        link.up();
         Ok(Self {
             client,
             js,
             replicas: config.replicas,
             request_timeout: config.request_timeout,
             metrics,
+            link,
         })
     }
 
@@ -436,6 +472,12 @@ impl Bus for NatsBus {
 
     async fn flush(&self) -> Result<()> {
         self.client.flush().await.map_err(|e| self.err("flush", e))
+    }
+
+    fn connected_since_unix_ms(&self) -> Option<i64> {
+        let connected = self.link.connected.load(Ordering::SeqCst)
+            && self.client.connection_state() == async_nats::connection::State::Connected;
+        connected.then(|| self.link.since_ms.load(Ordering::SeqCst))
     }
 }
 

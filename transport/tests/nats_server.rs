@@ -187,6 +187,30 @@ async fn requests_work_again_after_server_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bus_says_since_when_it_has_been_connected() {
+    let mut server = NatsServer::start().unwrap();
+    let bus = connect(server.url(), TransportMetrics::new()).await;
+    let first = bus.connected_since_unix_ms().expect("connected");
+    assert!(first > 0);
+    server.kill();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while bus.connected_since_unix_ms().is_some() {
+        assert!(Instant::now() < deadline, "the loss was never noticed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.restart().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        if let Some(t) = bus.connected_since_unix_ms() {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "never reconnected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(again > first, "the reconnect starts a new period");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_server_is_a_clear_error() {
     let port = asyncrl_testkit::free_port().unwrap();
     let mut config = BusConfig::nats(format!("nats://127.0.0.1:{port}"));
