@@ -271,10 +271,6 @@ pub async fn speedup(bench: SpeedupBench) -> anyhow::Result<String> {
         for eta in [0, bench.eta] {
             let name = format!("eta{eta}-round{round}");
             let config = run_config(&bench, eta, &name, &data)?;
-            if config.run.output_dir.exists() {
-                std::fs::remove_dir_all(&config.run.output_dir)
-                    .with_context(|| format!("cannot clear {}", config.run.output_dir.display()))?;
-            }
             eprintln!("bench speedup: {name} ...");
             let summary = train(
                 config,
@@ -282,7 +278,8 @@ pub async fn speedup(bench: SpeedupBench) -> anyhow::Result<String> {
                     workers: 1,
                     progress: false,
                     completion_lengths: CompletionLengths::ReferenceAnswer,
-                    fresh: false,
+                    // An earlier bench's run in the same place is replaced.
+                    fresh: true,
                 },
             )
             .await

@@ -65,6 +65,29 @@ async fn publish_all(bus: &NatsBus, msgs: &[(String, String, Bytes)]) {
     }
 }
 
+/// (subject, message id, payload) of each trajectory, to publish.
+fn messages(trajs: Vec<Trajectory>, subject: fn(&str) -> String) -> Vec<(String, String, Bytes)> {
+    trajs
+        .into_iter()
+        .map(|t| {
+            (
+                subject(&t.task_id),
+                t.uuid.clone(),
+                Bytes::from(t.encode_to_vec()),
+            )
+        })
+        .collect()
+}
+
+/// Publishes 128 fresh groups of 8 and waits until the buffer holds at
+/// least `ready` groups.
+async fn publish_groups(nats: &NatsBus, buffer: &Running, ready: usize) {
+    publish_all(nats, &messages(fresh(128 * 8, 8), trajectory_subject)).await;
+    while buffer.handle.stats().ready_groups < ready {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 static SERIAL: AtomicU64 = AtomicU64::new(0);
 
 /// `n` fresh trajectories (groups of 1, so every one is servable at once).
@@ -188,16 +211,7 @@ fn benches(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(4));
     group.bench_function("raw_jetstream_publish_ack", |b| {
         b.iter_custom(|iters| {
-            let msgs: Vec<_> = fresh(iters, 1)
-                .into_iter()
-                .map(|t| {
-                    (
-                        format!("benchraw.{}", t.task_id),
-                        t.uuid.clone(),
-                        Bytes::from(t.encode_to_vec()),
-                    )
-                })
-                .collect();
+            let msgs: Vec<_> = messages(fresh(iters, 1), |id| format!("benchraw.{id}"));
             rt.block_on(async {
                 let start = Instant::now();
                 publish_all(&nats, &msgs).await;
@@ -223,16 +237,7 @@ fn benches(c: &mut Criterion) {
             request(bus.as_ref(), step, ready).await;
             step += 1;
         }
-        let msgs: Vec<_> = fresh(2_000, 1)
-            .into_iter()
-            .map(|t| {
-                (
-                    trajectory_subject(&t.task_id),
-                    t.uuid.clone(),
-                    Bytes::from(t.encode_to_vec()),
-                )
-            })
-            .collect();
+        let msgs: Vec<_> = messages(fresh(2_000, 1), trajectory_subject);
         let proto_bytes: usize = msgs.iter().map(|m| m.2.len()).sum();
         let before = ingested(&buffer.metrics);
         publish_all(&nats, &msgs).await;
@@ -314,22 +319,7 @@ fn benches(c: &mut Criterion) {
     });
     // Over NATS, with a reuse pool so that every request finds 64 groups.
     let buffer = rt.block_on(start(bus.clone(), &url, "reuse"));
-    let msgs: Vec<_> = fresh(128 * 8, 8)
-        .into_iter()
-        .map(|t| {
-            (
-                trajectory_subject(&t.task_id),
-                t.uuid.clone(),
-                Bytes::from(t.encode_to_vec()),
-            )
-        })
-        .collect();
-    rt.block_on(async {
-        publish_all(&nats, &msgs).await;
-        while buffer.handle.stats().ready_groups < 128 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    });
+    rt.block_on(publish_groups(&nats, &buffer, 128));
     let mut step = 0u64;
     let mut bytes = 0usize;
     group.bench_function("over_nats", |b| {
@@ -339,20 +329,7 @@ fn benches(c: &mut Criterion) {
                 for _ in 0..iters {
                     if buffer.handle.stats().ready_groups < 64 {
                         // Untimed top-up of the pool.
-                        let more: Vec<_> = fresh(128 * 8, 8)
-                            .into_iter()
-                            .map(|t| {
-                                (
-                                    trajectory_subject(&t.task_id),
-                                    t.uuid.clone(),
-                                    Bytes::from(t.encode_to_vec()),
-                                )
-                            })
-                            .collect();
-                        publish_all(&nats, &more).await;
-                        while buffer.handle.stats().ready_groups < 64 {
-                            tokio::time::sleep(Duration::from_millis(5)).await;
-                        }
+                        publish_groups(&nats, &buffer, 64).await;
                     }
                     step += 1;
                     let start = Instant::now();
@@ -407,16 +384,7 @@ fn through_buffer(
 ) {
     group.bench_function(name, |b| {
         b.iter_custom(|iters| {
-            let msgs: Vec<_> = fresh(iters, 1)
-                .into_iter()
-                .map(|t| {
-                    (
-                        trajectory_subject(&t.task_id),
-                        t.uuid.clone(),
-                        Bytes::from(t.encode_to_vec()),
-                    )
-                })
-                .collect();
+            let msgs: Vec<_> = messages(fresh(iters, 1), trajectory_subject);
             let elapsed = rt.block_on(async {
                 let before = ingested(&buffer.metrics);
                 let start = Instant::now();

@@ -169,21 +169,11 @@ async fn a_bad_checksum_or_missing_object_keeps_the_old_weights_and_is_retried()
     )
     .await
     .unwrap();
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
-    let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(asyncrl_rollout_worker::run(
-        config,
-        bus.clone(),
-        metrics.clone(),
-        shutdown.clone(),
-    ));
-    assert!(
-        eventually(Duration::from_secs(30), || handles.policy_version.get()
-            == 5)
-        .await,
-        "version 5 not loaded"
-    );
+    let RunningWorker {
+        handles,
+        shutdown,
+        task: worker,
+    } = start_worker_at(config, &bus, 5).await;
 
     // Version 6: the object is there, but the announced checksum is not its.
     let good6 = weights(&p6);
@@ -305,21 +295,11 @@ async fn a_task_admitted_at_a_newer_version_waits_for_its_weights() {
     )
     .await
     .unwrap();
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
-    let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(asyncrl_rollout_worker::run(
-        config,
-        bus.clone(),
-        metrics.clone(),
-        shutdown.clone(),
-    ));
-    assert!(
-        eventually(Duration::from_secs(30), || handles.policy_version.get()
-            == 5)
-        .await,
-        "version 5 not loaded"
-    );
+    let RunningWorker {
+        handles,
+        shutdown,
+        task: worker,
+    } = start_worker_at(config, &bus, 5).await;
     coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 2, 1));
     let (granted, log) = coordinator
         .wait_for(Duration::from_secs(10), |l| l.granted_leases().len() == 2)

@@ -270,3 +270,38 @@ impl RewardServer {
         Self { child, port }
     }
 }
+
+/// A worker running on its own task (built from `[model]`, as the binary
+/// runs it), with its metric handles and the token that stops it.
+pub struct RunningWorker {
+    pub handles: asyncrl_rollout_worker::WorkerMetrics,
+    pub shutdown: asyncrl_rollout_worker::CancellationToken,
+    pub task: JoinHandle<
+        Result<asyncrl_rollout_worker::WorkerSummary, asyncrl_rollout_worker::WorkerError>,
+    >,
+}
+
+/// Starts a worker on `config` and waits until it has loaded the weights
+/// of `version`.
+pub async fn start_worker_at(config: Config, bus: &Arc<dyn Bus>, version: i64) -> RunningWorker {
+    let metrics = asyncrl_telemetry::Metrics::new();
+    let handles = asyncrl_rollout_worker::WorkerMetrics::new(&metrics).unwrap();
+    let shutdown = asyncrl_rollout_worker::CancellationToken::new();
+    let task = tokio::spawn(asyncrl_rollout_worker::run(
+        config,
+        bus.clone(),
+        metrics,
+        shutdown.clone(),
+    ));
+    assert!(
+        eventually(Duration::from_secs(30), || handles.policy_version.get()
+            == version)
+        .await,
+        "version {version} not loaded"
+    );
+    RunningWorker {
+        handles,
+        shutdown,
+        task,
+    }
+}
