@@ -136,13 +136,17 @@ impl Bus for FlakyBus {
     }
 }
 
-#[tokio::test]
-async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
-    let fail = Arc::new(AtomicBool::new(false));
+/// A coordinator (B = 4, η = 0, 20 tasks) over a [`FlakyBus`] whose state
+/// writes fail while `fail` is set and whose write replies are lost while
+/// `lose_replies` is set.
+async fn start_flaky(
+    fail: Arc<AtomicBool>,
+    lose_replies: Arc<AtomicBool>,
+) -> (Arc<dyn Bus>, tempfile::TempDir, Health, Coordinator) {
     let bus: Arc<dyn Bus> = Arc::new(FlakyBus {
         inner: LocalBus::new(),
-        fail: fail.clone(),
-        lose_replies: Arc::default(),
+        fail,
+        lose_replies,
     });
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 20);
@@ -156,6 +160,13 @@ async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
     )
     .await
     .unwrap();
+    (bus, dir, health, c)
+}
+
+#[tokio::test]
+async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
+    let fail = Arc::new(AtomicBool::new(false));
+    let (bus, _dir, health, c) = start_flaky(fail.clone(), Arc::default()).await;
     let w = Worker::new(&bus, "w");
     w.register(4).await;
     let held = w.acquire(2).await.tasks;
@@ -225,23 +236,7 @@ async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
 #[tokio::test]
 async fn a_state_write_whose_reply_was_lost_is_recognised_as_its_own() {
     let lose = Arc::new(AtomicBool::new(false));
-    let bus: Arc<dyn Bus> = Arc::new(FlakyBus {
-        inner: LocalBus::new(),
-        fail: Arc::default(),
-        lose_replies: lose.clone(),
-    });
-    let dir = tempfile::tempdir().unwrap();
-    let tasks = write_tasks(dir.path(), 20);
-    let health = Health::new();
-    let c = Coordinator::start(
-        config(dir.path(), &tasks, 4, 0),
-        bus.clone(),
-        Metrics::new(),
-        health.clone(),
-        &CancellationToken::new(),
-    )
-    .await
-    .unwrap();
+    let (bus, _dir, health, c) = start_flaky(Arc::default(), lose.clone()).await;
     let w = Worker::new(&bus, "w");
     w.register(4).await;
     assert_eq!(w.acquire(1).await.tasks.len(), 1);
