@@ -2,6 +2,7 @@
 //! they run to the end, write the report they promise (CSV, PNG, markdown)
 //! and the staleness in it never exceeds η. The figures themselves are
 //! measured on the reference machine (docs/results/), not asserted here.
+#![cfg(feature = "torch")]
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -57,28 +58,9 @@ fn non_empty_png(path: &Path) {
     assert!(bytes.starts_with(b"\x89PNG"), "{} is a PNG", path.display());
 }
 
-/// The cores this process may run on (`Cpus_allowed_list`, e.g. `0-1,4`).
-fn allowed_cores() -> Vec<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let Some(list) = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-    else {
-        return Vec::new();
-    };
-    let mut cores = Vec::new();
-    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => cores.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()),
-            None => cores.push(part.parse().unwrap()),
-        }
-    }
-    cores
-}
-
 #[test]
 fn speedup_bench_reports_both_modes_and_the_bound() {
-    let cores = allowed_cores();
+    let cores = asyncrl_policy::affinity::current_thread_cores().unwrap_or_default();
     assert!(
         cores.len() >= 2,
         "the speedup bench needs two cores; this process may use {cores:?}"
