@@ -56,7 +56,9 @@ pub(crate) enum Event {
     LearnerStatus(LearnerStatus),
     GroupDropped(GroupDropped),
     Admin(AdminCommand),
-    Tick,
+    /// The periodic check of lease deadlines and heartbeats, stamped when
+    /// the ticker sent it.
+    Tick(tokio::time::Instant),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -449,7 +451,20 @@ impl Actor {
                 }
             }
             Event::Admin(cmd) => self.handle_admin(cmd).await,
-            Event::Tick => {
+            Event::Tick(sent) => {
+                // A tick that waited in the queue behind a blocked actor
+                // (a state write stalled by the server) would judge workers
+                // by a silence it caused itself: the heartbeats that came
+                // meanwhile are queued behind it. The next punctual tick
+                // judges instead.
+                let waited = sent.elapsed();
+                if waited > (2 * self.tick_interval()).max(Duration::from_secs(1)) {
+                    tracing::debug!(
+                        waited_ms = waited.as_millis() as u64,
+                        "late tick: no lease expiry or heartbeat sweep"
+                    );
+                    return Ok(());
+                }
                 let expired = self.sched.expire_due(now);
                 for e in &expired {
                     tracing::info!(lease_id = %e.lease_id, worker = %e.lease.worker, index = e.lease.task.index, "lease expired; task re-queued at the front");
@@ -1492,7 +1507,11 @@ pub(crate) fn spawn_ticker(
                 _ = shutdown.cancelled() => return,
                 _ = interval.tick() => {}
             }
-            if tx.send(Event::Tick).await.is_err() {
+            if tx
+                .send(Event::Tick(tokio::time::Instant::now()))
+                .await
+                .is_err()
+            {
                 return;
             }
         }
