@@ -1,0 +1,27 @@
+//! Helpers shared by every asyncrl crate, written once: wall-clock time and
+//! an injectable [`Clock`], exponential [`Backoff`], [`sha256_hex`].
+//!
+//! Nothing here knows about the wire contract, the bus or tensors.
+
+pub mod backoff;
+pub mod clock;
+
+pub use backoff::Backoff;
+pub use clock::{Clock, SharedClock, SystemClock, TokioClock, unix_ms};
+
+/// Lower-case hex sha256 of `data`.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sha256_of_known_input() {
+        assert_eq!(
+            super::sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+}
