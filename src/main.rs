@@ -3,15 +3,13 @@
 //! Errors are printed as one line (`error: ...`, with the chain of causes
 //! joined by `: `) and the process exits non-zero; no panic, no backtrace.
 
-#[cfg(feature = "torch")]
 mod bench;
+mod ctl_cli;
 #[cfg(feature = "torch")]
 mod metrics_csv;
 #[cfg(feature = "torch")]
 mod plot;
 mod roles;
-#[cfg(feature = "torch")]
-mod speedup;
 #[cfg(feature = "torch")]
 mod train;
 
@@ -47,7 +45,7 @@ enum Command {
     /// Run the learner.
     Learner(RoleArgs),
     /// Talk to a running coordinator's admin API.
-    Ctl(CtlCliArgs),
+    Ctl(ctl_cli::CtlCliArgs),
     /// Supervised warm start of the model on the run's data set.
     Warmstart(WarmstartArgs),
     /// Data sets of the built-in tasks.
@@ -58,7 +56,7 @@ enum Command {
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
-        bench: BenchCommand,
+        bench: bench::BenchCommand,
     },
     /// Print the version, the linked libtorch and whether CUDA is usable.
     Version,
@@ -124,15 +122,6 @@ enum BufferCommand {
 }
 
 #[derive(Debug, Args)]
-struct CtlCliArgs {
-    /// The TOML config file (admin endpoint and token).
-    #[arg(long, short)]
-    config: Option<PathBuf>,
-    #[command(flatten)]
-    ctl: asyncrl_coordinator::ctl::CtlArgs,
-}
-
-#[derive(Debug, Args)]
 struct WarmstartArgs {
     /// The run's TOML config: the built-in model of [model.tiny] is trained
     /// on the first [[coordinator.datasets]] entry (model.path is ignored).
@@ -170,135 +159,18 @@ enum DataCommand {
     },
 }
 
-#[derive(Debug, Subcommand)]
-enum BenchCommand {
-    /// JetStream publish-with-ack throughput through asyncrl's transport
-    /// against async-nats used directly, as a ratio.
-    Transport(TransportBenchArgs),
-    /// Acquire→grant round trips through the coordinator against a raw
-    /// request/reply echo, as a ratio.
-    Coordinator(NatsBenchArgs),
-    /// Generated tokens/s with continuous batching against static batching
-    /// on the long-tailed reverse task, as a ratio.
-    Worker,
-    /// Reward under η × clip mode × seeds from the same start: CSV, PNG
-    /// curves and a markdown table.
-    Staleness(StalenessArgs),
-    /// Learner forward+backward+AdamW tokens/s of the built-in model against
-    /// the same model in PyTorch eager (same shapes, same threads), as a ratio.
-    Learner(LearnerBenchArgs),
-    /// Sync (η = 0) against async training on the long-tailed reverse task,
-    /// learner and worker pinned to separate cores: the measured speedup next
-    /// to the pipelining bound from the same runs.
-    Speedup(SpeedupArgs),
-}
-
-#[derive(Debug, Args)]
-struct SpeedupArgs {
-    /// Learner steps per run.
-    #[arg(long, default_value_t = 40)]
-    steps: u64,
-    /// First steps of each run not measured.
-    #[arg(long, default_value_t = 5)]
-    warmup: u64,
-    /// η of the asynchronous runs.
-    #[arg(long, default_value_t = 4)]
-    eta: u32,
-    /// Runs of each mode (alternating sync, async).
-    #[arg(long, default_value_t = 2)]
-    rounds: usize,
-    /// B: groups per learner step.
-    #[arg(long, default_value_t = 8)]
-    groups_per_step: u32,
-    /// G: completions per prompt.
-    #[arg(long, default_value_t = 8)]
-    group_size: u32,
-    /// Slots of the worker's decode batch.
-    #[arg(long, default_value_t = 64)]
-    max_sequences: usize,
-    #[arg(long, value_delimiter = ',', default_value = "0")]
-    learner_cores: Vec<usize>,
-    #[arg(long, value_delimiter = ',', default_value = "1")]
-    worker_cores: Vec<usize>,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    #[arg(long, default_value = "docs/results/speedup")]
-    out: PathBuf,
-}
-
-#[derive(Debug, Args)]
-struct LearnerBenchArgs {
-    #[arg(long, default_value_t = 64)]
-    rows: i64,
-    #[arg(long, default_value_t = 32)]
-    seq_len: i64,
-    #[arg(long, default_value_t = 20)]
-    iterations: usize,
-    /// Intra-op CPU threads, on both sides.
-    #[arg(long, default_value_t = 1)]
-    threads: i32,
-}
-
-#[derive(Debug, Args)]
-struct StalenessArgs {
-    /// The base config (task, model, batch sizes); η, clip mode, seed,
-    /// steps and output directory are set per run.
-    config: PathBuf,
-    #[arg(long, value_delimiter = ',', default_value = "0,1,4,8")]
-    etas: Vec<u32>,
-    #[arg(long, value_delimiter = ',', default_value = "ppo,adaptive,m2po")]
-    clips: Vec<String>,
-    #[arg(long, value_delimiter = ',', default_value = "0,1")]
-    seeds: Vec<u64>,
-    /// Learner steps per run.
-    #[arg(long, default_value_t = 150)]
-    steps: u64,
-    /// Reward whose first crossing the table reports.
-    #[arg(long, default_value_t = 0.4)]
-    target: f64,
-    #[arg(long, default_value = "docs/results/staleness")]
-    out: PathBuf,
-}
-
-#[derive(Debug, Args)]
-struct TransportBenchArgs {
-    /// NATS server to benchmark against; default: start a private
-    /// nats-server (from the project's .venv or PATH).
-    #[arg(long)]
-    nats_url: Option<String>,
-    /// Messages per measurement.
-    #[arg(long, default_value_t = 2_000)]
-    messages: usize,
-    /// Payload size of each message in bytes.
-    #[arg(long, default_value_t = 16 * 1024)]
-    message_bytes: usize,
-    /// Publishes in flight in the pipelined measurement.
-    #[arg(long, default_value_t = 64)]
-    in_flight: usize,
-    /// Alternating rounds per side; the best round counts.
-    #[arg(long, default_value_t = 3)]
-    rounds: usize,
-}
-
-#[derive(Debug, Args)]
-struct NatsBenchArgs {
-    /// NATS server to benchmark against; default: a private nats-server.
-    #[arg(long)]
-    nats_url: Option<String>,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", one_line(&e));
+            eprintln!("error: {}", asyncrl_common::process::one_line(&e));
             ExitCode::FAILURE
         }
     }
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -316,7 +188,7 @@ fn block_on<F: std::future::Future>(fut: F) -> anyhow::Result<F::Output> {
 }
 
 /// Loads the config, applies a `--bus` override and sets up logging.
-fn load(path: &Path, bus: Option<&str>) -> anyhow::Result<Config> {
+pub(crate) fn load(path: &Path, bus: Option<&str>) -> anyhow::Result<Config> {
     let mut config = Config::load(path)?;
     if let Some(url) = bus {
         config.bus.url = url.to_owned();
@@ -385,7 +257,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Some(p) => Config::load(p)?,
                 None => Config::default(),
             };
-            let out = block_on(asyncrl_coordinator::ctl::ctl(&config, &args.ctl))??;
+            let out = block_on(asyncrl_coordinator::ctl::ctl(&config, &args.request()))??;
             print!("{out}");
             Ok(())
         }
@@ -418,7 +290,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Bench { bench } => bench_command(bench),
+        Command::Bench { bench } => bench::run(bench),
     }
 }
 
@@ -459,7 +331,7 @@ fn worker_command(args: RoleArgs) -> anyhow::Result<()> {
 /// The error of a subcommand that needs the tensor roles in a binary built
 /// without them.
 #[cfg(not(feature = "torch"))]
-fn no_torch(command: &str) -> anyhow::Result<()> {
+pub(crate) fn no_torch(command: &str) -> anyhow::Result<()> {
     anyhow::bail!(
         "`asyncrl {command}` needs libtorch, and this binary was built without the `torch` feature (the CPU-only control-plane image); use the full image"
     )
@@ -542,123 +414,6 @@ fn warmstart(args: WarmstartArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn bench_command(bench: BenchCommand) -> anyhow::Result<()> {
-    let rt = runtime()?;
-    match bench {
-        BenchCommand::Transport(args) => {
-            let opts = asyncrl_transport::bench::PublishBenchOptions {
-                nats_url: args.nats_url,
-                messages: args.messages,
-                message_bytes: args.message_bytes,
-                in_flight: args.in_flight,
-                rounds: args.rounds,
-            };
-            let report = rt
-                .block_on(asyncrl_transport::bench::run_publish_bench(opts))
-                .context("transport bench")?;
-            print!("{report}");
-        }
-        BenchCommand::Coordinator(args) => {
-            let opts = asyncrl_coordinator::bench::AcquireBenchOptions {
-                nats_url: args.nats_url,
-                ..Default::default()
-            };
-            let report = rt
-                .block_on(asyncrl_coordinator::bench::run_acquire_bench(opts))
-                .context("coordinator bench")?;
-            print!("{report}");
-        }
-        #[cfg(feature = "torch")]
-        BenchCommand::Staleness(args) => {
-            let config = load(&args.config, None)?;
-            let clips = args
-                .clips
-                .iter()
-                .map(|c| bench::parse_clip(c))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            let spec = bench::StalenessBench {
-                etas: args.etas,
-                clips,
-                seeds: args.seeds,
-                steps: args.steps,
-                target: args.target,
-                out: args.out,
-            };
-            let report = rt.block_on(bench::staleness(config, spec))?;
-            print!("{report}");
-        }
-        #[cfg(feature = "torch")]
-        BenchCommand::Speedup(args) => {
-            let spec = speedup::SpeedupBench {
-                steps: args.steps,
-                warmup: args.warmup,
-                eta: args.eta,
-                rounds: args.rounds,
-                groups_per_step: args.groups_per_step,
-                group_size: args.group_size,
-                max_sequences: args.max_sequences,
-                learner_cores: args.learner_cores,
-                worker_cores: args.worker_cores,
-                seed: args.seed,
-                out: args.out,
-            };
-            let report = rt.block_on(speedup::speedup(spec))?;
-            print!("{report}");
-        }
-        #[cfg(feature = "torch")]
-        BenchCommand::Worker => {
-            let opts = asyncrl_rollout_worker::bench::BatchingBenchOptions::default();
-            let report = rt
-                .block_on(asyncrl_rollout_worker::bench::run_batching_bench(opts))
-                .context("worker bench")?;
-            print!("{report}");
-        }
-        #[cfg(feature = "torch")]
-        BenchCommand::Learner(args) => {
-            let opts = asyncrl_learner::bench::LearnerBenchOptions {
-                rows: args.rows,
-                seq_len: args.seq_len,
-                iterations: args.iterations,
-                threads: args.threads,
-                ..Default::default()
-            };
-            let report =
-                asyncrl_learner::bench::run_learner_bench(opts).context("learner bench")?;
-            print!("{report}");
-        }
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Learner(_) => return no_torch("bench learner"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Staleness(_) => return no_torch("bench staleness"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Worker => return no_torch("bench worker"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Speedup(_) => return no_torch("bench speedup"),
-    }
-    Ok(())
-}
-
-/// The error and its causes on one line, joined by `: `. A cause whose text
-/// the message before it already includes (errors that print their source
-/// themselves) is not repeated.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    for cause in e.chain() {
-        let text = cause
-            .to_string()
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .collect::<Vec<_>>()
-            .join(" ");
-        if parts.last().is_some_and(|prev| prev.contains(&text)) {
-            continue;
-        }
-        parts.push(text);
-    }
-    parts.join(": ")
-}
-
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
@@ -668,14 +423,5 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn errors_are_one_line() {
-        let e = anyhow::anyhow!("inner\nsecond line").context("outer");
-        assert_eq!(one_line(&e), "outer: inner second line");
-        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
-        let e = anyhow::Error::new(io).context("cannot read x: gone");
-        assert_eq!(one_line(&e), "cannot read x: gone");
     }
 }

@@ -48,11 +48,11 @@ pub async fn start(config: &Config, role: &str) -> anyhow::Result<Process> {
         None => None,
     };
     let telemetry_addr = server.as_ref().map(|s| s.local_addr());
+    let signalled = asyncrl_common::process::shutdown_on_signals(role)
+        .context("cannot listen for SIGTERM/SIGINT")?;
     let token = shutdown.clone();
-    let role_name = role.to_owned();
     tokio::spawn(async move {
-        wait_for_signal().await;
-        tracing::info!(role = %role_name, "shutdown requested; draining");
+        signalled.cancelled().await;
         token.cancel();
     });
     Ok(Process {
@@ -62,31 +62,6 @@ pub async fn start(config: &Config, role: &str) -> anyhow::Result<Process> {
         telemetry_addr,
         _server: server,
     })
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            (Ok(mut term), Ok(mut int)) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
-                }
-            }
-            _ => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }
 
 /// Connects to the configured bus, registering its metrics.

@@ -19,7 +19,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use asyncrl_config::SamplingPolicy;
-use asyncrl_protos::Trajectory;
+use asyncrl_protos::{GroupDropReason, Trajectory};
 
 use crate::statelog::{DropReason, GroupRef, Record};
 
@@ -128,20 +128,8 @@ struct MemBatch {
 pub struct DroppedGroup {
     pub task: String,
     pub group: String,
-    pub reason: &'static str,
+    pub reason: GroupDropReason,
     pub trajectories: u32,
-}
-
-/// Reason strings of [`DroppedGroup`] (and of `GroupDropped.reason`).
-pub mod reason {
-    /// Another attempt of the task completed first; this one was incomplete.
-    pub const SUPERSEDED: &str = "superseded";
-    /// A complete attempt of a task that another attempt had completed before.
-    pub const DUPLICATE_ATTEMPT: &str = "duplicate_attempt";
-    /// Never served and older than `v − η`.
-    pub const STALE: &str = "stale";
-    /// Served before (reuse) and now older than `v − η`.
-    pub const EXPIRED: &str = "expired";
 }
 
 /// What [`Core::apply`] did with a record batch.
@@ -338,7 +326,7 @@ impl Core {
                             out.dropped.push(DroppedGroup {
                                 task: m.task.to_string(),
                                 group: m.group.to_string(),
-                                reason: reason::DUPLICATE_ATTEMPT,
+                                reason: GroupDropReason::DuplicateAttempt,
                                 trajectories: m.group_size,
                             });
                         }
@@ -436,7 +424,7 @@ impl Core {
                         out.dropped.push(DroppedGroup {
                             task: g.task.to_string(),
                             group: g.id.to_string(),
-                            reason: reason::SUPERSEDED,
+                            reason: GroupDropReason::Superseded,
                             trajectories: g.members.len() as u32,
                         });
                     }
@@ -746,8 +734,8 @@ impl Core {
                 task: g.task.to_string(),
                 group: g.id.to_string(),
                 reason: match why {
-                    DropReason::Stale => reason::STALE,
-                    DropReason::Expired => reason::EXPIRED,
+                    DropReason::Stale => GroupDropReason::Stale,
+                    DropReason::Expired => GroupDropReason::Expired,
                 },
                 trajectories: g.members.len() as u32,
             };

@@ -27,6 +27,7 @@ pub mod segment;
 mod service;
 pub mod statelog;
 #[doc(hidden)]
+#[cfg(any(test, feature = "testsuite"))]
 pub mod testing;
 
 use std::path::{Path, PathBuf};

@@ -9,18 +9,16 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::watch;
 
-use asyncrl_config::{BufferConfig, BusConfig, Config, RetentionPolicy};
+use asyncrl_config::{BufferConfig, Config, RetentionPolicy};
 use asyncrl_protos::arrow_schema::{from_record_batch, to_record_batch, trajectory_schema};
 use asyncrl_protos::subjects::{
-    BUFFER_BATCH, BUFFER_GROUP_DROPPED, DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECT, TRAJECTORY_STREAM,
+    BUFFER_BATCH, BUFFER_GROUP_DROPPED, DEAD_LETTER_SUBJECT, TRAJECTORY_STREAM,
     TRAJECTORY_SUBJECT_PREFIX,
 };
 use asyncrl_protos::v1::{BatchReply, BatchRequest, DeadLetter, GroupDropped};
 use asyncrl_protos::{ContractError, Message, Trajectory, decode_trajectory};
 use asyncrl_telemetry::{Health, Metrics};
-use asyncrl_transport::{
-    Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, ObjectStore, Request, StreamSpec,
-};
+use asyncrl_transport::{Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, ObjectStore, Request};
 use tokio_util::sync::CancellationToken;
 
 use crate::core::{Applied, Ask, Core, DroppedGroup, Outcome, RowMeta, Stats};
@@ -33,36 +31,10 @@ use crate::{BufferError, segment_dir};
 /// Readiness condition the buffer declares in [`Health`].
 pub const HEALTH_CONDITION: &str = "buffer";
 /// Queue group of the batch server.
-const SERVE_QUEUE: &str = "asyncrl-buffer";
+const SERVE_QUEUE: &str = asyncrl_protos::subjects::BUFFER_QUEUE_GROUP;
 
-/// The stream the workers publish trajectories to (the buffer creates it if
-/// missing; every role that creates it must use this spec).
-pub fn trajectory_stream_spec(bus: &BusConfig) -> StreamSpec {
-    StreamSpec {
-        duplicate_window: bus.duplicate_window,
-        replicas: bus.replicas,
-        ..StreamSpec::new(
-            TRAJECTORY_STREAM,
-            &[&format!("{TRAJECTORY_SUBJECT_PREFIX}.>")],
-        )
-    }
-}
-
-/// The dead-letter stream.
-pub fn dead_letter_stream_spec(bus: &BusConfig) -> StreamSpec {
-    StreamSpec {
-        duplicate_window: bus.duplicate_window,
-        replicas: bus.replicas,
-        ..StreamSpec::new(DEAD_LETTER_STREAM, &[DEAD_LETTER_SUBJECT])
-    }
-}
-
-fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+use asyncrl_common::{Backoff, unix_ms};
+pub use asyncrl_control::streams::{dead_letter_stream_spec, trajectory_stream_spec};
 
 struct Shared {
     core: Mutex<Core>,
@@ -99,16 +71,16 @@ impl Shared {
         for d in dropped {
             self.metrics
                 .groups_dropped
-                .get_or_create(&BufferMetrics::reason(d.reason))
+                .get_or_create(&BufferMetrics::reason(d.reason.label()))
                 .inc();
-            if d.reason == crate::core::reason::STALE {
+            if d.reason.is_stale() {
                 self.metrics.stale_dropped.inc();
             }
-            tracing::info!(task = %d.task, group = %d.group, reason = d.reason, trajectories = d.trajectories, "group dropped");
+            tracing::info!(task = %d.task, group = %d.group, reason = d.reason.label(), trajectories = d.trajectories, "group dropped");
             let msg = GroupDropped {
                 task_id: d.task.clone(),
                 group_id: d.group.clone(),
-                reason: d.reason.to_owned(),
+                kind: d.reason as i32,
                 trajectories: d.trajectories,
             };
             if let Err(e) = self
@@ -423,7 +395,7 @@ impl Ingest {
         consumer: Box<dyn Consumer>,
         stop: CancellationToken,
     ) -> Result<(), BufferError> {
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut pending: Option<Vec<Delivery>> = None;
         loop {
             let fetch = consumer.fetch(self.config.ingest_batch, self.config.fetch_wait);
@@ -462,13 +434,12 @@ impl Ingest {
                     tracing::warn!(error = %e, "fetching trajectories failed; retrying");
                     tokio::select! {
                         () = stop.cancelled() => {}
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                     continue;
                 }
             }
-            backoff = Duration::from_millis(100);
+            backoff.reset();
             if stop.is_cancelled() {
                 if let Some(batch) = pending.take() {
                     self.process(batch).await?;

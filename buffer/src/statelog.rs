@@ -12,7 +12,7 @@
 //! temp file, fsync, rename, fsync of the directory).
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -131,32 +131,17 @@ impl StateLog {
     pub fn open(dir: &Path, fsync: FsyncPolicy) -> Result<(Self, Vec<Record>), BufferError> {
         fs::create_dir_all(dir).map_err(|e| BufferError::io("create directory", dir, e))?;
         let path = dir.join(STATE_LOG);
-        let mut bytes = Vec::new();
-        match File::open(&path) {
-            Ok(mut f) => {
-                f.read_to_end(&mut bytes)
-                    .map_err(|e| BufferError::io("read", &path, e))?;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(BufferError::io("open", &path, e)),
-        }
-        let (records, valid, tail) = decode_log(&bytes);
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| BufferError::io("open", &path, e))?;
+        let (mut records, mut tail) = (Vec::new(), None);
+        let (file, kept) = asyncrl_common::linelog::open_checked(&path, |bytes| {
+            let (decoded, valid, why) = decode_log(bytes);
+            (records, tail) = (decoded, why);
+            valid as usize
+        })
+        .map_err(|e| BufferError::io("open", &path, e))?;
         if let Some(reason) = tail {
-            tracing::warn!(
-                path = %path.display(),
-                reason,
-                dropped_bytes = bytes.len() as u64 - valid,
-                "served log has a torn tail (crash mid-append); cutting it off"
-            );
-            file.set_len(valid)
-                .and_then(|()| file.sync_all())
-                .map_err(|e| BufferError::io("truncate", &path, e))?;
+            tracing::warn!(path = %path.display(), reason, "the served log had a torn or bad tail (crash mid-append)");
         }
+        let valid = kept.len() as u64;
         sync_dir(dir)?;
         Ok((
             Self {

@@ -116,14 +116,14 @@ async fn malformed_messages_are_dead_lettered_and_ingest_goes_on() {
         .map(|d| DeadLetter::decode(d.payload.clone()).unwrap())
         .collect();
     let by_subject = |s: &str| letters.iter().find(|l| l.subject == s).unwrap();
-    let junk = by_subject("trajectories.junk");
+    let junk = by_subject(&trajectory_subject("junk"));
     assert_eq!(junk.payload, garbage.to_vec(), "original bytes kept");
     assert!(junk.reason.contains("does not decode"), "{}", junk.reason);
     assert_eq!(junk.msg_id, "junk-1");
-    let bad = by_subject("trajectories.t-bad");
+    let bad = by_subject(&trajectory_subject("t-bad"));
     assert!(bad.reason.contains("behaviour_logprobs"), "{}", bad.reason);
     assert_eq!(bad.payload, bad_logprob.encode_to_vec());
-    let dup = by_subject("trajectories.t-x");
+    let dup = by_subject(&trajectory_subject("t-x"));
     assert!(dup.reason.contains("index_in_group 0"), "{}", dup.reason);
     assert_eq!(dup.payload, same_index.encode_to_vec());
     // Everything was acked: nothing is redelivered after the ack wait.
@@ -187,7 +187,7 @@ async fn a_stale_group_is_never_served() {
             .unwrap()
             .unwrap();
         let d = GroupDropped::decode(msg.payload).unwrap();
-        assert_eq!(d.reason, "stale");
+        assert_eq!(d.kind(), asyncrl_protos::GroupDropReason::Stale);
         assert_eq!(d.trajectories, 2);
         reported.insert(d.group_id);
     }

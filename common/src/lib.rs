@@ -1,10 +1,14 @@
 //! Helpers shared by every asyncrl crate, written once: wall-clock time and
-//! an injectable [`Clock`], exponential [`Backoff`], [`sha256_hex`].
+//! an injectable [`Clock`], exponential [`Backoff`], [`sha256_hex`],
+//! signal handling and the one-line error of a process ([`process`]), and
+//! the torn-tail rule of append-only line files ([`linelog`]).
 //!
 //! Nothing here knows about the wire contract, the bus or tensors.
 
 pub mod backoff;
 pub mod clock;
+pub mod linelog;
+pub mod process;
 
 pub use backoff::Backoff;
 pub use clock::{Clock, SharedClock, SystemClock, TokioClock, unix_ms};

@@ -111,6 +111,46 @@ pub enum ClipModeName {
     M2po,
 }
 
+impl ClipModeName {
+    pub const ALL: [ClipModeName; 3] = [
+        ClipModeName::Ppo,
+        ClipModeName::Adaptive,
+        ClipModeName::M2po,
+    ];
+
+    /// The name in configs, knob assignments, metrics and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClipModeName::Ppo => "ppo",
+            ClipModeName::Adaptive => "adaptive",
+            ClipModeName::M2po => "m2po",
+        }
+    }
+}
+
+impl std::fmt::Display for ClipModeName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A clip mode name that is none of [`ClipModeName::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown clip mode `{0}` (known: ppo, adaptive, m2po)")]
+pub struct UnknownClipMode(pub String);
+
+impl std::str::FromStr for ClipModeName {
+    type Err = UnknownClipMode;
+
+    /// Case-insensitive.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ClipModeName::ALL
+            .into_iter()
+            .find(|m| m.as_str().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| UnknownClipMode(s.to_owned()))
+    }
+}
+
 /// Starting values of the live knobs.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]

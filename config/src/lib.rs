@@ -24,7 +24,7 @@ pub use buffer::{
 pub use bus::{BusConfig, BusKind, TlsConfig};
 pub use coordinator::{
     AdminTlsConfig, ClipModeName, CoordinatorConfig, DatasetConfig, InitialKnobs, KnobRange,
-    knob_ranges,
+    UnknownClipMode, knob_ranges,
 };
 pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, ProximalName};
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};

@@ -16,37 +16,29 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::knobs::{self, KnobError};
 
-/// `asyncrl ctl` arguments (clap derive; the binary may embed it as is, or
-/// fill it by hand).
-#[derive(Debug, Clone, clap::Args)]
+/// What `asyncrl ctl` was asked (the binary fills it from its command line).
+#[derive(Debug, Clone)]
 pub struct CtlArgs {
-    /// Admin API endpoint, e.g. http://127.0.0.1:7461 (default: from
-    /// coordinator.admin_listen of the config; https when it has admin TLS).
-    #[arg(long)]
+    /// Admin API endpoint (default: from coordinator.admin_listen of the
+    /// config; https when it has admin TLS).
     pub endpoint: Option<String>,
     /// Bearer token for mutating calls (default: coordinator.admin_token or
     /// admin_token_file of the config).
-    #[arg(long)]
     pub token: Option<String>,
-    #[arg(long)]
     pub token_file: Option<PathBuf>,
     /// CA certificate (PEM) to verify a TLS admin API with.
-    #[arg(long)]
     pub ca_file: Option<PathBuf>,
     /// Name to check the server certificate against.
-    #[arg(long)]
     pub domain: Option<String>,
     /// Who asks, for the journal (default: $USER@host).
-    #[arg(long)]
     pub who: Option<String>,
     /// Give up on the call after this many seconds.
-    #[arg(long, default_value_t = 10.0)]
     pub timeout_s: f64,
-    #[command(subcommand)]
     pub command: CtlCommand,
 }
 
-#[derive(Debug, Clone, PartialEq, clap::Subcommand)]
+/// The admin call to make.
+#[derive(Debug, Clone, PartialEq)]
 pub enum CtlCommand {
     /// Version, admission, capacity and the worker registry.
     Status,
@@ -54,18 +46,13 @@ pub enum CtlCommand {
     Workers,
     /// The knobs in effect and the changes scheduled.
     Knobs,
-    /// Change knobs: `set eta=2 lr=1e-6 [--at-step N]`.
+    /// Change knobs (`name=value` pairs), from `at_step` (default: the next
+    /// step boundary).
     Set {
-        /// name=value pairs: eta, eps_low, eps_high, clip_mode, adaptive_quantile,
-        /// adaptive_temperature, importance_weight_cap, learning_rate (lr), paused.
-        #[arg(required = true)]
         assignments: Vec<String>,
-        /// The learner step from which the change applies (default: the next
-        /// step boundary). Refused if that step has already started.
-        #[arg(long)]
         at_step: Option<u64>,
     },
-    /// Stop admitting tasks (workers finish what they have).
+    /// Stop admitting tasks.
     Pause,
     /// Admit tasks again.
     Resume,

@@ -9,6 +9,9 @@ use asyncrl_config::DatasetConfig;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+/// The wire task-id format is part of the contract (`asyncrl_protos::subjects`).
+pub use asyncrl_protos::subjects::{split_wire_task_id, wire_task_id};
+
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
     #[error(
@@ -359,32 +362,5 @@ mod tests {
             a.parse::<usize>().unwrap() + b.parse::<usize>().unwrap(),
             t.answer.parse::<usize>().unwrap()
         );
-    }
-}
-
-/// The task id on the wire: the item's id and the epoch (`arith-17-e0`), so
-/// that every epoch's attempt at an item is its own GRPO group (the buffer
-/// keeps the first complete group per task id).
-pub fn wire_task_id(item_id: &str, epoch: u64) -> String {
-    format!("{item_id}-e{epoch}")
-}
-
-/// The item id and epoch of a wire task id.
-pub fn split_wire_task_id(task_id: &str) -> Option<(&str, u64)> {
-    let (id, epoch) = task_id.rsplit_once("-e")?;
-    Some((id, epoch.parse().ok()?))
-}
-
-#[cfg(test)]
-mod wire_id_tests {
-    use super::*;
-
-    #[test]
-    fn wire_ids_round_trip() {
-        assert_eq!(wire_task_id("arith-17", 3), "arith-17-e3");
-        assert_eq!(split_wire_task_id("arith-17-e3"), Some(("arith-17", 3)));
-        assert_eq!(split_wire_task_id("my-exam-e-e12"), Some(("my-exam-e", 12)));
-        assert_eq!(split_wire_task_id("arith-17"), None);
-        assert_eq!(split_wire_task_id("arith-17-ex"), None);
     }
 }

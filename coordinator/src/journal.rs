@@ -60,12 +60,7 @@ pub struct Journal {
     applied: HashSet<u64>,
 }
 
-pub fn now_unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use asyncrl_common::unix_ms as now_unix_ms;
 
 fn rfc3339(unix_ms: i64) -> String {
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
@@ -74,7 +69,8 @@ fn rfc3339(unix_ms: i64) -> String {
 
 impl Journal {
     /// Opens (creating it and its directory if needed) and reads where the
-    /// sequence stands. A torn last line (a crash mid-write) is skipped.
+    /// sequence stands. A torn last line (a crash mid-write) is cut off
+    /// (`asyncrl_common::linelog`).
     pub async fn open(path: &Path) -> Result<Self, JournalError> {
         let open_err = |source| JournalError::Open {
             path: path.to_owned(),
@@ -83,11 +79,16 @@ impl Journal {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             tokio::fs::create_dir_all(dir).await.map_err(open_err)?;
         }
-        let existing = match tokio::fs::read_to_string(path).await {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(open_err(e)),
+        let opened = {
+            let path = path.to_owned();
+            tokio::task::spawn_blocking(move || {
+                asyncrl_common::linelog::open_checked(&path, |bytes| bytes.len())
+            })
+            .await
+            .map_err(|e| open_err(std::io::Error::other(e)))?
         };
+        let (file, existing) = opened.map_err(open_err)?;
+        let existing = String::from_utf8_lossy(&existing);
         let mut next_seq = 1;
         let mut applied = HashSet::new();
         for (i, line) in existing.lines().enumerate() {
@@ -106,15 +107,7 @@ impl Journal {
                 ),
             }
         }
-        let mut file = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .await
-            .map_err(open_err)?;
-        if !existing.is_empty() && !existing.ends_with('\n') {
-            file.write_all(b"\n").await.map_err(open_err)?;
-        }
+        let file = tokio::fs::File::from_std(file);
         Ok(Self {
             path: path.to_owned(),
             file,

@@ -12,12 +12,12 @@
 //! `coordinator.state`; the knobs under `knobs` (see [`knobs`]).
 
 pub mod admin;
-pub mod bench;
 pub mod capacity;
 pub mod ctl;
 pub mod dataset;
 pub mod journal;
-pub mod knobs;
+/// The knob schedule lives in the control crate (the learner seals it too).
+pub use asyncrl_control::knobs;
 pub mod metrics;
 pub mod registry;
 pub mod scheduler;
@@ -43,12 +43,10 @@ pub use tokio_util::sync::CancellationToken as ShutdownToken;
 
 use crate::service::{Actor, AdminCommand, Event};
 
-/// KV key of the coordinator's persisted state.
-pub const STATE_KEY: &str = "coordinator.state";
-/// KV key the learner writes its [`asyncrl_protos::v1::LearnerStatus`] to.
-pub const LEARNER_STATUS_KEY: &str = "learner.status";
-/// Queue group of the coordinator's request subjects.
-pub const QUEUE_GROUP: &str = "asyncrl-coordinator";
+// The KV keys and the queue group are part of the wire contract (protos).
+pub use asyncrl_protos::subjects::{
+    COORDINATOR_QUEUE_GROUP as QUEUE_GROUP, COORDINATOR_STATE_KEY as STATE_KEY, LEARNER_STATUS_KEY,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CoordinatorError {

@@ -422,8 +422,8 @@ impl Actor {
                 }
             }
             Event::GroupDropped(g) => {
-                CoordinatorMetrics::reason(&self.metrics.groups_dropped, &g.reason);
-                let stale = g.reason.starts_with("stale");
+                CoordinatorMetrics::reason(&self.metrics.groups_dropped, g.kind().label());
+                let stale = g.kind().is_stale();
                 *dirty |= stale;
                 let requeued = self.sched.on_group_dropped(&g.group_id, stale);
                 // `asyncrl_stale_dropped_total` is shared with a buffer in the
@@ -446,7 +446,7 @@ impl Actor {
                         "the buffer dropped a stale group the coordinator does not remember (coordinator.completed_memory); counted only"
                     ),
                     None => {
-                        tracing::debug!(task_id = %g.task_id, group_id = %g.group_id, reason = %g.reason, "group dropped")
+                        tracing::debug!(task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(), "group dropped")
                     }
                 }
             }

@@ -10,12 +10,12 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use asyncrl_config::Config;
+use asyncrl_config::{ClipModeName, Config};
 use asyncrl_coordinator::ctl::{CtlArgs, CtlCommand, CtlError, ctl};
 use asyncrl_coordinator::journal::Journal;
 use asyncrl_coordinator::{Coordinator, seal_step};
 use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
-use asyncrl_protos::v1::{ClipMode, Knobs, SetKnobsRequest};
+use asyncrl_protos::v1::{Knobs, SetKnobsRequest};
 use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_transport::{Bus, KvBucket, LocalBus};
 use common::{Learner, Worker, config, eventually, write_tasks};
@@ -93,7 +93,7 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
     let k1 = learner_step(kv.as_ref(), &learner, 1).await;
     assert_eq!(
         (k1.eta, k1.learning_rate, k1.clip_mode),
-        (2, 1e-6, ClipMode::Adaptive)
+        (2, 1e-6, ClipModeName::Adaptive)
     );
     seal_step(kv.as_ref(), 2).await.unwrap();
     wait_version(&c, 1).await;
@@ -183,8 +183,8 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
     learner.announce(2).await;
     let k3 = learner_step(kv.as_ref(), &learner, 3).await;
     let k4 = seal_step(kv.as_ref(), 4).await.unwrap();
-    assert_eq!((k3.learning_rate, k3.clip_mode), (5e-6, ClipMode::Adaptive));
-    assert_eq!((k4.learning_rate, k4.clip_mode), (2e-6, ClipMode::M2po));
+    assert_eq!((k3.learning_rate, k3.clip_mode), (5e-6, ClipModeName::Adaptive));
+    assert_eq!((k4.learning_rate, k4.clip_mode), (2e-6, ClipModeName::M2po));
     assert_eq!(k4.eta, 2);
     wait_sealed(&c, 4).await;
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use asyncrl_config::Config;
 use asyncrl_coordinator::Coordinator;
 use asyncrl_protos::subjects::BUFFER_GROUP_DROPPED;
-use asyncrl_protos::v1::GroupDropped;
+use asyncrl_protos::v1::{GroupDropReason, GroupDropped};
 use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_testkit::NatsServer;
 use asyncrl_transport::{Bus, LocalBus};
@@ -303,21 +303,21 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
         assert!(w.complete(t).await.accepted);
     }
     assert!(w.acquire(5).await.tasks.is_empty());
-    let drop = |reason: &str, t: &asyncrl_protos::v1::Task| GroupDropped {
+    let drop = |kind: GroupDropReason, t: &asyncrl_protos::v1::Task| GroupDropped {
         task_id: t.task_id.clone(),
         group_id: t.lease_id.clone(),
-        reason: reason.into(),
+        kind: kind as i32,
         trajectories: 2,
     };
     bus.publish(
         BUFFER_GROUP_DROPPED,
-        Bytes::from(drop("duplicate_attempt", &got[0]).encode_to_vec()),
+        Bytes::from(drop(GroupDropReason::DuplicateAttempt, &got[0]).encode_to_vec()),
     )
     .await
     .unwrap();
     bus.publish(
         BUFFER_GROUP_DROPPED,
-        Bytes::from(drop("stale", &got[1]).encode_to_vec()),
+        Bytes::from(drop(GroupDropReason::Stale, &got[1]).encode_to_vec()),
     )
     .await
     .unwrap();
@@ -342,7 +342,7 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
     shared.inc();
     bus.publish(
         BUFFER_GROUP_DROPPED,
-        Bytes::from(drop("stale", &again[0]).encode_to_vec()),
+        Bytes::from(drop(GroupDropReason::Stale, &again[0]).encode_to_vec()),
     )
     .await
     .unwrap();

@@ -62,10 +62,7 @@ pub struct LoadedCheckpoint {
     pub optimizer: Vec<u8>,
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(bytes))
-}
+use asyncrl_common::sha256_hex;
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let mut f = fs::File::create(path).map_err(io(path))?;

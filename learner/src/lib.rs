@@ -14,7 +14,6 @@ pub mod actor;
 pub mod adamw;
 pub mod advantages;
 pub mod batch;
-pub mod bench;
 pub mod checkpoint;
 pub mod metrics;
 pub mod objective;

@@ -29,14 +29,8 @@
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ClipMode {
-    Ppo,
-    #[default]
-    Adaptive,
-    M2po,
-}
+/// The clipping mode (the one enum of config, knobs and objective).
+pub use asyncrl_config::ClipModeName as ClipMode;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]

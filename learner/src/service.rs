@@ -24,13 +24,12 @@ use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
 use asyncrl_config::Config;
-use asyncrl_coordinator::{KnobError, LEARNER_STATUS_KEY, seal_step};
-use asyncrl_protos::v1::{
-    BatchReply, BatchRequest, ClipMode as WireClipMode, LearnerStatus, WeightAnnouncement,
-};
+use asyncrl_control::{KnobError, seal_step};
+use asyncrl_protos::subjects::LEARNER_STATUS_KEY;
+use asyncrl_protos::v1::{BatchReply, BatchRequest, LearnerStatus};
 use asyncrl_protos::{Message, subjects};
 use asyncrl_telemetry::Metrics;
-use asyncrl_transport::{Bus, KvBucket, ObjectStore, TransportError};
+use asyncrl_transport::{Bus, KvBucket, TransportError};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
@@ -38,8 +37,9 @@ use crate::actor::{ActorGone, TrainerActor};
 use crate::advantages::AdvantageNorm;
 use crate::checkpoint;
 use crate::metrics::LearnerMetrics;
-use crate::objective::{ClipMode, LossAggregation, ObjectiveConfig, ProximalMode};
-use crate::trainer::{StepKnobs, StepStats, TrainError, Trainer, TrainerOptions, unix_ms};
+use crate::objective::{LossAggregation, ObjectiveConfig, ProximalMode};
+use crate::trainer::{StepSettings, StepStats, TrainError, Trainer, TrainerOptions};
+use asyncrl_common::{Backoff, unix_ms};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LearnerError {
@@ -57,10 +57,16 @@ pub enum LearnerError {
     Actor(#[from] ActorGone),
     #[error(transparent)]
     Telemetry(#[from] asyncrl_telemetry::TelemetryError),
-    #[error("`{key}` in the control bucket does not decode: {reason}")]
-    Decode { key: &'static str, reason: String },
-    #[error("cannot resume: {0}")]
-    Resume(String),
+    #[error(transparent)]
+    Weights(#[from] asyncrl_control::weights::WeightsError),
+    #[error("a learner task panicked or was cancelled: {0}")]
+    Join(#[source] tokio::task::JoinError),
+    #[error("cannot resume: cannot fetch the published weights of version {version}: {source}")]
+    Resume {
+        version: i32,
+        #[source]
+        source: TransportError,
+    },
     #[error("buffer: {0}")]
     Buffer(String),
     #[error("metrics file {path}: {source}")]
@@ -107,16 +113,12 @@ pub fn trainer_options(config: &Config) -> TrainerOptions {
 }
 
 /// The objective and learning rate of a step from the sealed knobs.
-pub fn step_knobs(config: &Config, k: &asyncrl_coordinator::StepKnobs) -> StepKnobs {
-    StepKnobs {
+pub fn step_settings(config: &Config, k: &asyncrl_control::StepKnobs) -> StepSettings {
+    StepSettings {
         objective: ObjectiveConfig {
             eps_low: f64::from(k.eps_low),
             eps_high: f64::from(k.eps_high),
-            clip_mode: match k.clip_mode {
-                WireClipMode::Adaptive => ClipMode::Adaptive,
-                WireClipMode::M2po => ClipMode::M2po,
-                WireClipMode::Ppo | WireClipMode::Unspecified => ClipMode::Ppo,
-            },
+            clip_mode: k.clip_mode,
             importance_weight_cap: f64::from(k.importance_weight_cap),
             adaptive_quantile: f64::from(k.adaptive_quantile),
             adaptive_temperature: f64::from(k.adaptive_temperature),
@@ -142,7 +144,6 @@ struct Ctx {
     config: Config,
     bus: Arc<dyn Bus>,
     kv: Arc<dyn KvBucket>,
-    weights: Arc<dyn ObjectStore>,
     actor: TrainerActor,
     metrics: LearnerMetrics,
     session: String,
@@ -178,7 +179,7 @@ pub async fn run_with_progress(
         let dir = ckpt_dir.clone();
         tokio::task::spawn_blocking(move || checkpoint::load_latest(&dir))
             .await
-            .map_err(|e| LearnerError::Resume(e.to_string()))??
+            .map_err(LearnerError::Join)??
     };
     let opts = trainer_options(&config);
     let model_section = config.model.clone();
@@ -199,7 +200,6 @@ pub async fn run_with_progress(
     .await??;
 
     let kv = bus.kv(subjects::CONTROL_BUCKET).await?;
-    let weights = bus.object_store(subjects::WEIGHTS_BUCKET).await?;
     let mut ctx = Ctx {
         session: uuid::Uuid::new_v4().to_string(),
         started_at: unix_ms(),
@@ -207,7 +207,6 @@ pub async fn run_with_progress(
         config,
         bus,
         kv,
-        weights,
         actor,
         metrics,
         ckpt_dir,
@@ -225,15 +224,7 @@ impl Ctx {
     /// Makes the trainer and `policy.version` agree (see the module docs).
     async fn reconcile_with_published(&mut self) -> Result<(), LearnerError> {
         let local = self.actor.call(|t| t.version()).await?;
-        let announced = match self.kv.get(subjects::POLICY_VERSION_KEY).await? {
-            Some(e) => Some(WeightAnnouncement::decode(e.value.as_ref()).map_err(|e| {
-                LearnerError::Decode {
-                    key: subjects::POLICY_VERSION_KEY,
-                    reason: e.to_string(),
-                }
-            })?),
-            None => None,
-        };
+        let announced = asyncrl_control::weights::announced(self.bus.as_ref()).await?;
         match announced {
             Some(a) if a.version > local => {
                 tracing::warn!(
@@ -241,15 +232,11 @@ impl Ctx {
                     published_version = a.version,
                     "versions newer than the checkpoint were published before a restart: adopting the published weights"
                 );
-                let bytes = self
-                    .weights
-                    .get_expecting(&a.object_name, &a.sha256)
+                let bytes = asyncrl_control::weights::fetch(self.bus.as_ref(), &a)
                     .await
-                    .map_err(|e| {
-                        LearnerError::Resume(format!(
-                            "cannot fetch the published weights of version {}: {e}",
-                            a.version
-                        ))
+                    .map_err(|source| LearnerError::Resume {
+                        version: a.version,
+                        source,
                     })?;
                 let version = a.version;
                 self.actor
@@ -268,35 +255,16 @@ impl Ctx {
     async fn publish(&self, version: i32, step: u64) -> Result<(), LearnerError> {
         let bytes = self.actor.call(|t| t.weights_bytes()).await??;
         let bytes = Bytes::from(bytes);
-        let name = subjects::weights_object_name(version);
-        let mut delay = Duration::from_millis(100);
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            let attempt = async {
-                let info = self.weights.put(&name, bytes.clone()).await?;
-                let announcement = WeightAnnouncement {
-                    version,
-                    object_name: name.clone(),
-                    sha256: info.sha256,
-                    byte_size: info.size,
-                    format: "safetensors".into(),
-                    published_at_unix_ms: unix_ms(),
-                    step,
-                };
-                self.kv
-                    .put(
-                        subjects::POLICY_VERSION_KEY,
-                        Bytes::from(announcement.encode_to_vec()),
-                    )
-                    .await?;
-                Ok::<_, TransportError>(())
-            };
-            match attempt.await {
-                Ok(()) => break,
+            match asyncrl_control::weights::publish(self.bus.as_ref(), version, step, bytes.clone())
+                .await
+            {
+                Ok(_) => break,
                 Err(e) if e.is_transient() && !self.shutdown.is_cancelled() => {
                     self.metrics.weight_publish_failures.inc();
                     tracing::warn!(version, error = %e, "publishing weights failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -305,19 +273,9 @@ impl Ctx {
         self.metrics.version.set(i64::from(version));
         tracing::info!(version, step, bytes = bytes.len(), "weights published");
         // Keep the newest versions; older ones can no longer be asked for.
-        let keep = self.config.learner.keep_weight_versions as i32;
-        if let Ok(list) = self.weights.list().await {
-            for info in list {
-                let old = info
-                    .name
-                    .strip_prefix("policy-v")
-                    .and_then(|s| s.strip_suffix(".safetensors"))
-                    .and_then(|s| s.parse::<i32>().ok())
-                    .is_some_and(|v| v <= version - keep);
-                if old {
-                    let _ = self.weights.delete(&info.name).await;
-                }
-            }
+        let keep = self.config.learner.keep_weight_versions;
+        if let Err(e) = asyncrl_control::weights::prune(self.bus.as_ref(), version, keep).await {
+            tracing::warn!(version, error = %e, "cannot delete the weights of old versions");
         }
         Ok(())
     }
@@ -359,12 +317,12 @@ impl Ctx {
 
     /// Seals step `s`, waiting for the coordinator to create the knob
     /// schedule if it has not yet.
-    async fn seal(&self, s: u64) -> Result<Option<asyncrl_coordinator::StepKnobs>, LearnerError> {
+    async fn seal(&self, s: u64) -> Result<Option<asyncrl_control::StepKnobs>, LearnerError> {
         let mut logged = false;
         loop {
             match seal_step(self.kv.as_ref(), s).await {
                 Ok(k) => return Ok(Some(k)),
-                Err(KnobError::NoSchedule) | Err(KnobError::Transport(_)) => {
+                Err(KnobError::NoSchedule | KnobError::Transport(_) | KnobError::Store { .. }) => {
                     if !logged {
                         tracing::info!(step = s, "waiting for the coordinator's knob schedule");
                         logged = true;
@@ -498,7 +456,7 @@ impl Ctx {
             let wait_s = wait_start.elapsed().as_secs_f64();
             self.metrics.phase("wait", wait_s);
 
-            let knobs = step_knobs(&self.config, &k);
+            let knobs = step_settings(&self.config, &k);
             let ids = trained_ids(&batches);
             let stats = self
                 .actor
@@ -598,10 +556,11 @@ struct TrainedLog {
 
 impl TrainedLog {
     fn open(path: PathBuf) -> Result<Self, LearnerError> {
-        let file = open_lines(&path).map_err(|source| LearnerError::MetricsFile {
-            path: path.clone(),
-            source,
-        })?;
+        let file =
+            asyncrl_common::linelog::open(&path).map_err(|source| LearnerError::MetricsFile {
+                path: path.clone(),
+                source,
+            })?;
         Ok(Self { path, file })
     }
 
@@ -650,7 +609,7 @@ impl MetricsCsv {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(err)?;
         }
-        let mut file = open_lines(&path).map_err(err)?;
+        let mut file = asyncrl_common::linelog::open(&path).map_err(err)?;
         if file.metadata().map_err(err)?.len() == 0 {
             file.write_all(format!("{}\n", Self::HEADER).as_bytes())
                 .map_err(err)?;
@@ -698,71 +657,5 @@ impl MetricsCsv {
                 path: self.path.clone(),
                 source,
             })
-    }
-}
-
-/// Opens a line-per-record file for appending. A last line without its
-/// newline (the process was killed while writing it) is cut off, so that
-/// the first line written now does not continue it.
-fn open_lines(path: &std::path::Path) -> std::io::Result<std::fs::File> {
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .read(true)
-        .append(true)
-        .open(path)?;
-    let len = file.metadata()?.len();
-    let keep = whole_lines_len(&mut file, len)?;
-    if keep < len {
-        tracing::warn!(
-            file = %path.display(),
-            dropped_bytes = len - keep,
-            "cutting off a line torn by a crash"
-        );
-        file.set_len(keep)?;
-    }
-    Ok(file)
-}
-
-/// The length of the prefix of `file` (of `len` bytes) that ends with a
-/// newline (0 if there is none).
-fn whole_lines_len(file: &mut std::fs::File, len: u64) -> std::io::Result<u64> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut buf = vec![0u8; 8192];
-    let mut end = len;
-    while end > 0 {
-        let start = end.saturating_sub(buf.len() as u64);
-        let chunk = &mut buf[..(end - start) as usize];
-        file.seek(SeekFrom::Start(start))?;
-        file.read_exact(chunk)?;
-        if let Some(i) = chunk.iter().rposition(|&b| b == b'\n') {
-            return Ok(start + i as u64 + 1);
-        }
-        end = start;
-    }
-    Ok(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use std::io::Write as _;
-
-    use super::*;
-
-    #[test]
-    fn a_line_torn_by_a_crash_is_cut_off_before_appending() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("trained.jsonl");
-        let first = format!("{{\"step\":1,\"pad\":\"{}\"}}\n", "x".repeat(20_000));
-        std::fs::write(&path, format!("{first}{{\"step\":2,\"traj")).unwrap();
-        let mut f = open_lines(&path).unwrap();
-        f.write_all(b"{\"step\":2}\n").unwrap();
-        let text = std::fs::read_to_string(&path).unwrap();
-        assert_eq!(text, format!("{first}{{\"step\":2}}\n"));
-        // Whole lines are left alone; a file without a newline is emptied.
-        drop(open_lines(&path).unwrap());
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
-        std::fs::write(&path, "step,version").unwrap();
-        drop(open_lines(&path).unwrap());
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
     }
 }

@@ -72,9 +72,10 @@ impl Default for TrainerOptions {
     }
 }
 
-/// The live knobs a step runs with.
+/// What one training step runs with: the objective and the learning rate,
+/// from the knobs the learner sealed for it ([`asyncrl_control::StepKnobs`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct StepKnobs {
+pub struct StepSettings {
     pub objective: ObjectiveConfig,
     pub learning_rate: f64,
 }
@@ -162,7 +163,7 @@ impl Trainer {
     pub fn train_step(
         &mut self,
         batches: &[RecordBatch],
-        knobs: &StepKnobs,
+        knobs: &StepSettings,
     ) -> Result<StepStats, TrainError> {
         let start = Instant::now();
         let host = assemble(batches, self.pad_id(), self.opts.advantage_norm)?;
@@ -323,7 +324,7 @@ impl Trainer {
             version: self.policy.version(),
             optimizer_step: self.opt.step,
             rng_state: self.rng.state(),
-            created_at_unix_ms: unix_ms(),
+            created_at_unix_ms: asyncrl_common::unix_ms(),
             model_sha256: String::new(),
             optimizer_sha256: String::new(),
         };
@@ -393,13 +394,6 @@ fn tempfile_in(dir: &Path) -> Result<PathBuf, TrainError> {
     Ok(dir.join(format!(
         ".optimizer-{}-{}.safetensors.tmp",
         std::process::id(),
-        unix_ms()
+        asyncrl_common::unix_ms()
     )))
-}
-
-pub(crate) fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use asyncrl_config::{Config, DeviceName};
-use asyncrl_coordinator::knobs::{KNOBS_KEY, encode_schedule, initial_knobs, new_schedule};
+use asyncrl_control::knobs::{KNOBS_KEY, encode_schedule, initial_knobs, new_schedule};
 use asyncrl_protos::v1::{
     BatchReply, BatchRequest, FinishReason, LearnerStatus, RewardStatus, Timings, Trajectory,
     WeightAnnouncement,
@@ -152,7 +152,7 @@ async fn exercise(bus: Arc<dyn Bus>) {
             .collect::<Vec<_>>()
     );
     let status = LearnerStatus::decode(
-        kv.get("learner.status")
+        kv.get(asyncrl_protos::subjects::LEARNER_STATUS_KEY)
             .await
             .unwrap()
             .unwrap()
@@ -164,10 +164,9 @@ async fn exercise(bus: Arc<dyn Bus>) {
     let csv = std::fs::read_to_string(&summary.metrics_csv).unwrap();
     assert_eq!(csv.lines().count(), 4, "header + 3 steps:\n{csv}");
     // Steps 1..=3 were sealed: a knob change for them would be refused.
-    let sched = asyncrl_coordinator::knobs::decode_schedule(
-        &kv.get(KNOBS_KEY).await.unwrap().unwrap().value,
-    )
-    .unwrap();
+    let sched =
+        asyncrl_control::knobs::decode_schedule(&kv.get(KNOBS_KEY).await.unwrap().unwrap().value)
+            .unwrap();
     assert_eq!(sched.sealed_through_step, 3);
 
     // The run's last step (3, not a multiple of checkpoint_every = 2) was
@@ -203,7 +202,7 @@ async fn exercise(bus: Arc<dyn Bus>) {
     assert_eq!(asked.load(Ordering::SeqCst), 5);
     assert_eq!(announced(&bus).await.version, 5);
     let status2 = LearnerStatus::decode(
-        kv.get("learner.status")
+        kv.get(asyncrl_protos::subjects::LEARNER_STATUS_KEY)
             .await
             .unwrap()
             .unwrap()

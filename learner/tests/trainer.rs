@@ -11,7 +11,7 @@ use asyncrl_learner::advantages::AdvantageNorm;
 use asyncrl_learner::batch::{assemble, completion_logprobs};
 use asyncrl_learner::checkpoint;
 use asyncrl_learner::objective::{ClipMode, ObjectiveConfig, ProximalMode};
-use asyncrl_learner::trainer::{StepKnobs, Trainer, TrainerOptions};
+use asyncrl_learner::trainer::{StepSettings, Trainer, TrainerOptions};
 use asyncrl_policy::{DeviceOptions, Policy, TinyModelSpec};
 use asyncrl_protos::v1::{FinishReason, RewardStatus, Timings, Trajectory};
 
@@ -101,8 +101,8 @@ fn sequence_logprobs(trainer: &Trainer, rb: &RecordBatch) -> Vec<f64> {
     Vec::<f64>::try_from(masked.sum_dim_intlist(-1, false, tch::Kind::Double)).unwrap()
 }
 
-fn knobs(lr: f64) -> StepKnobs {
-    StepKnobs {
+fn knobs(lr: f64) -> StepSettings {
+    StepSettings {
         objective: ObjectiveConfig {
             clip_mode: ClipMode::Ppo,
             ..Default::default()

@@ -28,19 +28,108 @@ pub const POLICY_VERSION_KEY: &str = "policy.version";
 /// Object store with the weights of each version.
 pub const WEIGHTS_BUCKET: &str = "WEIGHTS";
 
+/// KV key (in [`CONTROL_BUCKET`]) of the coordinator's persisted state
+/// (`asyncrl.v1.CoordinatorState`).
+pub const COORDINATOR_STATE_KEY: &str = "coordinator.state";
+/// KV key the learner writes its `asyncrl.v1.LearnerStatus` to.
+pub const LEARNER_STATUS_KEY: &str = "learner.status";
+/// KV key of the knob schedule (`asyncrl.v1.KnobSchedule`).
+pub const KNOBS_KEY: &str = "knobs";
+/// Queue group of the coordinator's request subjects.
+pub const COORDINATOR_QUEUE_GROUP: &str = "asyncrl-coordinator";
+/// Queue group of the buffer's batch server.
+pub const BUFFER_QUEUE_GROUP: &str = "asyncrl-buffer";
+/// Format of the weights objects (`WeightAnnouncement.format`).
+pub const WEIGHTS_FORMAT: &str = "safetensors";
+
+/// A JetStream stream of the contract: its name and the subjects it holds.
+/// Retention and the duplicate window come from the deployment's bus
+/// settings (`asyncrl_control::streams` builds the full spec).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamContract {
+    pub name: &'static str,
+    pub subjects: &'static [&'static str],
+}
+
+/// The stream the workers publish trajectories to.
+pub const TRAJECTORIES: StreamContract = StreamContract {
+    name: TRAJECTORY_STREAM,
+    subjects: &["trajectories.>"],
+};
+
+/// The stream of messages the buffer could not use (`asyncrl.v1.DeadLetter`).
+pub const DEAD_LETTERS: StreamContract = StreamContract {
+    name: DEAD_LETTER_STREAM,
+    subjects: &[DEAD_LETTER_SUBJECT],
+};
+
 /// Subject of one trajectory: `trajectories.<task id>`.
 pub fn trajectory_subject(task_id: &str) -> String {
     format!("{TRAJECTORY_SUBJECT_PREFIX}.{task_id}")
 }
 
+const WEIGHTS_OBJECT_PREFIX: &str = "policy-v";
+const WEIGHTS_OBJECT_SUFFIX: &str = ".safetensors";
+
 /// Object name of the weights of `version`.
 pub fn weights_object_name(version: i32) -> String {
-    format!("policy-v{version:08}.safetensors")
+    format!("{WEIGHTS_OBJECT_PREFIX}{version:08}{WEIGHTS_OBJECT_SUFFIX}")
+}
+
+/// The version whose weights an object of the weights store holds (None for
+/// any other object).
+pub fn weights_object_version(name: &str) -> Option<i32> {
+    name.strip_prefix(WEIGHTS_OBJECT_PREFIX)?
+        .strip_suffix(WEIGHTS_OBJECT_SUFFIX)?
+        .parse()
+        .ok()
+}
+
+/// The task id on the wire: the data set item's id and the epoch
+/// (`arith-17-e0`), so that every epoch's attempt at an item is its own GRPO
+/// group (the buffer keeps the first complete group per task id).
+pub fn wire_task_id(item_id: &str, epoch: u64) -> String {
+    format!("{item_id}-e{epoch}")
+}
+
+/// The item id and epoch of a wire task id.
+pub fn split_wire_task_id(task_id: &str) -> Option<(&str, u64)> {
+    let (id, epoch) = task_id.rsplit_once("-e")?;
+    Some((id, epoch.parse().ok()?))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weight_object_names_round_trip() {
+        for v in [0, 7, 12_345_678, i32::MAX] {
+            assert_eq!(weights_object_version(&weights_object_name(v)), Some(v));
+        }
+        assert_eq!(weights_object_version("policy-vx.safetensors"), None);
+        assert_eq!(weights_object_version("other-v00000001.safetensors"), None);
+        assert_eq!(weights_object_version("policy-v00000001.bin"), None);
+    }
+
+    #[test]
+    fn wire_task_ids_round_trip() {
+        assert_eq!(wire_task_id("arith-17", 3), "arith-17-e3");
+        assert_eq!(split_wire_task_id("arith-17-e3"), Some(("arith-17", 3)));
+        assert_eq!(split_wire_task_id("my-exam-e-e12"), Some(("my-exam-e", 12)));
+        assert_eq!(split_wire_task_id("arith-17"), None);
+        assert_eq!(split_wire_task_id("arith-17-ex"), None);
+    }
+
+    #[test]
+    fn trajectory_subjects_are_in_their_stream() {
+        let subject = trajectory_subject("arith-1-e0");
+        let wildcard = TRAJECTORIES.subjects[0];
+        assert!(
+            subject.starts_with(wildcard.trim_end_matches('>')),
+            "{subject} {wildcard}"
+        );
+    }
 
     #[test]
     fn weight_object_names_sort_by_version() {

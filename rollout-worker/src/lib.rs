@@ -35,11 +35,11 @@
 //! [`scripted`] holds a scripted coordinator and a weight publisher for
 //! tests and benches; [`bench`] compares continuous with static batching.
 
-pub mod bench;
 mod client;
 pub mod error;
 pub mod metrics;
 pub mod reward;
+#[cfg(feature = "testsuite")]
 pub mod scripted;
 mod settings;
 mod state;
@@ -59,18 +59,5 @@ pub use tokio_util::sync::CancellationToken;
 /// `asyncrl worker` passes to [`run`]: Kubernetes scale-down sends SIGTERM
 /// and the worker drains). Must be called inside a tokio runtime.
 pub fn shutdown_on_signals() -> std::io::Result<CancellationToken> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let token = CancellationToken::new();
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let cancel = token.clone();
-    tokio::spawn(async move {
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        };
-        tracing::info!(signal = name, "shutdown requested; draining");
-        cancel.cancel();
-    });
-    Ok(token)
+    asyncrl_common::process::shutdown_on_signals("worker")
 }

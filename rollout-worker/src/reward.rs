@@ -173,13 +173,13 @@ impl ExternalScorer {
             answer: input.answer.clone(),
         };
         let attempts = self.config.attempts.max(1);
-        let mut backoff = self.config.backoff;
+        let first = self.config.backoff;
+        let mut backoff = asyncrl_common::Backoff::new(first, first.saturating_mul(1 << 16));
         let mut last_error = String::new();
         for attempt in 1..=attempts {
             if attempt > 1 {
                 self.counters.retries.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(backoff).await;
-                backoff = backoff.saturating_mul(2);
+                tokio::time::sleep(backoff.next_delay()).await;
             }
             self.counters.calls.fetch_add(1, Ordering::Relaxed);
             match self.call(request.clone()).await {

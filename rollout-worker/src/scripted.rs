@@ -9,10 +9,10 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use asyncrl_config::BusConfig;
 use asyncrl_protos::subjects::{
-    CONTROL_BUCKET, POLICY_VERSION_KEY, TASKS_ACQUIRE, TASKS_COMPLETE, TASKS_RETURN,
-    TRAJECTORY_STREAM, TRAJECTORY_SUBJECT_PREFIX, WEIGHTS_BUCKET, WORKERS_HEARTBEAT,
-    WORKERS_REGISTER, weights_object_name,
+    TASKS_ACQUIRE, TASKS_COMPLETE, TASKS_RETURN, TRAJECTORY_STREAM, WORKERS_HEARTBEAT,
+    WORKERS_REGISTER,
 };
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, HeartbeatReply,
@@ -21,7 +21,7 @@ use asyncrl_protos::v1::{
 use asyncrl_protos::{
     ContractError, Message, Task, Trajectory, WeightAnnouncement, decode_trajectory,
 };
-use asyncrl_transport::{Bus, ConsumerSpec, StreamSpec, TransportError};
+use asyncrl_transport::{Bus, ConsumerSpec, TransportError};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::Notify;
@@ -241,13 +241,6 @@ impl ScriptedCoordinator {
     }
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
 async fn handle(inner: &Mutex<Inner>, bus: &dyn Bus, subject: &str, payload: &[u8]) -> Bytes {
     let now = Instant::now();
     let encoded = match subject {
@@ -294,7 +287,7 @@ async fn handle(inner: &Mutex<Inner>, bus: &dyn Bus, subject: &str, payload: &[u
                     answer: t.answer,
                     dataset: t.dataset,
                     group_size: s.options.group_size,
-                    lease_deadline_unix_ms: now_ms() + 600_000,
+                    lease_deadline_unix_ms: asyncrl_common::unix_ms() + 600_000,
                     admission_version: s.options.admission_version,
                     epoch: 0,
                 };
@@ -351,49 +344,25 @@ async fn handle(inner: &Mutex<Inner>, bus: &dyn Bus, subject: &str, payload: &[u
     Bytes::from(encoded)
 }
 
-/// Creates the trajectory stream (the buffer's job in a real deployment).
+/// Creates the trajectory stream (the buffer's job in a real deployment)
+/// with the spec the buffer uses.
 pub async fn ensure_trajectory_stream(bus: &dyn Bus) -> Result<(), TransportError> {
-    bus.ensure_stream(&StreamSpec::new(
-        TRAJECTORY_STREAM,
-        &[&format!("{TRAJECTORY_SUBJECT_PREFIX}.>")],
-    ))
-    .await
+    let spec = asyncrl_control::streams::trajectory_stream_spec(&BusConfig::default());
+    bus.ensure_stream(&spec).await
 }
 
-/// Writes `weights` as the object of `version` and announces it in
-/// `policy.version`, like the learner does.
+/// Publishes `weights` as version `version` (trained step = version), the
+/// way the learner does.
 pub async fn publish_weights(
     bus: &dyn Bus,
     version: i32,
     weights: Bytes,
 ) -> Result<WeightAnnouncement, TransportError> {
-    let name = weights_object_name(version);
-    let info = bus
-        .object_store(WEIGHTS_BUCKET)
-        .await?
-        .put(&name, weights)
-        .await?;
-    let ann = WeightAnnouncement {
-        version,
-        object_name: name,
-        sha256: info.sha256,
-        byte_size: info.size,
-        format: "safetensors".into(),
-        published_at_unix_ms: now_ms(),
-        step: version.max(0) as u64,
-    };
-    announce(bus, &ann).await?;
-    Ok(ann)
+    asyncrl_control::weights::publish(bus, version, version.max(0) as u64, weights).await
 }
 
 /// Writes an announcement as is (to script broken ones).
-pub async fn announce(bus: &dyn Bus, ann: &WeightAnnouncement) -> Result<(), TransportError> {
-    bus.kv(CONTROL_BUCKET)
-        .await?
-        .put(POLICY_VERSION_KEY, Bytes::from(ann.encode_to_vec()))
-        .await?;
-    Ok(())
-}
+pub use asyncrl_control::weights::announce;
 
 /// A trajectory read back from the stream.
 #[derive(Debug, Clone)]

@@ -83,6 +83,8 @@ pub(crate) struct Shared {
     pub tokens_sampled: AtomicU64,
     /// The version of every weight swap (from the weight loader).
     pub loaded: watch::Receiver<Option<i32>>,
+    /// Wall-clock time (`Worker::with_clock`).
+    pub clock: asyncrl_common::SharedClock,
 }
 
 impl Shared {

@@ -20,7 +20,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{Backoff, call, unix_ms};
+use crate::client::{Backoff, call};
 use crate::metrics::reason;
 use crate::reward::{RewardOutcome, ScoreInput};
 use crate::state::{SeqGuard, Shared, bump};
@@ -346,7 +346,7 @@ async fn run_completion(
     guard: SeqGuard,
     stops: &Stops,
 ) -> Result<(), CompletionError> {
-    let started_ms = unix_ms();
+    let started_ms = shared.clock.now_unix_ms();
     let started = Instant::now();
     // Generation. A finished sequence wins over a stop that arrives at the
     // same moment (it is published, not thrown away).
@@ -368,7 +368,7 @@ async fn run_completion(
         }
     };
     let generation_ms = clamp_ms(started.elapsed());
-    let finished_ms = unix_ms();
+    let finished_ms = shared.clock.now_unix_ms();
 
     // Score.
     let tokens = out.tokens.clone();

@@ -8,22 +8,20 @@
 //! not retried (the same bytes would fail again): the worker waits for a
 //! newer version. Versions never go backwards.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use asyncrl_policy::PolicyError;
-use asyncrl_protos::subjects::{
-    CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, weights_object_name,
-};
-use asyncrl_protos::{Message, WeightAnnouncement};
+use asyncrl_protos::WeightAnnouncement;
+use asyncrl_protos::subjects::{CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_FORMAT};
 use asyncrl_transport::TransportError;
 use bytes::Bytes;
-use futures::StreamExt;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{Backoff, unix_ms};
+use crate::client::Backoff;
 use crate::metrics::reason;
 use crate::state::{Shared, bump};
 
@@ -49,80 +47,54 @@ async fn watch_announcements(
     stop: CancellationToken,
 ) {
     let (min, max) = shared.settings.weight_backoff;
-    let mut backoff = Backoff::new(min, max);
-    while !stop.is_cancelled() {
-        let stream = async {
-            let kv = shared.bus.kv(CONTROL_BUCKET).await?;
-            kv.watch(POLICY_VERSION_KEY).await
-        };
-        let mut events = match stop.run_until_cancelled(stream).await {
-            None => return,
-            Some(Ok(events)) => events,
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, bucket = CONTROL_BUCKET, key = POLICY_VERSION_KEY, "cannot watch the policy version; retrying");
-                if stop
-                    .run_until_cancelled(tokio::time::sleep(backoff.next_delay()))
-                    .await
-                    .is_none()
-                {
-                    return;
-                }
-                continue;
-            }
-        };
-        loop {
-            let event = match stop.run_until_cancelled(events.next()).await {
-                None => return,
-                Some(None) => {
-                    tracing::warn!("the policy version watch ended; re-opening it");
-                    break;
-                }
-                Some(Some(Err(e))) => {
-                    tracing::warn!(error = %e, "the policy version watch failed; re-opening it");
-                    break;
-                }
-                Some(Some(Ok(event))) => event,
-            };
-            backoff.reset();
-            let Some(value) = event.value else {
-                continue;
-            };
-            let ann = match WeightAnnouncement::decode(value.as_ref()) {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, revision = event.revision, "policy.version does not decode as a WeightAnnouncement; ignored");
-                    continue;
-                }
-            };
-            let newer = tx
-                .borrow()
-                .as_ref()
-                .is_none_or(|cur| ann.version > cur.version);
-            if !newer {
-                tracing::debug!(
-                    version = ann.version,
-                    "announcement of an older or equal version ignored"
-                );
-                continue;
-            }
-            tracing::info!(version = ann.version, object = %ann.object_name, step = ann.step, "new weights announced");
-            shared
-                .announced_version
-                .fetch_max(ann.version, Ordering::SeqCst);
-            shared
-                .metrics
-                .weights_announced_version
-                .set(i64::from(ann.version));
-            let _ = tx.send(Some(ann));
-        }
-        if stop
-            .run_until_cancelled(tokio::time::sleep(backoff.next_delay()))
-            .await
-            .is_none()
-        {
+    let bus = shared.bus.clone();
+    asyncrl_control::kv::follow(
+        bus,
+        CONTROL_BUCKET,
+        POLICY_VERSION_KEY,
+        Backoff::new(min, max),
+        stop,
+        |value, revision| {
+            on_announcement(&shared, &tx, value, revision);
+            std::future::ready(ControlFlow::Continue(()))
+        },
+    )
+    .await;
+}
+
+fn on_announcement(
+    shared: &Shared,
+    tx: &watch::Sender<Option<WeightAnnouncement>>,
+    value: Bytes,
+    revision: u64,
+) {
+    let ann = match asyncrl_control::weights::decode_announcement(&value) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(error = %e, revision, "announcement ignored");
             return;
         }
+    };
+    let newer = tx
+        .borrow()
+        .as_ref()
+        .is_none_or(|cur| ann.version > cur.version);
+    if !newer {
+        tracing::debug!(
+            version = ann.version,
+            "announcement of an older or equal version ignored"
+        );
+        return;
     }
+    tracing::info!(version = ann.version, object = %ann.object_name, step = ann.step, "new weights announced");
+    shared
+        .announced_version
+        .fetch_max(ann.version, Ordering::SeqCst);
+    shared
+        .metrics
+        .weights_announced_version
+        .set(i64::from(ann.version));
+    let _ = tx.send(Some(ann));
 }
 
 /// Why a fetch or load failed; the label is the metric's reason.
@@ -223,7 +195,7 @@ async fn fetch_and_load(
     shared: &Arc<Shared>,
     ann: &WeightAnnouncement,
 ) -> Result<(), FetchFailure> {
-    if !(ann.format.is_empty() || ann.format == "safetensors") {
+    if !(ann.format.is_empty() || ann.format == WEIGHTS_FORMAT) {
         return Err(FetchFailure {
             label: "format",
             message: format!(
@@ -233,16 +205,9 @@ async fn fetch_and_load(
             retry: false,
         });
     }
-    let name = if ann.object_name.is_empty() {
-        weights_object_name(ann.version)
-    } else {
-        ann.object_name.clone()
-    };
+    let name = asyncrl_control::weights::object_name(ann);
     let timeout = shared.settings.weight_fetch_timeout;
-    let fetch = async {
-        let store = shared.bus.object_store(WEIGHTS_BUCKET).await?;
-        store.get_expecting(&name, &ann.sha256).await
-    };
+    let fetch = asyncrl_control::weights::fetch(shared.bus.as_ref(), ann);
     let bytes: Bytes = match tokio::time::timeout(timeout, fetch).await {
         Err(_) => {
             return Err(FetchFailure {
@@ -283,7 +248,7 @@ async fn fetch_and_load(
     let started = Instant::now();
     match shared.model.load_weights(bytes, ann.version).await {
         Ok(()) => {
-            let now = unix_ms();
+            let now = shared.clock.now_unix_ms();
             let latency_ms = if ann.published_at_unix_ms > 0 {
                 (now - ann.published_at_unix_ms).max(0) as f64
             } else {

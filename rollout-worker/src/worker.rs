@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use asyncrl_common::{SharedClock, SystemClock};
 use asyncrl_config::{BatchingMode, Config};
 use asyncrl_policy::from_config::{load_policy, sampling_params};
 use asyncrl_policy::{DecodeBatchOptions, EngineOptions, ModelHandle};
@@ -70,6 +71,7 @@ pub struct Worker {
     model: Option<ModelHandle>,
     health: Option<Health>,
     lengths: CompletionLengths,
+    clock: SharedClock,
 }
 
 impl Worker {
@@ -81,7 +83,17 @@ impl Worker {
             model: None,
             health: None,
             lengths: CompletionLengths::Model,
+            clock: SystemClock::shared(),
         }
+    }
+
+    /// Reads wall-clock time (trajectory timestamps, the announce-to-in-use
+    /// latency) from `clock` instead of the system clock. The worker's
+    /// timers (heartbeats, drain grace, backoffs, timeouts) are tokio's, so
+    /// a test on paused tokio time drives both.
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// Uses an existing model thread instead of building one from `[model]`
@@ -175,6 +187,7 @@ impl Worker {
             returned_lease_ids: Mutex::new(Vec::new()),
             tokens_sampled: AtomicU64::new(tokens_at_start),
             loaded: loaded_rx.clone(),
+            clock: self.clock,
         });
         let background = CancellationToken::new();
         let mut loops = JoinSet::new();

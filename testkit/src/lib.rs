@@ -218,6 +218,42 @@ impl Drop for NatsServer {
     }
 }
 
+/// Polls `f` until it returns `Some`, and returns that; panics naming `what`
+/// after `timeout`. Time is tokio's, so a test on paused time waits in
+/// virtual time.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: std::time::Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Polls `f` until it holds (true) or `timeout` passes (false).
+pub async fn wait_until(timeout: std::time::Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    f()
+}
+
+/// How often [`eventually`] and [`wait_until`] look.
+const POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
 #[cfg(test)]
 mod tests {
     use super::*;

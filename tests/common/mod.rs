@@ -706,8 +706,10 @@ weight_retry_backoff_max = "1s"
                 .await
                 .ok()?;
             let messages = stream.info().await.ok()?.state.messages;
-            let mut consumer: async_nats::jetstream::consumer::PullConsumer =
-                stream.get_consumer("asyncrl-buffer").await.ok()?;
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
+                .get_consumer(&asyncrl_config::BufferConfig::default().consumer_name)
+                .await
+                .ok()?;
             let info = consumer.info().await.ok()?;
             Some((messages, info.num_pending, info.num_ack_pending))
         })
@@ -1032,7 +1034,7 @@ weight_retry_backoff_max = "1s"
         let mut positions: Vec<usize> = attempts
             .keys()
             .map(|task| {
-                let (item, epoch) = asyncrl_coordinator::dataset::split_wire_task_id(task)
+                let (item, epoch) = asyncrl_protos::subjects::split_wire_task_id(task)
                     .unwrap_or_else(|| panic!("task id {task} has no epoch"));
                 let index = taskset
                     .index_of(item)

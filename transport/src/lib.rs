@@ -17,10 +17,10 @@
 //!   every update;
 //! - an object store for large blobs (chunked on NATS), sha256-checked on read.
 
-pub mod bench;
 mod local;
 mod metrics;
 mod nats;
+pub mod raw;
 mod subject;
 
 use std::sync::Arc;
@@ -415,8 +415,5 @@ pub async fn connect(
     }
 }
 
-/// Lower-case hex SHA-256.
-pub fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(data))
-}
+/// Lower-case hex SHA-256 (the object store's checksum).
+pub use asyncrl_common::sha256_hex;

@@ -53,16 +53,11 @@ impl Link {
     }
 }
 
-fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
+use asyncrl_common::unix_ms;
 
 /// Exponential backoff for reconnects: 50 ms doubling, capped at `max`.
 fn reconnect_delay(attempts: usize, max: Duration) -> Duration {
-    let exp = attempts.min(16) as u32;
-    Duration::from_millis(50u64.saturating_mul(1 << exp)).min(max)
+    asyncrl_common::Backoff::delay_after(Duration::from_millis(50), max, attempts)
 }
 
 async fn connect_options(

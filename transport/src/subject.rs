@@ -57,7 +57,7 @@ mod tests {
 
     #[test]
     fn publish_subjects() {
-        assert!(validate_publish_subject("trajectories.t1").is_ok());
+        assert!(validate_publish_subject("stream.t1").is_ok());
         for bad in ["", "a..b", "a.*", "a.>", "a b"] {
             assert!(validate_publish_subject(bad).is_err(), "{bad:?}");
         }

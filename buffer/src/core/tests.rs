@@ -129,7 +129,7 @@ fn first_complete_attempt_wins_and_others_are_dropped() {
         vec![DroppedGroup {
             task: "T".into(),
             group: "A".into(),
-            reason: reason::SUPERSEDED,
+            reason: GroupDropReason::Superseded,
             trajectories: 1
         }]
     );
@@ -138,7 +138,7 @@ fn first_complete_attempt_wins_and_others_are_dropped() {
     let r = feed(&mut c, &cc, 1);
     assert_eq!((r.stored, r.superseded), (0, 2));
     assert_eq!(r.dropped.len(), 1);
-    assert_eq!(r.dropped[0].reason, reason::DUPLICATE_ATTEMPT);
+    assert_eq!(r.dropped[0].reason, GroupDropReason::DuplicateAttempt);
     let s = c.stats();
     assert_eq!((s.ready_groups, s.live_trajectories), (1, 2));
     let (out, _) = serve(&mut c, ask(1, 0, 0, 1));
@@ -192,7 +192,7 @@ fn stale_groups_are_never_served_and_are_dropped() {
     let dropped = c.commit(plan);
     assert_eq!(served(&outcome), names(&[2, 3]));
     assert_eq!(dropped.len(), 2);
-    assert!(dropped.iter().all(|d| d.reason == reason::STALE));
+    assert!(dropped.iter().all(|d| d.reason == GroupDropReason::Stale));
     // Dropped groups are released and never come back, even re-delivered.
     assert_eq!(c.stats().live_trajectories, 4);
     let again = feed(&mut c, &groups(0, 1, 2, 1), 1);
@@ -349,7 +349,7 @@ fn reuse_groups_expire_after_serving_and_are_not_counted_stale() {
     assert!(plan.drops.iter().all(|(_, r)| *r == DropReason::Expired));
     let dropped = c.commit(plan);
     assert_eq!(dropped.len(), 2);
-    assert!(dropped.iter().all(|d| d.reason == reason::EXPIRED));
+    assert!(dropped.iter().all(|d| d.reason == GroupDropReason::Expired));
     // Expired groups are still held for a replay of step 1, then released.
     assert!(matches!(
         c.plan(ask(1, 0, 1, 2)).outcome,

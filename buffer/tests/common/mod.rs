@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -120,11 +120,7 @@ pub async fn publish_as(bus: &dyn Bus, t: &Trajectory, msg_id: &str) {
 
 /// Waits until `f` holds, failing the test after `timeout`.
 pub async fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    asyncrl_testkit::eventually(what, timeout, || std::future::ready(f().then_some(()))).await
 }
 
 /// A learner's request, and the trajectories of the reply (fetched from the

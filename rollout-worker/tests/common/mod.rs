@@ -216,16 +216,7 @@ pub fn by_group(received: &[Received]) -> std::collections::BTreeMap<String, Vec
 }
 
 /// Polls `f` until it returns true or `timeout` passes.
-pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    f()
-}
+pub use asyncrl_testkit::wait_until as eventually;
 
 /// The Python example reward service (examples/reward_service/server.py),
 /// killed on drop.

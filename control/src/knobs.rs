@@ -17,11 +17,13 @@
 use asyncrl_config::{ClipModeName, Config, KnobRange, knob_ranges};
 use asyncrl_protos::v1::{ClipMode, KnobChange, KnobSchedule, Knobs};
 use asyncrl_transport::{KvBucket, TransportError};
+
+use crate::kv::{Change, EditError};
 use bytes::Bytes;
 use prost::Message;
 
 /// KV key of the knob schedule (bucket `asyncrl_control`).
-pub const KNOBS_KEY: &str = "knobs";
+pub use asyncrl_protos::subjects::KNOBS_KEY;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KnobError {
@@ -50,15 +52,22 @@ pub enum KnobError {
     },
     #[error("no knob schedule in the KV bucket yet (key `knobs`): is the coordinator running?")]
     NoSchedule,
-    #[error("the knob schedule does not decode: {0}")]
-    Decode(String),
+    #[error("the knob schedule (KV key `knobs`) does not decode: {0}")]
+    Decode(#[source] prost::DecodeError),
     #[error("the knob schedule kept changing under compare-and-set ({0} attempts)")]
     Contended(u32),
     #[error(transparent)]
     Transport(#[from] TransportError),
+    #[error("cannot {action} the knob schedule (KV key `knobs`): {source}")]
+    Store {
+        action: &'static str,
+        #[source]
+        source: TransportError,
+    },
 }
 
-fn clip_mode_of(name: ClipModeName) -> ClipMode {
+/// The wire value of a clip mode.
+pub fn clip_mode_to_wire(name: ClipModeName) -> ClipMode {
     match name {
         ClipModeName::Ppo => ClipMode::Ppo,
         ClipModeName::Adaptive => ClipMode::Adaptive,
@@ -66,13 +75,19 @@ fn clip_mode_of(name: ClipModeName) -> ClipMode {
     }
 }
 
-pub fn clip_mode_name(mode: i32) -> &'static str {
+/// The clip mode of a wire value (None: unspecified or unknown).
+pub fn clip_mode_from_wire(mode: i32) -> Option<ClipModeName> {
     match ClipMode::try_from(mode) {
-        Ok(ClipMode::Ppo) => "ppo",
-        Ok(ClipMode::Adaptive) => "adaptive",
-        Ok(ClipMode::M2po) => "m2po",
-        _ => "unspecified",
+        Ok(ClipMode::Ppo) => Some(ClipModeName::Ppo),
+        Ok(ClipMode::Adaptive) => Some(ClipModeName::Adaptive),
+        Ok(ClipMode::M2po) => Some(ClipModeName::M2po),
+        Ok(ClipMode::Unspecified) | Err(_) => None,
     }
+}
+
+/// The name of a wire clip mode (`unspecified` for none).
+pub fn clip_mode_name(mode: i32) -> &'static str {
+    clip_mode_from_wire(mode).map_or("unspecified", ClipModeName::as_str)
 }
 
 /// The knobs a new run starts with: η from `[staleness]`, the rest from
@@ -83,7 +98,7 @@ pub fn initial_knobs(config: &Config) -> Knobs {
         eta: Some(config.staleness.eta),
         eps_low: Some(k.eps_low as f32),
         eps_high: Some(k.eps_high as f32),
-        clip_mode: Some(clip_mode_of(k.clip_mode) as i32),
+        clip_mode: Some(clip_mode_to_wire(k.clip_mode) as i32),
         adaptive_quantile: Some(k.adaptive_quantile as f32),
         adaptive_temperature: Some(k.adaptive_temperature as f32),
         importance_weight_cap: Some(k.importance_weight_cap as f32),
@@ -248,7 +263,7 @@ pub fn decide(s: &KnobSchedule, version: i32, requested: u64, admission_only: bo
 }
 
 pub fn decode_schedule(bytes: &[u8]) -> Result<KnobSchedule, KnobError> {
-    KnobSchedule::decode(bytes).map_err(|e| KnobError::Decode(e.to_string()))
+    KnobSchedule::decode(bytes).map_err(KnobError::Decode)
 }
 
 pub fn encode_schedule(s: &KnobSchedule) -> Bytes {
@@ -262,7 +277,7 @@ pub struct StepKnobs {
     pub eta: u32,
     pub eps_low: f32,
     pub eps_high: f32,
-    pub clip_mode: ClipMode,
+    pub clip_mode: ClipModeName,
     pub adaptive_quantile: f32,
     pub adaptive_temperature: f32,
     pub importance_weight_cap: f32,
@@ -282,8 +297,8 @@ impl StepKnobs {
             eps_high: k.eps_high.unwrap_or(0.28),
             clip_mode: k
                 .clip_mode
-                .and_then(|m| ClipMode::try_from(m).ok())
-                .unwrap_or(ClipMode::Ppo),
+                .and_then(clip_mode_from_wire)
+                .unwrap_or(ClipModeName::Ppo),
             adaptive_quantile: k.adaptive_quantile.unwrap_or(0.9),
             adaptive_temperature: k.adaptive_temperature.unwrap_or(0.1),
             importance_weight_cap: k.importance_weight_cap.unwrap_or(5.0),
@@ -300,26 +315,32 @@ impl StepKnobs {
 /// replaying it) returns the same knobs without writing.
 pub async fn seal_step(kv: &dyn KvBucket, step: u64) -> Result<StepKnobs, KnobError> {
     const ATTEMPTS: u32 = 64;
-    for _ in 0..ATTEMPTS {
-        let Some(entry) = kv.get(KNOBS_KEY).await? else {
-            return Err(KnobError::NoSchedule);
-        };
+    let sealed = crate::kv::edit(kv, KNOBS_KEY, ATTEMPTS, |entry| {
+        let entry = entry.ok_or(KnobError::NoSchedule)?;
         let mut s = decode_schedule(&entry.value)?;
         let knobs = StepKnobs::from_schedule(&s, step);
         if s.sealed_through_step >= step {
-            return Ok(knobs);
+            return Ok(Change::Keep(knobs));
         }
         s.sealed_through_step = step;
-        match kv
-            .update(KNOBS_KEY, encode_schedule(&s), entry.revision)
-            .await
-        {
-            Ok(_) => return Ok(knobs),
-            Err(TransportError::RevisionMismatch { .. }) => continue,
-            Err(e) => return Err(e.into()),
+        Ok(Change::Write(encode_schedule(&s), knobs))
+    })
+    .await;
+    match sealed {
+        Ok(edited) => Ok(edited.outcome),
+        Err(e) => Err(KnobError::from_edit(e)),
+    }
+}
+
+impl KnobError {
+    /// The error of a compare-and-set edit of the knob schedule.
+    pub fn from_edit(e: EditError<KnobError>) -> Self {
+        match e {
+            EditError::Refused(e) => e,
+            EditError::Transport { action, source, .. } => KnobError::Store { action, source },
+            EditError::Contended { attempts, .. } => KnobError::Contended(attempts),
         }
     }
-    Err(KnobError::Contended(ATTEMPTS))
 }
 
 /// Parses `name=value` (as `asyncrl ctl set` takes it) into a change.
@@ -343,12 +364,8 @@ pub fn parse_assignment(text: &str, into: &mut Knobs) -> Result<(), KnobError> {
         "eps_low" => into.eps_low = Some(num("eps_low", value)?),
         "eps_high" => into.eps_high = Some(num("eps_high", value)?),
         "clip_mode" => {
-            into.clip_mode = Some(match value.to_ascii_lowercase().as_str() {
-                "ppo" => ClipMode::Ppo as i32,
-                "adaptive" => ClipMode::Adaptive as i32,
-                "m2po" => ClipMode::M2po as i32,
-                _ => return Err(KnobError::ClipMode),
-            })
+            let mode: ClipModeName = value.parse().map_err(|_| KnobError::ClipMode)?;
+            into.clip_mode = Some(clip_mode_to_wire(mode) as i32);
         }
         "adaptive_quantile" => into.adaptive_quantile = Some(num("adaptive_quantile", value)?),
         "adaptive_temperature" => {
@@ -656,7 +673,10 @@ mod tests {
     #[tokio::test]
     async fn seal_step_seals_and_replays() {
         let bus = LocalBus::new();
-        let kv = bus.kv("asyncrl_control").await.unwrap();
+        let kv = bus
+            .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
+            .await
+            .unwrap();
         assert!(matches!(
             seal_step(kv.as_ref(), 1).await,
             Err(KnobError::NoSchedule)
@@ -678,7 +698,7 @@ mod tests {
         let k1 = seal_step(kv.as_ref(), 1).await.unwrap();
         assert_eq!(
             (k1.eta, k1.checkpoint, k1.clip_mode),
-            (4, false, ClipMode::Adaptive)
+            (4, false, ClipModeName::Adaptive)
         );
         let k2 = seal_step(kv.as_ref(), 2).await.unwrap();
         assert_eq!((k2.eta, k2.checkpoint), (0, true));

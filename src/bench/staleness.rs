@@ -38,23 +38,6 @@ struct Row {
     lag: f64,
 }
 
-fn clip_name(c: ClipModeName) -> &'static str {
-    match c {
-        ClipModeName::Ppo => "ppo",
-        ClipModeName::Adaptive => "adaptive",
-        ClipModeName::M2po => "m2po",
-    }
-}
-
-pub fn parse_clip(s: &str) -> anyhow::Result<ClipModeName> {
-    match s {
-        "ppo" => Ok(ClipModeName::Ppo),
-        "adaptive" => Ok(ClipModeName::Adaptive),
-        "m2po" => Ok(ClipModeName::M2po),
-        other => anyhow::bail!("clip mode {other:?} is not ppo, adaptive or m2po"),
-    }
-}
-
 fn read_run(
     csv: &Path,
     eta: u32,
@@ -95,7 +78,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
     for &eta in &bench.etas {
         for &clip in &bench.clips {
             for &seed in &bench.seeds {
-                let name = format!("eta{eta}-{}-seed{seed}", clip_name(clip));
+                let name = format!("eta{eta}-{}-seed{seed}", clip.as_str());
                 let mut c = base.clone();
                 c.staleness.eta = eta;
                 c.coordinator.initial_knobs.clip_mode = clip;
@@ -142,7 +125,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
             csv,
             "{},{},{},{},{},{:.3},{:.6},{:.4}",
             r.eta,
-            clip_name(r.clip),
+            r.clip.as_str(),
             r.seed,
             r.step,
             r.samples,
@@ -207,7 +190,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
                     )
                 })
                 .collect();
-            let label = format!("η={eta} {}", clip_name(clip));
+            let label = format!("η={eta} {}", clip.as_str());
             by_samples.push(Series {
                 name: label.clone(),
                 points,
@@ -245,7 +228,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
             let _ = writeln!(
                 table,
                 "| {eta} | {} | {fmean:.3} ± {spread:.3} | {time_to} | {lag:.2} | {total_wall:.1} |",
-                clip_name(clip)
+                clip.as_str()
             );
         }
     }
@@ -273,7 +256,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
         report,
         "\n{} runs of {} steps in {:.0}s\nwrote {}, {}, {}, {}",
         all.iter()
-            .map(|r| (r.eta, clip_name(r.clip), r.seed))
+            .map(|r| (r.eta, r.clip.as_str(), r.seed))
             .collect::<std::collections::HashSet<_>>()
             .len(),
         bench.steps,

@@ -8,19 +8,22 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::{Context as _, Result, bail};
 use asyncrl_config::{BusConfig, Config, DatasetConfig};
-use asyncrl_protos::subjects::{TASKS_ACQUIRE, TASKS_COMPLETE, WORKERS_REGISTER};
+use asyncrl_coordinator::Coordinator;
+use asyncrl_protos::Message;
+use asyncrl_protos::subjects::{
+    COORDINATOR_STATE_KEY, KNOBS_KEY, TASKS_ACQUIRE, TASKS_COMPLETE, WORKERS_REGISTER,
+};
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, RegisterWorker, Task,
 };
 use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_transport::raw::RawNats;
 use asyncrl_transport::{Bus, NatsBus, TransportMetrics};
 use bytes::Bytes;
 use futures::StreamExt;
-use prost::Message;
 use tokio_util::sync::CancellationToken;
-
-use crate::{Coordinator, CoordinatorError};
 
 #[derive(Debug, Clone)]
 pub struct AcquireBenchOptions {
@@ -93,10 +96,6 @@ impl fmt::Display for AcquireBenchReport {
     }
 }
 
-fn bench_err(what: &str, e: impl fmt::Display) -> CoordinatorError {
-    CoordinatorError::Join(format!("bench: {what}: {e}"))
-}
-
 /// The size of a typical grant reply, so that the echo moves as many bytes.
 fn grant_sized_payload() -> Bytes {
     let reply = AcquireTasksReply {
@@ -117,35 +116,14 @@ fn grant_sized_payload() -> Bytes {
     Bytes::from(reply.encode_to_vec())
 }
 
-async fn raw_round(
-    client: &async_nats::Client,
-    subject: &str,
-    n: usize,
-    concurrency: usize,
-) -> Result<Duration, CoordinatorError> {
-    let payload = Bytes::from(
+fn acquire_payload() -> Bytes {
+    Bytes::from(
         AcquireTasks {
             worker_id: "bench-worker".into(),
             free_slots: 1,
         }
         .encode_to_vec(),
-    );
-    let start = Instant::now();
-    let results: Vec<Result<async_nats::Message, async_nats::RequestError>> =
-        futures::stream::iter(0..n)
-            .map(|_| {
-                let client = client.clone();
-                let payload = payload.clone();
-                let subject = subject.to_owned();
-                async move { client.request(subject, payload).await }
-            })
-            .buffer_unordered(concurrency)
-            .collect()
-            .await;
-    for r in results {
-        r.map_err(|e| bench_err("raw request", e))?;
-    }
-    Ok(start.elapsed())
+    )
 }
 
 async fn coordinator_round(
@@ -153,7 +131,7 @@ async fn coordinator_round(
     worker: &str,
     n: usize,
     concurrency: usize,
-) -> Result<(Duration, Vec<Task>), CoordinatorError> {
+) -> Result<(Duration, Vec<Task>)> {
     let req = Bytes::from(
         AcquireTasks {
             worker_id: worker.to_owned(),
@@ -177,13 +155,10 @@ async fn coordinator_round(
     let elapsed = start.elapsed();
     let mut tasks = Vec::with_capacity(n);
     for r in results {
-        let reply = AcquireTasksReply::decode(r.map_err(|e| bench_err("acquire", e))?.as_ref())
-            .map_err(|e| bench_err("decode grant", e))?;
+        let reply =
+            AcquireTasksReply::decode(r.context("acquire")?.as_ref()).context("decode a grant")?;
         if reply.tasks.len() != 1 {
-            return Err(bench_err(
-                "acquire",
-                format!("expected one task, got: {}", reply.reason),
-            ));
+            bail!("acquire: expected one task, got: {}", reply.reason);
         }
         tasks.extend(reply.tasks);
     }
@@ -191,11 +166,7 @@ async fn coordinator_round(
 }
 
 /// Completes the round's tasks (not timed) so that leases do not pile up.
-async fn complete_all(
-    bus: &NatsBus,
-    worker: &str,
-    tasks: Vec<Task>,
-) -> Result<(), CoordinatorError> {
+async fn complete_all(bus: &NatsBus, worker: &str, tasks: Vec<Task>) -> Result<()> {
     let results: Vec<Result<Bytes, asyncrl_transport::TransportError>> =
         futures::stream::iter(tasks)
             .map(|t| {
@@ -217,25 +188,22 @@ async fn complete_all(
             .collect()
             .await;
     for r in results {
-        let reply = CompleteTaskReply::decode(r.map_err(|e| bench_err("complete", e))?.as_ref())
-            .map_err(|e| bench_err("decode completion", e))?;
+        let reply = CompleteTaskReply::decode(r.context("complete")?.as_ref())
+            .context("decode a completion reply")?;
         if !reply.accepted {
-            return Err(bench_err("complete", reply.reason));
+            bail!("complete: refused: {}", reply.reason);
         }
     }
     Ok(())
 }
 
 /// Runs the benchmark and returns the figures.
-pub async fn run_acquire_bench(
-    opts: AcquireBenchOptions,
-) -> Result<AcquireBenchReport, CoordinatorError> {
+pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBenchReport> {
     let mut own_server = None;
     let url = match &opts.nats_url {
         Some(url) => url.clone(),
         None => {
-            let server = asyncrl_testkit::NatsServer::start()
-                .map_err(|e| bench_err("start nats-server", e))?;
+            let server = asyncrl_testkit::NatsServer::start().context("start a nats-server")?;
             let url = server.url();
             own_server = Some(server);
             url
@@ -246,16 +214,16 @@ pub async fn run_acquire_bench(
     let n_tasks = 10_000;
     tokio::task::spawn_blocking({
         let p = tasks_path.clone();
-        move || crate::dataset::write_arith_file(&p, n_tasks)
+        move || asyncrl_coordinator::dataset::write_arith_file(&p, n_tasks)
     })
     .await
-    .map_err(|e| bench_err("write tasks", e))?
-    .map_err(|e| bench_err("write tasks", e))?;
+    .context("write the bench tasks")?
+    .context("write the bench tasks")?;
 
     let connect = || async {
         NatsBus::connect(&BusConfig::nats(url.clone()), TransportMetrics::new())
             .await
-            .map_err(|e| CoordinatorError::transport("connect to NATS", e))
+            .context("connect to NATS")
     };
     let server_bus: Arc<dyn Bus> = Arc::new(connect().await?);
     let client_bus = connect().await?;
@@ -263,8 +231,8 @@ pub async fn run_acquire_bench(
     let kv = server_bus
         .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
         .await
-        .map_err(|e| CoordinatorError::transport("open the KV bucket", e))?;
-    for key in [crate::STATE_KEY, crate::knobs::KNOBS_KEY] {
+        .context("open the KV bucket")?;
+    for key in [COORDINATOR_STATE_KEY, KNOBS_KEY] {
         let _ = kv.delete(key).await;
     }
 
@@ -311,55 +279,27 @@ pub async fn run_acquire_bench(
                 attempts += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Err(e) => return Err(CoordinatorError::transport("register the bench worker", e)),
+            Err(e) => return Err(e).context("register the bench worker"),
         }
     }
 
     // The raw echo: a responder on one connection, requests from another.
-    let raw_server = async_nats::connect(url.clone())
-        .await
-        .map_err(|e| bench_err("connect", e))?;
-    let raw_client = async_nats::connect(url.clone())
-        .await
-        .map_err(|e| bench_err("connect", e))?;
+    let raw_server = RawNats::connect(&url).await?;
+    let raw_client = RawNats::connect(&url).await?;
     let echo_subject = format!("asyncrl.bench.echo.{}", std::process::id());
-    let mut sub = raw_server
-        .subscribe(echo_subject.clone())
+    let echo = raw_server
+        .echo(&echo_subject, grant_sized_payload())
+        .await?;
+    let acquire = acquire_payload();
+    // The echo's subscription reached the server when `echo` returned; one
+    // warm-up request checks the path.
+    raw_client
+        .request_burst(&echo_subject, &acquire, 1, 1)
         .await
-        .map_err(|e| bench_err("subscribe", e))?;
-    raw_server
-        .flush()
-        .await
-        .map_err(|e| bench_err("flush", e))?;
-    let grant = grant_sized_payload();
-    let echo = tokio::spawn({
-        let raw_server = raw_server.clone();
-        async move {
-            while let Some(m) = sub.next().await {
-                if let Some(reply) = m.reply
-                    && raw_server.publish(reply, grant.clone()).await.is_err()
-                {
-                    break;
-                }
-            }
-        }
-    });
-
-    // Wait until the echo's subscription is in place on the server.
-    let mut attempts = 0;
-    while let Err(e) = raw_client
-        .request(echo_subject.clone(), Bytes::from_static(b"warm-up"))
-        .await
-    {
-        attempts += 1;
-        if attempts > 100 {
-            return Err(bench_err("raw echo warm-up", e));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        .context("raw echo warm-up")?;
 
     let mut rows = Vec::new();
-    let result: Result<(), CoordinatorError> = async {
+    let result: Result<()> = async {
         for concurrency in [1usize, opts.concurrency.max(1)] {
             let mode = if concurrency == 1 {
                 "sequential".to_owned()
@@ -369,7 +309,9 @@ pub async fn run_acquire_bench(
             let (mut best_raw, mut best_ours) = (Duration::MAX, Duration::MAX);
             for _ in 0..opts.rounds.max(1) {
                 best_raw = best_raw.min(
-                    raw_round(&raw_client, &echo_subject, opts.round_trips, concurrency).await?,
+                    raw_client
+                        .request_burst(&echo_subject, &acquire, opts.round_trips, concurrency)
+                        .await?,
                 );
                 let (d, tasks) =
                     coordinator_round(&client_bus, &worker, opts.round_trips, concurrency).await?;
@@ -386,7 +328,7 @@ pub async fn run_acquire_bench(
         Ok(())
     }
     .await;
-    echo.abort();
+    drop(echo);
     coordinator.shutdown();
     let joined = coordinator.join().await;
     let _ = tokio::fs::remove_dir_all(&dir).await;
@@ -403,7 +345,7 @@ pub async fn run_acquire_bench(
     })
 }
 
-async fn tempfile_dir() -> Result<std::path::PathBuf, CoordinatorError> {
+async fn tempfile_dir() -> Result<std::path::PathBuf> {
     let dir = std::env::temp_dir().join(format!(
         "asyncrl-coordinator-bench-{}-{}",
         std::process::id(),
@@ -411,6 +353,33 @@ async fn tempfile_dir() -> Result<std::path::PathBuf, CoordinatorError> {
     ));
     tokio::fs::create_dir_all(&dir)
         .await
-        .map_err(|e| bench_err("create a temporary directory", e))?;
+        .context("create a temporary directory")?;
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_acquire_bench_measures_both_sides() {
+        let report = run_acquire_bench(AcquireBenchOptions {
+            nats_url: None,
+            round_trips: 50,
+            concurrency: 4,
+            rounds: 1,
+        })
+        .await
+        .expect("bench");
+        assert_eq!(report.rows.len(), 2);
+        for r in &report.rows {
+            assert!(r.raw_per_s > 0.0 && r.coordinator_per_s > 0.0, "{r:?}");
+            assert!(r.ratio().is_finite());
+        }
+        let text = report.to_string();
+        assert!(
+            text.contains("coordinator/raw") && text.contains("concurrent x4"),
+            "{text}"
+        );
+    }
 }

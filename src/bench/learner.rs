@@ -11,7 +11,7 @@
 //!    `-mean(A)` and its gradient that of the policy-gradient term), backward,
 //!    global gradient-norm clipping and an [`AdamW`] step.
 //! 2. **PyTorch eager**: the model is saved with [`Policy::save_pretrained`]
-//!    into a temporary folder and `learner/bench/torch_eager.py` (embedded in
+//!    into a temporary folder and `src/bench/torch_eager.py` (embedded in
 //!    this crate and written next to it) opens it with
 //!    `transformers.AutoModelForCausalLM` (same weights, same architecture,
 //!    float32) and times the same step with `torch.optim.AdamW` and
@@ -34,10 +34,10 @@ use asyncrl_policy::{DeviceOptions, Policy, PolicyError, TinyModelSpec};
 use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
 
-use crate::adamw::{AdamW, AdamWConfig};
+use asyncrl_learner::adamw::{AdamW, AdamWConfig};
 
-/// The Python script of the PyTorch side (`learner/bench/torch_eager.py`).
-pub const TORCH_EAGER_SCRIPT: &str = include_str!("../bench/torch_eager.py");
+/// The Python script of the PyTorch side (`src/bench/torch_eager.py`).
+pub const TORCH_EAGER_SCRIPT: &str = include_str!("torch_eager.py");
 
 /// Learning rate of both sides' AdamW (the value hardly matters for speed).
 const BENCH_LR: f64 = 1e-5;
@@ -85,10 +85,7 @@ impl Default for LearnerBenchOptions {
 pub fn default_python() -> PathBuf {
     match std::env::var_os("ASYNCRL_PYTHON") {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .unwrap_or_else(|| Path::new("."))
-            .join(".venv/bin/python"),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"),
     }
 }
 
@@ -417,5 +414,29 @@ mod tests {
             .expect("loss")
             .double_value(&[]);
         assert!((loss + 4.0 / 6.0).abs() < 1e-6, "{loss}");
+    }
+
+    #[test]
+    fn bench_runs_both_sides() {
+        let opts = LearnerBenchOptions {
+            rows: 4,
+            seq_len: 8,
+            iterations: 2,
+            warmup: 1,
+            ..LearnerBenchOptions::default()
+        };
+        let report = run_learner_bench(opts).expect("learner bench");
+        assert!(report.ours.tokens_per_s > 0.0, "{report}");
+        assert!(report.pytorch.tokens_per_s > 0.0, "{report}");
+        assert!(
+            report.ratio().is_finite() && report.ratio() > 0.0,
+            "{report}"
+        );
+        // The same model on both sides.
+        assert_eq!(report.params, report.torch_params, "{report}");
+        let text = report.to_string();
+        assert!(text.contains("tokens/s"), "{text}");
+        assert!(text.contains("ratio ours/pytorch"), "{text}");
+        assert!(text.contains("4x8"), "{text}");
     }
 }

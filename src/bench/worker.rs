@@ -28,12 +28,10 @@ use asyncrl_transport::{Bus, LocalBus};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::WorkerError;
-use crate::scripted::{
+use asyncrl_rollout_worker::scripted::{
     ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream, publish_weights,
 };
-use crate::state::CompletionLengths;
-use crate::worker::Worker;
+use asyncrl_rollout_worker::{CompletionLengths, Worker, WorkerError};
 
 #[derive(Debug, Clone)]
 pub struct BatchingBenchOptions {
@@ -107,8 +105,6 @@ pub struct BatchingBenchReport {
     /// The best run of each mode: continuous first, then static.
     pub continuous: BatchingBenchRow,
     pub static_: BatchingBenchRow,
-    /// Every run, in order.
-    pub runs: Vec<BatchingBenchRow>,
     /// Median / p99 / max completion length of the data set (tokens).
     pub length_quantiles: (usize, usize, usize),
 }
@@ -218,7 +214,6 @@ pub async fn run_batching_bench(
         options,
         continuous,
         static_,
-        runs,
         length_quantiles,
     })
 }
@@ -299,4 +294,38 @@ async fn run_once(
         steps: stats.steps,
         max_sequences: o.max_sequences,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn continuous_batching_needs_fewer_steps_for_the_same_tokens() {
+        let mut opts = BatchingBenchOptions {
+            tasks: 24,
+            group_size: 2,
+            max_sequences: 8,
+            rounds: 1,
+            ..BatchingBenchOptions::default()
+        };
+        opts.model.tiny.hidden_size = 32;
+        opts.model.tiny.num_hidden_layers = 1;
+        opts.model.tiny.num_attention_heads = 2;
+        opts.model.tiny.num_key_value_heads = 1;
+        opts.model.tiny.intermediate_size = 64;
+        let report = run_batching_bench(opts).await.unwrap();
+        let text = report.to_string();
+        assert!(text.contains("continuous / static tokens/s"), "{text}");
+        let (c, s) = (&report.continuous, &report.static_);
+        assert_eq!(
+            (c.mode, s.mode),
+            (BatchingMode::Continuous, BatchingMode::Static)
+        );
+        // Every completion is as long as its reference answer plus one.
+        assert_eq!(c.tokens, s.tokens, "{text}");
+        assert!(c.tokens > 0);
+        assert!(c.steps < s.steps, "{text}");
+        assert!(c.occupancy() > s.occupancy(), "{text}");
+    }
 }

@@ -1,5 +1,5 @@
 //! `asyncrl bench transport`: JetStream publish-with-ack throughput through
-//! our [`Bus`](crate::Bus) against async-nats used directly, same server,
+//! our `Bus` against async-nats used directly (`asyncrl_transport::raw`), same server,
 //! same message size, same run. Each side publishes with a message id and
 //! waits for the stream's ack, once one at a time and once with many
 //! publishes in flight; rounds alternate between the two sides so that
@@ -8,10 +8,11 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use anyhow::{Context as _, Result};
+use asyncrl_transport::raw::RawNats;
+use asyncrl_transport::{Bus, NatsBus, PublishAck, StreamSpec, TransportMetrics};
 use bytes::Bytes;
 use futures::StreamExt;
-
-use crate::{Bus, NatsBus, Result, StreamSpec, TransportError, TransportMetrics};
 
 #[derive(Debug, Clone)]
 pub struct PublishBenchOptions {
@@ -97,7 +98,7 @@ async fn ours(
     tag: &str,
 ) -> Result<Duration> {
     let start = Instant::now();
-    let results: Vec<Result<crate::PublishAck>> = futures::stream::iter(0..n)
+    let results: Vec<asyncrl_transport::Result<PublishAck>> = futures::stream::iter(0..n)
         .map(|i| {
             let id = format!("{tag}-{i}");
             let payload = payload.clone();
@@ -112,42 +113,13 @@ async fn ours(
     Ok(start.elapsed())
 }
 
-async fn raw(
-    bus: &NatsBus,
-    subject: &str,
-    payload: &Bytes,
-    n: usize,
-    in_flight: usize,
-    tag: &str,
-) -> Result<Duration> {
-    let js = bus.jetstream().clone();
-    let start = Instant::now();
-    let results: Vec<std::result::Result<_, async_nats::jetstream::context::PublishError>> =
-        futures::stream::iter(0..n)
-            .map(|i| {
-                let msg = async_nats::jetstream::message::PublishMessage::build()
-                    .payload(payload.clone())
-                    .message_id(format!("{tag}-{i}"));
-                let js = js.clone();
-                async move { js.send_publish(subject.to_owned(), msg).await?.await }
-            })
-            .buffer_unordered(in_flight)
-            .collect()
-            .await;
-    for r in results {
-        r.map_err(|e| TransportError::backend("bench_raw_publish", e))?;
-    }
-    Ok(start.elapsed())
-}
-
 /// Runs the benchmark and returns the figures.
 pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBenchReport> {
     let mut own_server = None;
     let url = match &opts.nats_url {
         Some(url) => url.clone(),
         None => {
-            let server = asyncrl_testkit::NatsServer::start()
-                .map_err(|e| TransportError::backend("bench: start nats-server", e))?;
+            let server = asyncrl_testkit::NatsServer::start().context("start a nats-server")?;
             let url = server.url();
             own_server = Some(server);
             url
@@ -158,6 +130,7 @@ pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBench
         TransportMetrics::new(),
     )
     .await?;
+    let raw_nats = RawNats::connect(&url).await?;
     let payload = Bytes::from(vec![0xA5u8; opts.message_bytes]);
     let run_id = std::process::id();
     let mut rows = Vec::new();
@@ -177,7 +150,9 @@ pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBench
                 bus.ensure_stream(&spec).await?;
                 let tag = format!("{mode}-{round}-{side}");
                 let elapsed = if side == "raw" {
-                    raw(&bus, &subject, &payload, opts.messages, in_flight, &tag).await?
+                    raw_nats
+                        .publish_with_ack(&subject, &payload, opts.messages, in_flight, &tag)
+                        .await?
                 } else {
                     ours(&bus, &subject, &payload, opts.messages, in_flight, &tag).await?
                 };
@@ -187,10 +162,7 @@ pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBench
                     &mut best_ours
                 };
                 *best = (*best).min(elapsed);
-                bus.jetstream()
-                    .delete_stream(&stream)
-                    .await
-                    .map_err(|e| TransportError::backend("bench: delete stream", e))?;
+                bus.delete_stream(&stream).await?;
             }
         }
         let rate = |d: Duration| opts.messages as f64 / d.as_secs_f64();

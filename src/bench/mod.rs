@@ -1,0 +1,244 @@
+//! `asyncrl bench ...`: every benchmark of the project, with this one front
+//! end. Each prints its figures next to a baseline measured in the same run
+//! (a ratio), never a bare time.
+//!
+//! - `transport`: JetStream publish-with-ack through our bus against the
+//!   NATS client used directly;
+//! - `coordinator`: acquire → grant round trips against a raw echo;
+//! - `worker`: continuous against static batching;
+//! - `learner`: our training step against PyTorch eager;
+//! - `staleness`: reward under η × clip mode × seeds;
+//! - `speedup`: sync (η = 0) against async training.
+//!
+//! The buffer's benches are criterion benches (`cargo bench -p
+//! asyncrl-buffer`).
+
+mod coordinator;
+#[cfg(feature = "torch")]
+mod learner;
+#[cfg(feature = "torch")]
+mod speedup;
+#[cfg(feature = "torch")]
+mod staleness;
+mod transport;
+#[cfg(feature = "torch")]
+mod worker;
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand};
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum BenchCommand {
+    /// JetStream publish-with-ack throughput through asyncrl's transport
+    /// against async-nats used directly, as a ratio.
+    Transport(TransportBenchArgs),
+    /// Acquire→grant round trips through the coordinator against a raw
+    /// request/reply echo, as a ratio.
+    Coordinator(NatsBenchArgs),
+    /// Generated tokens/s with continuous batching against static batching
+    /// on the long-tailed reverse task, as a ratio.
+    Worker,
+    /// Reward under η × clip mode × seeds from the same start: CSV, PNG
+    /// curves and a markdown table.
+    Staleness(StalenessArgs),
+    /// Learner forward+backward+AdamW tokens/s of the built-in model against
+    /// the same model in PyTorch eager (same shapes, same threads), as a ratio.
+    Learner(LearnerBenchArgs),
+    /// Sync (η = 0) against async training on the long-tailed reverse task,
+    /// learner and worker pinned to separate cores: the measured speedup next
+    /// to the pipelining bound from the same runs.
+    Speedup(SpeedupArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SpeedupArgs {
+    /// Learner steps per run.
+    #[arg(long, default_value_t = 40)]
+    steps: u64,
+    /// First steps of each run not measured.
+    #[arg(long, default_value_t = 5)]
+    warmup: u64,
+    /// η of the asynchronous runs.
+    #[arg(long, default_value_t = 4)]
+    eta: u32,
+    /// Runs of each mode (alternating sync, async).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// B: groups per learner step.
+    #[arg(long, default_value_t = 8)]
+    groups_per_step: u32,
+    /// G: completions per prompt.
+    #[arg(long, default_value_t = 8)]
+    group_size: u32,
+    /// Slots of the worker's decode batch.
+    #[arg(long, default_value_t = 64)]
+    max_sequences: usize,
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    learner_cores: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    worker_cores: Vec<usize>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value = "docs/results/speedup")]
+    out: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct LearnerBenchArgs {
+    #[arg(long, default_value_t = 64)]
+    rows: i64,
+    #[arg(long, default_value_t = 32)]
+    seq_len: i64,
+    #[arg(long, default_value_t = 20)]
+    iterations: usize,
+    /// Intra-op CPU threads, on both sides.
+    #[arg(long, default_value_t = 1)]
+    threads: i32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StalenessArgs {
+    /// The base config (task, model, batch sizes); η, clip mode, seed,
+    /// steps and output directory are set per run.
+    config: PathBuf,
+    #[arg(long, value_delimiter = ',', default_value = "0,1,4,8")]
+    etas: Vec<u32>,
+    #[arg(long, value_delimiter = ',', default_value = "ppo,adaptive,m2po")]
+    clips: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    seeds: Vec<u64>,
+    /// Learner steps per run.
+    #[arg(long, default_value_t = 150)]
+    steps: u64,
+    /// Reward whose first crossing the table reports.
+    #[arg(long, default_value_t = 0.4)]
+    target: f64,
+    #[arg(long, default_value = "docs/results/staleness")]
+    out: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct TransportBenchArgs {
+    /// NATS server to benchmark against; default: start a private
+    /// nats-server (from the project's .venv or PATH).
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Messages per measurement.
+    #[arg(long, default_value_t = 2_000)]
+    messages: usize,
+    /// Payload size of each message in bytes.
+    #[arg(long, default_value_t = 16 * 1024)]
+    message_bytes: usize,
+    /// Publishes in flight in the pipelined measurement.
+    #[arg(long, default_value_t = 64)]
+    in_flight: usize,
+    /// Alternating rounds per side; the best round counts.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct NatsBenchArgs {
+    /// NATS server to benchmark against; default: a private nats-server.
+    #[arg(long)]
+    nats_url: Option<String>,
+}
+
+/// Runs one bench and prints its report.
+pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
+    let rt = crate::runtime()?;
+    match bench {
+        BenchCommand::Transport(args) => {
+            let opts = transport::PublishBenchOptions {
+                nats_url: args.nats_url,
+                messages: args.messages,
+                message_bytes: args.message_bytes,
+                in_flight: args.in_flight,
+                rounds: args.rounds,
+            };
+            let report = rt
+                .block_on(transport::run_publish_bench(opts))
+                .context("transport bench")?;
+            print!("{report}");
+        }
+        BenchCommand::Coordinator(args) => {
+            let opts = coordinator::AcquireBenchOptions {
+                nats_url: args.nats_url,
+                ..Default::default()
+            };
+            let report = rt
+                .block_on(coordinator::run_acquire_bench(opts))
+                .context("coordinator bench")?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
+        BenchCommand::Staleness(args) => {
+            let config = crate::load(&args.config, None)?;
+            let clips = args
+                .clips
+                .iter()
+                .map(|c| c.parse::<asyncrl_config::ClipModeName>())
+                .collect::<Result<Vec<_>, _>>()
+                .context("--clips")?;
+            let spec = staleness::StalenessBench {
+                etas: args.etas,
+                clips,
+                seeds: args.seeds,
+                steps: args.steps,
+                target: args.target,
+                out: args.out,
+            };
+            let report = rt.block_on(staleness::staleness(config, spec))?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
+        BenchCommand::Speedup(args) => {
+            let spec = speedup::SpeedupBench {
+                steps: args.steps,
+                warmup: args.warmup,
+                eta: args.eta,
+                rounds: args.rounds,
+                groups_per_step: args.groups_per_step,
+                group_size: args.group_size,
+                max_sequences: args.max_sequences,
+                learner_cores: args.learner_cores,
+                worker_cores: args.worker_cores,
+                seed: args.seed,
+                out: args.out,
+            };
+            let report = rt.block_on(speedup::speedup(spec))?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
+        BenchCommand::Worker => {
+            let opts = worker::BatchingBenchOptions::default();
+            let report = rt
+                .block_on(worker::run_batching_bench(opts))
+                .context("worker bench")?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
+        BenchCommand::Learner(args) => {
+            let opts = learner::LearnerBenchOptions {
+                rows: args.rows,
+                seq_len: args.seq_len,
+                iterations: args.iterations,
+                threads: args.threads,
+                ..Default::default()
+            };
+            let report = learner::run_learner_bench(opts).context("learner bench")?;
+            print!("{report}");
+        }
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Learner(_) => return crate::no_torch("bench learner"),
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Staleness(_) => return crate::no_torch("bench staleness"),
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Worker => return crate::no_torch("bench worker"),
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Speedup(_) => return crate::no_torch("bench speedup"),
+    }
+    Ok(())
+}

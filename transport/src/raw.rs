@@ -1,0 +1,137 @@
+//! The NATS client used directly, without our [`Bus`](crate::Bus): the
+//! baselines that `asyncrl bench` measures our paths against, in the same
+//! run and on the same server. Nothing in a role uses this.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+
+use crate::{NatsBus, Result, TransportError};
+
+/// A plain async-nats connection.
+#[derive(Clone)]
+pub struct RawNats {
+    client: async_nats::Client,
+}
+
+impl std::fmt::Debug for RawNats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawNats").finish_non_exhaustive()
+    }
+}
+
+/// A responder that answers every request with the same bytes until dropped.
+#[derive(Debug)]
+pub struct Echo {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RawNats {
+    pub async fn connect(url: &str) -> Result<Self> {
+        let client = async_nats::connect(url)
+            .await
+            .map_err(|e| TransportError::backend("raw connect", e))?;
+        Ok(Self { client })
+    }
+
+    /// Publishes `n` messages of `payload` to JetStream `subject`, each with
+    /// the message id `<tag>-<i>`, `in_flight` at a time, and waits for every
+    /// ack. Returns the time it took.
+    pub async fn publish_with_ack(
+        &self,
+        subject: &str,
+        payload: &Bytes,
+        n: usize,
+        in_flight: usize,
+        tag: &str,
+    ) -> Result<Duration> {
+        let js = async_nats::jetstream::new(self.client.clone());
+        let start = Instant::now();
+        let results: Vec<std::result::Result<_, async_nats::jetstream::context::PublishError>> =
+            futures::stream::iter(0..n)
+                .map(|i| {
+                    let msg = async_nats::jetstream::message::PublishMessage::build()
+                        .payload(payload.clone())
+                        .message_id(format!("{tag}-{i}"));
+                    let js = js.clone();
+                    async move { js.send_publish(subject.to_owned(), msg).await?.await }
+                })
+                .buffer_unordered(in_flight.max(1))
+                .collect()
+                .await;
+        for r in results {
+            r.map_err(|e| TransportError::backend("raw publish", e))?;
+        }
+        Ok(start.elapsed())
+    }
+
+    /// Answers every request on `subject` with `reply` until the returned
+    /// [`Echo`] is dropped (the subscription reached the server on return).
+    pub async fn echo(&self, subject: &str, reply: Bytes) -> Result<Echo> {
+        let mut sub = self
+            .client
+            .subscribe(subject.to_owned())
+            .await
+            .map_err(|e| TransportError::backend("raw subscribe", e))?;
+        self.client
+            .flush()
+            .await
+            .map_err(|e| TransportError::backend("raw flush", e))?;
+        let client = self.client.clone();
+        let task = tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                if let Some(to) = m.reply
+                    && client.publish(to, reply.clone()).await.is_err()
+                {
+                    return;
+                }
+            }
+        });
+        Ok(Echo { task })
+    }
+
+    /// Sends `n` requests of `payload` on `subject`, `concurrency` at a time,
+    /// and waits for every reply. Returns the time it took.
+    pub async fn request_burst(
+        &self,
+        subject: &str,
+        payload: &Bytes,
+        n: usize,
+        concurrency: usize,
+    ) -> Result<Duration> {
+        let start = Instant::now();
+        let results: Vec<std::result::Result<async_nats::Message, async_nats::RequestError>> =
+            futures::stream::iter(0..n)
+                .map(|_| {
+                    let client = self.client.clone();
+                    let payload = payload.clone();
+                    let subject = subject.to_owned();
+                    async move { client.request(subject, payload).await }
+                })
+                .buffer_unordered(concurrency.max(1))
+                .collect()
+                .await;
+        for r in results {
+            r.map_err(|e| TransportError::backend("raw request", e))?;
+        }
+        Ok(start.elapsed())
+    }
+}
+
+impl NatsBus {
+    /// Deletes a stream (benches remove the streams they created).
+    pub async fn delete_stream(&self, name: &str) -> Result<()> {
+        self.jetstream()
+            .delete_stream(name)
+            .await
+            .map_err(|e| TransportError::backend("delete stream", e))?;
+        Ok(())
+    }
+}
