@@ -16,8 +16,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::Event;
-use super::knob_admin::load_or_create_schedule;
+use super::knob_admin::{StoredSchedule, load_or_create_schedule};
 use super::persist::PersistError;
+use super::requests::Handled;
 use crate::capacity::CapacityEstimator;
 use crate::dataset::TaskSet;
 use crate::journal::{Journal, now_unix_ms};
@@ -40,12 +41,76 @@ pub(super) struct Settings {
     pub(super) max_recommended_workers: u32,
 }
 
-/// A pending "applied" journal entry: request seq, step, and what seals it.
+/// A pending "applied" journal entry: the request's journal seq (None when
+/// its outcome could not be journaled), the step, and what seals it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct PendingApply {
-    pub(super) seq: u64,
+    pub(super) seq: Option<u64>,
     pub(super) step: u64,
     pub(super) admission_only: bool,
+}
+
+/// A reply that may go out with the batch.
+struct Reply {
+    req: Request,
+    payload: Bytes,
+}
+
+/// The reply to a request that changed the persisted state: it goes out
+/// only once the batch is written.
+struct DurableReply {
+    req: Request,
+    reply: Bytes,
+    /// What to answer if the state cannot be written; None: no answer, so
+    /// that the requester times out and retries.
+    if_unwritten: Option<Bytes>,
+}
+
+impl DurableReply {
+    /// The state is written: the reply goes out.
+    fn written(self) -> Reply {
+        Reply {
+            req: self.req,
+            payload: self.reply,
+        }
+    }
+
+    /// The state is not written: the answer for that, if there is one.
+    fn unwritten(self) -> Option<Reply> {
+        let payload = self.if_unwritten?;
+        Some(Reply {
+            req: self.req,
+            payload,
+        })
+    }
+}
+
+/// What the events of one batch left to do.
+#[derive(Default)]
+struct BatchOutcome {
+    /// The persisted state changed: write it before the durable replies.
+    dirty: bool,
+    durable: Vec<DurableReply>,
+    ready: Vec<Reply>,
+}
+
+/// The learner as the persisted state records it; a learner-status event
+/// that changes it is written.
+#[derive(PartialEq)]
+struct LearnerMark {
+    session: String,
+    version: i32,
+    accepted: u64,
+}
+
+impl LearnerMark {
+    fn of(sched: &Scheduler) -> Self {
+        Self {
+            session: sched.learner_session().to_owned(),
+            version: sched.version(),
+            accepted: sched.accepted(),
+        }
+    }
 }
 
 fn millis(d: Duration) -> i64 {
@@ -147,7 +212,10 @@ impl Actor {
                 )
             }
         };
-        let (schedule, schedule_rev) = load_or_create_schedule(kv.as_ref(), config).await?;
+        let StoredSchedule {
+            schedule,
+            revision: schedule_rev,
+        } = load_or_create_schedule(kv.as_ref(), config).await?;
         let journal_path = c
             .journal_path
             .clone()
@@ -159,7 +227,7 @@ impl Actor {
             .iter()
             .filter(|ch| !journal.was_applied(ch.journal_seq) && ch.journal_seq > 0)
             .map(|ch| PendingApply {
-                seq: ch.journal_seq,
+                seq: Some(ch.journal_seq),
                 step: ch.from_step,
                 admission_only: ch.knobs.as_ref().is_some_and(knobs::is_admission_only),
             })
@@ -213,13 +281,15 @@ impl Actor {
             if n == 0 {
                 break;
             }
-            let mut dirty = false;
-            let mut deferred: Vec<(Request, Bytes, Option<Bytes>)> = Vec::new();
-            let mut immediate: Vec<(Request, Bytes)> = Vec::new();
+            let mut out = BatchOutcome::default();
             for ev in batch.drain(..) {
-                self.handle(ev, &mut dirty, &mut deferred, &mut immediate)
-                    .await?;
+                self.handle(ev, &mut out).await?;
             }
+            let BatchOutcome {
+                dirty,
+                durable,
+                mut ready,
+            } = out;
             if dirty || self.persist_failed {
                 match self.persist().await {
                     Ok(()) => {
@@ -228,15 +298,13 @@ impl Actor {
                             self.health.set_ready("coordinator");
                         }
                         self.persist_failed = false;
-                        immediate.extend(deferred.into_iter().map(|(r, ok, _)| (r, ok)));
+                        ready.extend(durable.into_iter().map(DurableReply::written));
                     }
                     Err(PersistError::Fatal(e)) => {
                         self.health
                             .set_not_ready("coordinator", format!("stopped: {e}"));
-                        for (r, _, err) in deferred {
-                            if let Some(err) = err {
-                                let _ = r.respond(err).await;
-                            }
+                        for r in durable.into_iter().filter_map(DurableReply::unwritten) {
+                            let _ = r.req.respond(r.payload).await;
                         }
                         return Err(e);
                     }
@@ -247,18 +315,14 @@ impl Actor {
                         self.persist_failed = true;
                         // A request without an "unavailable" answer gets none:
                         // its requester times out and retries.
-                        immediate.extend(
-                            deferred
-                                .into_iter()
-                                .filter_map(|(r, _, err)| err.map(|e| (r, e))),
-                        );
+                        ready.extend(durable.into_iter().filter_map(DurableReply::unwritten));
                     }
                 }
             } else {
-                immediate.extend(deferred.into_iter().map(|(r, ok, _)| (r, ok)));
+                ready.extend(durable.into_iter().map(DurableReply::written));
             }
-            futures::future::join_all(immediate.into_iter().map(|(r, payload)| async move {
-                if let Err(e) = r.respond(payload).await {
+            futures::future::join_all(ready.into_iter().map(|r| async move {
+                if let Err(e) = r.req.respond(r.payload).await {
                     tracing::debug!(error = %e, "could not send a reply");
                 }
             }))
@@ -274,24 +338,24 @@ impl Actor {
         Ok(())
     }
 
-    async fn handle(
-        &mut self,
-        ev: Event,
-        dirty: &mut bool,
-        deferred: &mut Vec<(Request, Bytes, Option<Bytes>)>,
-        immediate: &mut Vec<(Request, Bytes)>,
-    ) -> Result<(), CoordinatorError> {
+    async fn handle(&mut self, ev: Event, out: &mut BatchOutcome) -> Result<(), CoordinatorError> {
+        let dirty = &mut out.dirty;
         let now = now_unix_ms();
         match ev {
-            Event::Request { kind, req } => {
-                let (reply, changed, unavailable) = self.handle_request(kind, &req.payload, now);
-                if changed {
+            Event::Request { kind, req } => match self.handle_request(kind, &req.payload, now) {
+                Handled::Reply(payload) => out.ready.push(Reply { req, payload }),
+                Handled::Durable {
+                    reply,
+                    if_unwritten,
+                } => {
                     *dirty = true;
-                    deferred.push((req, reply, unavailable));
-                } else {
-                    immediate.push((req, reply));
+                    out.durable.push(DurableReply {
+                        req,
+                        reply,
+                        if_unwritten,
+                    });
                 }
-            }
+            },
             Event::Version(a) => {
                 self.estimator
                     .on_announcement(a.version, a.published_at_unix_ms);
@@ -301,23 +365,14 @@ impl Actor {
             }
             Event::LearnerStatus(s) => {
                 self.estimator.on_train_seconds(s.step_train_seconds);
-                let before = (
-                    self.sched.learner_session().to_owned(),
-                    self.sched.version(),
-                    self.sched.accepted(),
-                );
+                let before = LearnerMark::of(&self.sched);
                 let change = self
                     .sched
                     .on_learner_session(&s.session_id, s.start_version);
                 self.on_version_change(change);
                 // A first session is adopted without a reset, and is
                 // persisted all the same.
-                *dirty |= before
-                    != (
-                        self.sched.learner_session().to_owned(),
-                        self.sched.version(),
-                        self.sched.accepted(),
-                    );
+                *dirty |= before != LearnerMark::of(&self.sched);
             }
             Event::Knobs { schedule, revision } => {
                 if revision > self.schedule_rev {

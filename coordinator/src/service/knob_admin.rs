@@ -4,9 +4,7 @@
 //! entries — the request's outcome, then "applied" once its step has come.
 
 use asyncrl_config::Config;
-use asyncrl_protos::v1::{
-    ControlReply, GetKnobsReply, KnobChange, KnobSchedule, Knobs, SetKnobsReply,
-};
+use asyncrl_protos::v1::{ControlReply, KnobChange, KnobSchedule, Knobs, SetKnobsReply};
 use asyncrl_transport::{KvBucket, TransportError};
 
 use super::actor::{Actor, PendingApply};
@@ -16,21 +14,88 @@ use crate::journal::{entry, now_unix_ms};
 use crate::knobs::{self, Decision, KNOBS_KEY};
 use crate::metrics::OutcomeLabel;
 
+/// The knob schedule as stored in the KV bucket, and its revision.
+pub(super) struct StoredSchedule {
+    pub(super) schedule: KnobSchedule,
+    pub(super) revision: u64,
+}
+
+/// The outcome of a knob change, pause/resume or checkpoint request, as the
+/// requester is told.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct KnobOutcome {
+    pub(super) accepted: bool,
+    /// The step the change lands at (0 when refused).
+    pub(super) effective_step: u64,
+    /// Why it was refused (empty when accepted).
+    pub(super) reason: String,
+    /// The journal entry of the outcome; None when it could not be written.
+    pub(super) journal_seq: Option<u64>,
+}
+
+impl KnobOutcome {
+    /// What a schedule edit decided, before it is journaled.
+    fn decided(result: Result<Decision, String>) -> Self {
+        let (accepted, effective_step, reason) = match result {
+            Ok(Decision::At(n)) => (true, n, String::new()),
+            Ok(Decision::Refused(r)) | Err(r) => (false, 0, r),
+        };
+        Self {
+            accepted,
+            effective_step,
+            reason,
+            journal_seq: None,
+        }
+    }
+
+    /// The journal seq on the wire, where 0 means "not journaled" (journal
+    /// seqs start at 1).
+    fn wire_journal_seq(&self) -> u64 {
+        self.journal_seq.unwrap_or(0)
+    }
+
+    fn into_set_knobs_reply(self) -> SetKnobsReply {
+        SetKnobsReply {
+            journal_seq: self.wire_journal_seq(),
+            accepted: self.accepted,
+            effective_step: self.effective_step,
+            reason: self.reason,
+        }
+    }
+
+    fn into_control_reply(self) -> ControlReply {
+        ControlReply {
+            journal_seq: self.wire_journal_seq(),
+            accepted: self.accepted,
+            effective_step: self.effective_step,
+            reason: self.reason,
+        }
+    }
+}
+
 pub(super) async fn load_or_create_schedule(
     kv: &dyn KvBucket,
     config: &Config,
-) -> Result<(KnobSchedule, u64), CoordinatorError> {
+) -> Result<StoredSchedule, CoordinatorError> {
     for _ in 0..4 {
         if let Some(e) = kv
             .get(KNOBS_KEY)
             .await
             .map_err(|e| CoordinatorError::transport("read the knob schedule", e))?
         {
-            return Ok((knobs::decode_schedule(&e.value)?, e.revision));
+            return Ok(StoredSchedule {
+                schedule: knobs::decode_schedule(&e.value)?,
+                revision: e.revision,
+            });
         }
         let s = knobs::new_schedule(knobs::initial_knobs(config));
         match kv.create(KNOBS_KEY, knobs::encode_schedule(&s)).await {
-            Ok(rev) => return Ok((s, rev)),
+            Ok(revision) => {
+                return Ok(StoredSchedule {
+                    schedule: s,
+                    revision,
+                });
+            }
             Err(TransportError::KeyExists { .. }) => continue,
             Err(e) => return Err(CoordinatorError::transport("create the knob schedule", e)),
         }
@@ -59,7 +124,7 @@ impl Actor {
         self.pending_applied = rest;
         for p in due {
             let mut e = entry("coordinator", "applied", "applied");
-            e.ref_seq = Some(p.seq);
+            e.ref_seq = p.seq;
             e.effective_step = Some(p.step);
             e.reason = Some(if p.admission_only {
                 format!("in effect for grants from learner step {}", p.step)
@@ -73,7 +138,9 @@ impl Actor {
         }
     }
 
-    async fn journal_outcome(&mut self, mut e: crate::journal::JournalEntry) -> u64 {
+    /// Journals a request's outcome; its seq, or None when the journal
+    /// could not be written (logged).
+    async fn journal_outcome(&mut self, mut e: crate::journal::JournalEntry) -> Option<u64> {
         self.metrics
             .knob_requests
             .get_or_create(&OutcomeLabel {
@@ -82,10 +149,10 @@ impl Actor {
             .inc();
         e.unix_ms = now_unix_ms();
         match self.journal.append(e).await {
-            Ok(seq) => seq,
+            Ok(seq) => Some(seq),
             Err(err) => {
                 tracing::error!(error = %err, "cannot append to the knob journal");
-                0
+                None
             }
         }
     }
@@ -136,7 +203,7 @@ impl Actor {
         who: &str,
         peer: Option<String>,
         auth: Result<(), Unauthorized>,
-    ) -> Result<(bool, u64, String, u64), Unauthorized> {
+    ) -> Result<KnobOutcome, Unauthorized> {
         let mut e = entry(who, action, "refused");
         e.peer = peer;
         e.request = serde_json::json!({
@@ -152,8 +219,13 @@ impl Actor {
         if let Err(err) = knobs::validate(&knobs_req) {
             let reason = err.to_string();
             e.reason = Some(reason.clone());
-            let seq = self.journal_outcome(e).await;
-            return Ok((false, 0, reason, seq));
+            let journal_seq = self.journal_outcome(e).await;
+            return Ok(KnobOutcome {
+                accepted: false,
+                effective_step: 0,
+                reason,
+                journal_seq,
+            });
         }
         let seq = self.journal.next_seq();
         let admission_only = knobs::is_admission_only(&knobs_req);
@@ -178,16 +250,9 @@ impl Actor {
                 d
             })
             .await;
-        let (accepted, step, reason) = match result {
-            Ok(Decision::At(n)) => (true, n, String::new()),
-            Ok(Decision::Refused(r)) => (false, 0, r),
-            Err(r) => (false, 0, r),
-        };
-        e.outcome = if accepted { "accepted" } else { "refused" }.into();
-        e.effective_step = accepted.then_some(step);
-        e.reason = (!reason.is_empty()).then(|| reason.clone());
-        let seq = self.journal_outcome(e).await;
-        if accepted {
+        let outcome = self.journal_decision(e, result).await;
+        if outcome.accepted {
+            let (step, seq) = (outcome.effective_step, outcome.journal_seq);
             tracing::info!(who, action, step, seq, knobs = ?knobs::knob_rows(&knobs_req), "knob change accepted");
             self.pending_applied.push(PendingApply {
                 seq,
@@ -196,9 +261,28 @@ impl Actor {
             });
             self.check_applied().await;
         } else {
-            tracing::info!(who, action, reason = %reason, "knob change refused");
+            tracing::info!(who, action, reason = %outcome.reason, "knob change refused");
         }
-        Ok((accepted, step, reason, seq))
+        Ok(outcome)
+    }
+
+    /// Journals what a schedule edit decided (`e` is the request's entry).
+    async fn journal_decision(
+        &mut self,
+        mut e: crate::journal::JournalEntry,
+        result: Result<Decision, String>,
+    ) -> KnobOutcome {
+        let mut outcome = KnobOutcome::decided(result);
+        e.outcome = if outcome.accepted {
+            "accepted"
+        } else {
+            "refused"
+        }
+        .into();
+        e.effective_step = outcome.accepted.then_some(outcome.effective_step);
+        e.reason = (!outcome.reason.is_empty()).then(|| outcome.reason.clone());
+        outcome.journal_seq = self.journal_outcome(e).await;
+        outcome
     }
 
     async fn checkpoint(
@@ -206,7 +290,7 @@ impl Actor {
         who: &str,
         peer: Option<String>,
         auth: Result<(), Unauthorized>,
-    ) -> Result<ControlReply, Unauthorized> {
+    ) -> Result<KnobOutcome, Unauthorized> {
         let mut e = entry(who, "checkpoint", "refused");
         e.peer = peer;
         if let Err(Unauthorized(reason)) = auth {
@@ -226,28 +310,16 @@ impl Actor {
                 d
             })
             .await;
-        let (accepted, step, reason) = match result {
-            Ok(Decision::At(n)) => (true, n, String::new()),
-            Ok(Decision::Refused(r)) | Err(r) => (false, 0, r),
-        };
-        e.outcome = if accepted { "accepted" } else { "refused" }.into();
-        e.effective_step = accepted.then_some(step);
-        e.reason = (!reason.is_empty()).then(|| reason.clone());
-        let seq = self.journal_outcome(e).await;
-        if accepted {
+        let outcome = self.journal_decision(e, result).await;
+        if outcome.accepted {
             self.pending_applied.push(PendingApply {
-                seq,
-                step,
+                seq: outcome.journal_seq,
+                step: outcome.effective_step,
                 admission_only: false,
             });
             self.check_applied().await;
         }
-        Ok(ControlReply {
-            accepted,
-            effective_step: step,
-            reason,
-            journal_seq: seq,
-        })
+        Ok(outcome)
     }
 
     pub(super) async fn handle_admin(&mut self, cmd: AdminCommand) {
@@ -259,19 +331,7 @@ impl Actor {
                 let _ = reply.send(self.workers());
             }
             AdminCommand::GetKnobs(reply) => {
-                let current = self.current_step();
-                let _ = reply.send(GetKnobsReply {
-                    knobs: Some(knobs::effective(&self.schedule, current)),
-                    pending: self
-                        .schedule
-                        .changes
-                        .iter()
-                        .filter(|c| c.from_step > current)
-                        .cloned()
-                        .collect(),
-                    current_step: current,
-                    sealed_through_step: self.schedule.sealed_through_step,
-                });
+                let _ = reply.send(self.knobs_view());
             }
             AdminCommand::SetKnobs {
                 req,
@@ -294,14 +354,7 @@ impl Actor {
                         auth,
                     )
                     .await
-                    .map(
-                        |(accepted, effective_step, reason, journal_seq)| SetKnobsReply {
-                            accepted,
-                            effective_step,
-                            reason,
-                            journal_seq,
-                        },
-                    );
+                    .map(KnobOutcome::into_set_knobs_reply);
                 let _ = reply.send(r);
             }
             AdminCommand::Control {
@@ -318,8 +371,8 @@ impl Actor {
                 };
                 let r = match action {
                     ControlAction::Checkpoint => self.checkpoint(&who, peer, auth).await,
-                    ControlAction::Pause | ControlAction::Resume => self
-                        .set_knobs(
+                    ControlAction::Pause | ControlAction::Resume => {
+                        self.set_knobs(
                             action.name(),
                             Knobs {
                                 paused: Some(action == ControlAction::Pause),
@@ -331,16 +384,9 @@ impl Actor {
                             auth,
                         )
                         .await
-                        .map(
-                            |(accepted, effective_step, reason, journal_seq)| ControlReply {
-                                accepted,
-                                effective_step,
-                                reason,
-                                journal_seq,
-                            },
-                        ),
+                    }
                 };
-                let _ = reply.send(r);
+                let _ = reply.send(r.map(KnobOutcome::into_control_reply));
             }
         }
     }

@@ -10,6 +10,7 @@ use prost::Message;
 
 use super::RequestKind;
 use super::actor::Actor;
+use super::views::Admission;
 use crate::dataset::valid_task_id;
 use crate::metrics::CoordinatorMetrics;
 use crate::scheduler::Completion;
@@ -25,16 +26,39 @@ impl<M: Message> EncodeDyn for M {
     }
 }
 
+/// What handling a request did, and so when its reply may go out.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Handled {
+    /// The persisted state is unchanged: the reply goes out with the batch.
+    Reply(Bytes),
+    /// The request changed the persisted state: its reply goes out only
+    /// once the batch is written (group commit).
+    Durable {
+        reply: Bytes,
+        /// What to answer instead if the state cannot be written; None: no
+        /// answer, so that the requester times out and retries.
+        if_unwritten: Option<Bytes>,
+    },
+}
+
+/// What an acquire came to: tasks, or why there are none.
+enum Acquired {
+    Granted(Vec<Task>),
+    Denied {
+        reason: String,
+        /// The `reason` label of `asyncrl_acquire_denied_total`.
+        label: &'static str,
+    },
+}
+
 impl Actor {
-    /// Returns (reply, whether the persisted state changed, the reply to
-    /// send instead if it cannot be persisted; None: no reply, so that the
-    /// requester times out and retries).
+    /// Handles one worker request.
     pub(super) fn handle_request(
         &mut self,
         kind: RequestKind,
         payload: &[u8],
         now: i64,
-    ) -> (Bytes, bool, Option<Bytes>) {
+    ) -> Handled {
         let enc = |m: &dyn EncodeDyn| Bytes::from(m.encode_dyn());
         match kind {
             RequestKind::Register => {
@@ -68,8 +92,7 @@ impl Actor {
                         }
                     }
                 };
-                let b = enc(&reply);
-                (b, false, None)
+                Handled::Reply(enc(&reply))
             }
             RequestKind::Heartbeat => {
                 let reply = match WorkerHeartbeat::decode(payload) {
@@ -97,8 +120,7 @@ impl Actor {
                         }
                     }
                 };
-                let b = enc(&reply);
-                (b, false, None)
+                Handled::Reply(enc(&reply))
             }
             RequestKind::Acquire => {
                 let retry = self.settings.retry_after_ms;
@@ -111,18 +133,30 @@ impl Actor {
                     Ok(a) => a,
                     Err(e) => {
                         let b = enc(&deny(format!("malformed AcquireTasks: {e}")));
-                        return (b, false, None);
+                        return Handled::Reply(b);
                     }
                 };
-                let (reply, label) = self.acquire(&a, now);
-                if let Some(label) = label {
-                    CoordinatorMetrics::reason(&self.metrics.acquire_denied, label);
+                match self.acquire(&a, now) {
+                    Acquired::Granted(tasks) if !tasks.is_empty() => Handled::Durable {
+                        reply: enc(&AcquireTasksReply {
+                            tasks,
+                            reason: String::new(),
+                            retry_after_ms: 0,
+                        }),
+                        if_unwritten: Some(enc(&deny(
+                            "the coordinator cannot write its state to the KV bucket; retry".into(),
+                        ))),
+                    },
+                    Acquired::Granted(tasks) => Handled::Reply(enc(&AcquireTasksReply {
+                        tasks,
+                        reason: String::new(),
+                        retry_after_ms: 0,
+                    })),
+                    Acquired::Denied { reason, label } => {
+                        CoordinatorMetrics::reason(&self.metrics.acquire_denied, label);
+                        Handled::Reply(enc(&deny(reason)))
+                    }
                 }
-                let granted = !reply.tasks.is_empty();
-                let unavailable = enc(&deny(
-                    "the coordinator cannot write its state to the KV bucket; retry".into(),
-                ));
-                (enc(&reply), granted, Some(unavailable))
             }
             RequestKind::Complete => {
                 let c = match CompleteTask::decode(payload) {
@@ -132,7 +166,7 @@ impl Actor {
                             accepted: false,
                             reason: format!("malformed CompleteTask: {e}"),
                         });
-                        return (b, false, None);
+                        return Handled::Reply(b);
                     }
                 };
                 self.registry.touch(&c.worker_id, now);
@@ -152,14 +186,17 @@ impl Actor {
                             accepted: true,
                             reason: String::new(),
                         });
-                        (ok, true, None)
+                        Handled::Durable {
+                            reply: ok,
+                            if_unwritten: None,
+                        }
                     }
                     Ok(Completion::AlreadyCompleted) => {
                         let b = enc(&CompleteTaskReply {
                             accepted: true,
                             reason: "already completed (a retry)".into(),
                         });
-                        (b, false, None)
+                        Handled::Reply(b)
                     }
                     Err(refusal) => {
                         CoordinatorMetrics::reason(
@@ -171,7 +208,7 @@ impl Actor {
                             accepted: false,
                             reason: refusal.to_string(),
                         });
-                        (b, false, None)
+                        Handled::Reply(b)
                     }
                 }
             }
@@ -181,7 +218,7 @@ impl Actor {
                     Err(e) => {
                         tracing::warn!(error = %e, "malformed ReturnTasks");
                         let b = enc(&ReturnTasksReply { returned: 0 });
-                        return (b, false, None);
+                        return Handled::Reply(b);
                     }
                 };
                 self.registry.touch(&r.worker_id, now);
@@ -191,23 +228,20 @@ impl Actor {
                 let ok = enc(&ReturnTasksReply {
                     returned: ended.len() as u32,
                 });
-                (ok, !ended.is_empty(), None)
+                if ended.is_empty() {
+                    Handled::Reply(ok)
+                } else {
+                    Handled::Durable {
+                        reply: ok,
+                        if_unwritten: None,
+                    }
+                }
             }
         }
     }
 
-    fn acquire(&mut self, a: &AcquireTasks, now: i64) -> (AcquireTasksReply, Option<&'static str>) {
-        let retry = self.settings.retry_after_ms;
-        let deny = |reason: String, label: &'static str| {
-            (
-                AcquireTasksReply {
-                    tasks: Vec::new(),
-                    reason,
-                    retry_after_ms: retry,
-                },
-                Some(label),
-            )
-        };
+    fn acquire(&mut self, a: &AcquireTasks, now: i64) -> Acquired {
+        let deny = |reason: String, label: &'static str| Acquired::Denied { reason, label };
         if !valid_task_id(&a.worker_id) {
             return deny(
                 format!(
@@ -221,7 +255,7 @@ impl Actor {
         if worker.draining {
             return deny("the worker is draining".into(), "draining");
         }
-        let (eta, paused) = self.eta_and_paused();
+        let Admission { eta, paused } = self.admission();
         if paused {
             return deny("admission is paused (asyncrl ctl resume)".into(), "paused");
         }
@@ -261,13 +295,6 @@ impl Actor {
                 })
             })
             .collect();
-        (
-            AcquireTasksReply {
-                tasks,
-                reason: String::new(),
-                retry_after_ms: 0,
-            },
-            None,
-        )
+        Acquired::Granted(tasks)
     }
 }

@@ -1,7 +1,7 @@
 //! What the actor shows: the status and worker list of the admin API, the
 //! knobs in effect, the capacity model's recommendation and the metrics.
 
-use asyncrl_protos::v1::{ListWorkersReply, StatusReply, WorkerInfo};
+use asyncrl_protos::v1::{GetKnobsReply, ListWorkersReply, StatusReply, WorkerInfo};
 
 use super::actor::Actor;
 use crate::capacity::{WorkerView, recommended_workers};
@@ -9,10 +9,22 @@ use crate::journal::now_unix_ms;
 use crate::knobs;
 use crate::metrics::{KnobLabel, StateLabel, WorkerLabel};
 
+/// The admission knobs in effect: the staleness bound η and whether
+/// admission is paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Admission {
+    pub(super) eta: u32,
+    pub(super) paused: bool,
+}
+
 impl Actor {
-    pub(super) fn eta_and_paused(&self) -> (u32, bool) {
+    /// The admission knobs in effect for the current step.
+    pub(super) fn admission(&self) -> Admission {
         let k = knobs::effective(&self.schedule, self.current_step());
-        (k.eta.unwrap_or(0), k.paused.unwrap_or(false))
+        Admission {
+            eta: k.eta.unwrap_or(0),
+            paused: k.paused.unwrap_or(false),
+        }
     }
 
     pub(super) fn current_step(&self) -> u64 {
@@ -20,7 +32,7 @@ impl Actor {
     }
 
     pub(super) fn status(&self) -> StatusReply {
-        let (eta, paused) = self.eta_and_paused();
+        let Admission { eta, paused } = self.admission();
         StatusReply {
             policy_version: self.sched.version(),
             learner_step: self.sched.version().max(0) as u64,
@@ -39,6 +51,23 @@ impl Actor {
             requeued_tasks: self.sched.queue_len() as u64,
             sealed_through_step: self.schedule.sealed_through_step,
             dead_workers: self.registry.dead_count() as u32,
+        }
+    }
+
+    /// The knobs in effect and the changes still to come.
+    pub(super) fn knobs_view(&self) -> GetKnobsReply {
+        let current = self.current_step();
+        GetKnobsReply {
+            knobs: Some(knobs::effective(&self.schedule, current)),
+            pending: self
+                .schedule
+                .changes
+                .iter()
+                .filter(|c| c.from_step > current)
+                .cloned()
+                .collect(),
+            current_step: current,
+            sealed_through_step: self.schedule.sealed_through_step,
         }
     }
 
@@ -106,7 +135,7 @@ impl Actor {
 
     pub(super) fn update_metrics(&self) {
         let m = &self.metrics;
-        let (eta, _) = self.eta_and_paused();
+        let eta = self.admission().eta;
         m.policy_version.set(i64::from(self.sched.version()));
         m.capacity_left.set(self.sched.capacity(eta));
         m.accepted_groups.set(self.sched.accepted() as i64);
