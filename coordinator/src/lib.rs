@@ -27,6 +27,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use asyncrl_common::{SharedClock, SystemClock};
 use asyncrl_config::Config;
 use asyncrl_protos::subjects::{CONTROL_BUCKET, POLICY_VERSION_KEY};
 use asyncrl_protos::v1::{GetKnobsReply, ListWorkersReply, StatusReply};
@@ -120,11 +121,34 @@ impl Coordinator {
         health: Health,
         shutdown: &CancellationToken,
     ) -> Result<Self, CoordinatorError> {
+        Self::start_with_clock(
+            config,
+            bus,
+            metrics,
+            health,
+            shutdown,
+            SystemClock::shared(),
+        )
+        .await
+    }
+
+    /// [`Coordinator::start`] on `clock`: the time lease deadlines and
+    /// heartbeat silence are measured by (tests pass an
+    /// [`asyncrl_common::TokioClock`] to run on paused tokio time).
+    pub async fn start_with_clock(
+        config: Config,
+        bus: Arc<dyn Bus>,
+        metrics: Metrics,
+        health: Health,
+        shutdown: &CancellationToken,
+        clock: SharedClock,
+    ) -> Result<Self, CoordinatorError> {
         config.validate()?;
         health.set_not_ready("coordinator", "starting");
         let shutdown = shutdown.child_token();
         let coordinator_metrics = metrics::CoordinatorMetrics::register(&metrics)?;
-        let actor = Actor::prepare(&config, &bus, coordinator_metrics, health.clone()).await?;
+        let actor =
+            Actor::prepare(&config, &bus, coordinator_metrics, health.clone(), clock).await?;
         let (tx, rx) = mpsc::channel(4096);
         let kv = bus
             .kv(CONTROL_BUCKET)

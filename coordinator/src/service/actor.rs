@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use asyncrl_common::SharedClock;
 use asyncrl_config::Config;
 use asyncrl_protos::v1::{CoordinatorState, KnobSchedule};
 use asyncrl_telemetry::Health;
@@ -21,7 +22,7 @@ use super::persist::PersistError;
 use super::requests::Handled;
 use crate::capacity::CapacityEstimator;
 use crate::dataset::TaskSet;
-use crate::journal::{Journal, now_unix_ms};
+use crate::journal::Journal;
 use crate::knobs;
 use crate::metrics::CoordinatorMetrics;
 use crate::registry::Registry;
@@ -139,6 +140,10 @@ pub(crate) struct Actor {
     pub(super) metrics: CoordinatorMetrics,
     pub(super) health: Health,
     pub(super) recommended: Option<f64>,
+    /// The only source of wall-clock time (lease deadlines, heartbeat
+    /// silence, journal times): the system clock, or paused tokio time in
+    /// tests.
+    pub(super) clock: SharedClock,
 }
 
 impl Actor {
@@ -148,6 +153,7 @@ impl Actor {
         bus: &Arc<dyn Bus>,
         metrics: CoordinatorMetrics,
         health: Health,
+        clock: SharedClock,
     ) -> Result<Self, CoordinatorError> {
         let c = &config.coordinator;
         let datasets = c.datasets.clone();
@@ -176,7 +182,7 @@ impl Actor {
             .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
             .await
             .map_err(|e| CoordinatorError::transport("open the KV bucket asyncrl_control", e))?;
-        let now = now_unix_ms();
+        let now = clock.now_unix_ms();
         let (sched, state_rev) = match kv
             .get(STATE_KEY)
             .await
@@ -251,6 +257,7 @@ impl Actor {
             metrics,
             health,
             recommended: None,
+            clock,
         })
     }
 
@@ -340,7 +347,7 @@ impl Actor {
 
     async fn handle(&mut self, ev: Event, out: &mut BatchOutcome) -> Result<(), CoordinatorError> {
         let dirty = &mut out.dirty;
-        let now = now_unix_ms();
+        let now = self.clock.now_unix_ms();
         match ev {
             Event::Request { kind, req } => match self.handle_request(kind, &req.payload, now) {
                 Handled::Reply(payload) => out.ready.push(Reply { req, payload }),

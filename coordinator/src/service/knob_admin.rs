@@ -10,7 +10,7 @@ use asyncrl_transport::{KvBucket, TransportError};
 use super::actor::{Actor, PendingApply};
 use super::{AdminCommand, ControlAction, Unauthorized};
 use crate::CoordinatorError;
-use crate::journal::{entry, now_unix_ms};
+use crate::journal::entry;
 use crate::knobs::{self, Decision, KNOBS_KEY};
 use crate::metrics::OutcomeLabel;
 
@@ -124,6 +124,7 @@ impl Actor {
         self.pending_applied = rest;
         for p in due {
             let mut e = entry("coordinator", "applied", "applied");
+            e.unix_ms = self.clock.now_unix_ms();
             e.ref_seq = p.seq;
             e.effective_step = Some(p.step);
             e.reason = Some(if p.admission_only {
@@ -147,7 +148,7 @@ impl Actor {
                 outcome: e.outcome.clone(),
             })
             .inc();
-        e.unix_ms = now_unix_ms();
+        e.unix_ms = self.clock.now_unix_ms();
         match self.journal.append(e).await {
             Ok(seq) => Some(seq),
             Err(err) => {

@@ -5,7 +5,6 @@ use asyncrl_protos::v1::{GetKnobsReply, ListWorkersReply, StatusReply, WorkerInf
 
 use super::actor::Actor;
 use crate::capacity::{WorkerView, recommended_workers};
-use crate::journal::now_unix_ms;
 use crate::knobs;
 use crate::metrics::{KnobLabel, StateLabel, WorkerLabel};
 
@@ -142,7 +141,7 @@ impl Actor {
         m.running_groups.set(self.sched.running() as i64);
         m.requeued_tasks.set(self.sched.queue_len() as i64);
         m.epoch.set(self.sched.epoch() as i64);
-        let now = now_unix_ms();
+        let now = self.clock.now_unix_ms();
         let (mut alive, mut dead, mut draining) = (0, 0, 0);
         for w in self.registry.iter() {
             m.worker_heartbeat_age
