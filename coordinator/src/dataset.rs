@@ -9,9 +9,6 @@ use asyncrl_config::DatasetConfig;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-/// The wire task-id format is part of the contract (`asyncrl_protos::subjects`).
-pub use asyncrl_protos::subjects::{split_wire_task_id, wire_task_id};
-
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
     #[error(

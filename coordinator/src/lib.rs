@@ -27,8 +27,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use asyncrl_common::{SharedClock, SystemClock};
 use asyncrl_config::Config;
-use asyncrl_protos::subjects::{CONTROL_BUCKET, POLICY_VERSION_KEY};
+use asyncrl_protos::subjects::{LEARNER_STATUS_KEY, POLICY_VERSION_KEY};
 use asyncrl_protos::v1::{GetKnobsReply, ListWorkersReply, StatusReply};
 use asyncrl_telemetry::{Health, Metrics, TelemetryError};
 use asyncrl_transport::{Bus, TransportError};
@@ -42,11 +43,6 @@ pub use scheduler::StateError;
 pub use tokio_util::sync::CancellationToken as ShutdownToken;
 
 use crate::service::{Actor, AdminCommand, Event};
-
-// The KV keys and the queue group are part of the wire contract (protos).
-pub use asyncrl_protos::subjects::{
-    COORDINATOR_QUEUE_GROUP as QUEUE_GROUP, COORDINATOR_STATE_KEY as STATE_KEY, LEARNER_STATUS_KEY,
-};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CoordinatorError {
@@ -118,33 +114,52 @@ impl Coordinator {
         health: Health,
         shutdown: &CancellationToken,
     ) -> Result<Self, CoordinatorError> {
+        Self::start_with_clock(
+            config,
+            bus,
+            metrics,
+            health,
+            shutdown,
+            SystemClock::shared(),
+        )
+        .await
+    }
+
+    /// [`Coordinator::start`] on `clock`: the time lease deadlines and
+    /// heartbeat silence are measured by (tests pass an
+    /// [`asyncrl_common::TokioClock`] to run on paused tokio time).
+    pub async fn start_with_clock(
+        config: Config,
+        bus: Arc<dyn Bus>,
+        metrics: Metrics,
+        health: Health,
+        shutdown: &CancellationToken,
+        clock: SharedClock,
+    ) -> Result<Self, CoordinatorError> {
         config.validate()?;
         health.set_not_ready("coordinator", "starting");
         let shutdown = shutdown.child_token();
         let coordinator_metrics = metrics::CoordinatorMetrics::register(&metrics)?;
-        let actor = Actor::prepare(&config, &bus, coordinator_metrics, health.clone()).await?;
+        let actor =
+            Actor::prepare(&config, &bus, coordinator_metrics, health.clone(), clock).await?;
         let (tx, rx) = mpsc::channel(4096);
-        let kv = bus
-            .kv(CONTROL_BUCKET)
-            .await
-            .map_err(|e| CoordinatorError::transport("open the KV bucket asyncrl_control", e))?;
         let mut tasks = service::spawn_request_forwarders(&bus, &tx, &shutdown).await?;
         tasks.push(service::spawn_watch(
-            kv.clone(),
+            bus.clone(),
             POLICY_VERSION_KEY,
             tx.clone(),
             shutdown.clone(),
             service::map_version,
         ));
         tasks.push(service::spawn_watch(
-            kv.clone(),
+            bus.clone(),
             knobs::KNOBS_KEY,
             tx.clone(),
             shutdown.clone(),
             service::map_knobs,
         ));
         tasks.push(service::spawn_watch(
-            kv,
+            bus.clone(),
             LEARNER_STATUS_KEY,
             tx.clone(),
             shutdown.clone(),

@@ -183,7 +183,10 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
     learner.announce(2).await;
     let k3 = learner_step(kv.as_ref(), &learner, 3).await;
     let k4 = seal_step(kv.as_ref(), 4).await.unwrap();
-    assert_eq!((k3.learning_rate, k3.clip_mode), (5e-6, ClipModeName::Adaptive));
+    assert_eq!(
+        (k3.learning_rate, k3.clip_mode),
+        (5e-6, ClipModeName::Adaptive)
+    );
     assert_eq!((k4.learning_rate, k4.clip_mode), (2e-6, ClipModeName::M2po));
     assert_eq!(k4.eta, 2);
     wait_sealed(&c, 4).await;

@@ -2,6 +2,10 @@
 //! request whose effect is not stored (grants are refused, completions get
 //! no answer so that workers retry), reports not-ready, and recovers once
 //! the bucket takes writes again. A second writer of its state stops it.
+//!
+//! All of it over the in-process bus, on paused tokio time with the
+//! coordinator on a [`TokioClock`]: the timeouts below are tokio time, not
+//! a bet on how fast a loaded machine is.
 
 mod common;
 
@@ -10,7 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use asyncrl_coordinator::{Coordinator, CoordinatorError, STATE_KEY};
+use asyncrl_common::{SharedClock, TokioClock};
+use asyncrl_coordinator::{Coordinator, CoordinatorError};
+use asyncrl_protos::subjects::COORDINATOR_STATE_KEY as STATE_KEY;
 use asyncrl_protos::subjects::TASKS_COMPLETE;
 use asyncrl_protos::v1::{CompleteTask, CompleteTaskReply};
 use asyncrl_telemetry::{Health, Metrics};
@@ -136,6 +142,11 @@ impl Bus for FlakyBus {
     }
 }
 
+/// The coordinator's clock in these tests (paused tokio time).
+fn paused_clock() -> SharedClock {
+    TokioClock::starting_at(1_700_000_000_000).shared()
+}
+
 /// A coordinator (B = 4, η = 0, 20 tasks) over a [`FlakyBus`] whose state
 /// writes fail while `fail` is set and whose write replies are lost while
 /// `lose_replies` is set.
@@ -151,19 +162,20 @@ async fn start_flaky(
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 20);
     let health = Health::new();
-    let c = Coordinator::start(
+    let c = Coordinator::start_with_clock(
         config(dir.path(), &tasks, 4, 0),
         bus.clone(),
         Metrics::new(),
         health.clone(),
         &CancellationToken::new(),
+        paused_clock(),
     )
     .await
     .unwrap();
     (bus, dir, health, c)
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
     let fail = Arc::new(AtomicBool::new(false));
     let (bus, _dir, health, c) = start_flaky(fail.clone(), Arc::default()).await;
@@ -233,7 +245,7 @@ async fn unwritable_state_refuses_grants_withholds_completions_and_recovers() {
 /// A state write that landed although its reply was lost is the
 /// coordinator's own, also once its state has changed since: it goes on
 /// (it used to stop, taking the write for a second coordinator's).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_state_write_whose_reply_was_lost_is_recognised_as_its_own() {
     let lose = Arc::new(AtomicBool::new(false));
     let (bus, _dir, health, c) = start_flaky(Arc::default(), lose.clone()).await;
@@ -260,17 +272,18 @@ async fn a_state_write_whose_reply_was_lost_is_recognised_as_its_own() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_second_writer_of_the_state_stops_the_coordinator() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 20);
-    let c = Coordinator::start(
+    let c = Coordinator::start_with_clock(
         config(dir.path(), &tasks, 4, 0),
         bus.clone(),
         Metrics::new(),
         Health::new(),
         &CancellationToken::new(),
+        paused_clock(),
     )
     .await
     .unwrap();
@@ -278,7 +291,10 @@ async fn a_second_writer_of_the_state_stops_the_coordinator() {
     w.register(4).await;
     assert_eq!(w.acquire(1).await.tasks.len(), 1);
     // Someone else (a second coordinator) writes the state.
-    let kv = bus.kv("asyncrl_control").await.unwrap();
+    let kv = bus
+        .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
+        .await
+        .unwrap();
     let mut theirs = kv.get(STATE_KEY).await.unwrap().unwrap().value.to_vec();
     theirs.extend_from_slice(&[0x50, 0x01]); // field 10 (accepted) = 1
     kv.put(STATE_KEY, Bytes::from(theirs)).await.unwrap();

@@ -1,12 +1,18 @@
 //! The coordinator over the bus, as workers and the learner see it: the
 //! in-process bus for most checks, a real nats-server where the transport
 //! matters.
+//!
+//! The checks over the in-process bus run on paused tokio time with the
+//! coordinator on a [`TokioClock`]: leases, heartbeats and the capacity
+//! model see exactly the time the test lets pass, however busy the machine.
+//! Over a real nats-server time is real and the tests wait for conditions.
 
 mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use asyncrl_common::{SharedClock, SystemClock, TokioClock};
 use asyncrl_config::Config;
 use asyncrl_coordinator::Coordinator;
 use asyncrl_protos::subjects::BUFFER_GROUP_DROPPED;
@@ -19,19 +25,46 @@ use common::{Learner, Worker, config, eventually, nats_bus, write_tasks};
 use prost::Message;
 use tokio_util::sync::CancellationToken;
 
+/// A coordinator on the system clock (for the tests over a nats-server).
 async fn start(config: Config, bus: &Arc<dyn Bus>) -> (Coordinator, Metrics, Health) {
+    start_on(config, bus, SystemClock::shared()).await
+}
+
+/// A coordinator on `clock`.
+async fn start_on(
+    config: Config,
+    bus: &Arc<dyn Bus>,
+    clock: SharedClock,
+) -> (Coordinator, Metrics, Health) {
     let metrics = Metrics::new();
     let health = Health::new();
-    let c = Coordinator::start(
+    let c = Coordinator::start_with_clock(
         config,
         bus.clone(),
         metrics.clone(),
         health.clone(),
         &CancellationToken::new(),
+        clock,
     )
     .await
     .expect("start coordinator");
     (c, metrics, health)
+}
+
+/// The clock of a test on paused tokio time (a fixed start, so that runs
+/// are alike).
+fn paused_clock() -> SharedClock {
+    TokioClock::starting_at(1_700_000_000_000).shared()
+}
+
+/// A coordinator over the in-process bus on [`paused_clock`] time.
+async fn start_paused(
+    config: Config,
+    bus: &Arc<dyn Bus>,
+) -> (Coordinator, Metrics, Health, SharedClock) {
+    let clock = paused_clock();
+    let (c, metrics, health) = start_on(config, bus, clock.clone()).await;
+    (c, metrics, health, clock)
 }
 
 async fn wait_version(c: &Coordinator, v: i32) {
@@ -101,14 +134,14 @@ async fn sync_baseline_admits_exactly_b_groups_per_version_over_nats() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn expired_leases_go_back_to_the_front_and_their_completion_is_refused() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
     let mut cfg = config(dir.path(), &tasks, 8, 2);
     cfg.coordinator.lease_timeout = Duration::from_millis(400);
-    let (c, metrics, _) = start(cfg, &bus).await;
+    let (c, metrics, _, clock) = start_paused(cfg, &bus).await;
     let a = Worker::new(&bus, "a");
     let b = Worker::new(&bus, "b");
     a.register(8).await;
@@ -117,9 +150,10 @@ async fn expired_leases_go_back_to_the_front_and_their_completion_is_refused() {
     assert_eq!(got.len(), 3);
     assert!(
         got.iter()
-            .all(|t| t.lease_deadline_unix_ms > asyncrl_coordinator::journal::now_unix_ms())
+            .all(|t| t.lease_deadline_unix_ms > clock.now_unix_ms())
     );
-    // Heartbeats keep the first lease alive; the other two expire.
+    // Heartbeats every 100 ms (paused time) keep the first lease alive; the
+    // other two expire after 400 ms.
     for _ in 0..8 {
         let r = a.heartbeat(&[&got[0]], false).await;
         assert!(r.revoked_lease_ids.is_empty());
@@ -167,14 +201,14 @@ async fn expired_leases_go_back_to_the_front_and_their_completion_is_refused() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_worker_without_heartbeats_is_marked_dead_and_its_tasks_reissued() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
     let mut cfg = config(dir.path(), &tasks, 8, 2);
     cfg.coordinator.dead_after = Duration::from_millis(300);
-    let (c, metrics, _) = start(cfg, &bus).await;
+    let (c, metrics, _, _) = start_paused(cfg, &bus).await;
     let quiet = Worker::new(&bus, "quiet");
     let chatty = Worker::new(&bus, "chatty");
     quiet.register(4).await;
@@ -213,12 +247,12 @@ async fn a_worker_without_heartbeats_is_marked_dead_and_its_tasks_reissued() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_draining_worker_returns_its_tasks_and_gets_no_more() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
-    let (c, _, _) = start(config(dir.path(), &tasks, 8, 2), &bus).await;
+    let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 8, 2), &bus).await;
     let a = Worker::new(&bus, "a");
     let b = Worker::new(&bus, "b");
     a.register(8).await;
@@ -246,13 +280,13 @@ async fn a_draining_worker_returns_its_tasks_and_gets_no_more() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_learner_restart_keeps_accepted_unless_its_version_went_down() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
-    let (c, metrics, _) = start(config(dir.path(), &tasks, 2, 1), &bus).await;
-    let learner = Learner::new(&bus).await;
+    let (c, metrics, _, clock) = start_paused(config(dir.path(), &tasks, 2, 1), &bus).await;
+    let learner = Learner::with_clock(&bus, clock).await;
     learner.session("first", 0).await;
     let w = Worker::new(&bus, "w");
     w.register(8).await;
@@ -289,12 +323,12 @@ async fn a_learner_restart_keeps_accepted_unless_its_version_went_down() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
-    let (c, metrics, _) = start(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let (c, metrics, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
     let w = Worker::new(&bus, "w");
     w.register(8).await;
     let got = w.acquire(5).await.tasks;
@@ -359,12 +393,12 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn malformed_requests_get_a_reason_and_bad_worker_ids_are_refused() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 5);
-    let (c, _, _) = start(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
     let reply = bus
         .request(
             asyncrl_protos::subjects::TASKS_ACQUIRE,
@@ -399,16 +433,17 @@ async fn malformed_requests_get_a_reason_and_bad_worker_ids_are_refused() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_capacity_model_is_exported() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
-    let (c, metrics, _) = start(config(dir.path(), &tasks, 4, 1), &bus).await;
-    let learner = Learner::new(&bus).await;
+    let (c, metrics, _, clock) = start_paused(config(dir.path(), &tasks, 4, 1), &bus).await;
+    let learner = Learner::with_clock(&bus, clock).await;
     let w = Worker::new(&bus, "w");
     w.register(4).await;
-    // Complete leases after ~100 ms, announce a version every ~200 ms.
+    // Complete leases after 100 ms, announce a version every ~200 ms (the
+    // time a version takes to be seen added).
     for v in 1..=3 {
         let got = w.acquire(2).await.tasks;
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -448,12 +483,12 @@ async fn the_capacity_model_is_exported() {
     c.join().await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_changed_task_set_is_refused_at_restart_with_a_clear_error() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 10);
-    let (c, _, _) = start(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
     let w = Worker::new(&bus, "w");
     w.register(1).await;
     assert_eq!(w.acquire(1).await.tasks.len(), 1);
@@ -472,7 +507,8 @@ async fn a_changed_task_set_is_refused_at_restart_with_a_clear_error() {
     .expect("a changed task set must be refused");
     let msg = err.to_string();
     assert!(
-        msg.contains("another task set") && msg.contains("coordinator.state"),
+        msg.contains("another task set")
+            && msg.contains(asyncrl_protos::subjects::COORDINATOR_STATE_KEY),
         "{msg}"
     );
     // A bad tasks file is an error naming the file and line.
@@ -511,7 +547,13 @@ async fn the_coordinator_rides_out_a_nats_server_restart() {
     let first = w.acquire(4).await.tasks;
     assert_eq!(first.len(), 2);
     server.kill();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The outage is seen before the server comes back.
+    eventually(
+        "the client sees the server gone",
+        Duration::from_secs(15),
+        || async { bus.connected_since_unix_ms().is_none().then_some(()) },
+    )
+    .await;
     server.restart().unwrap();
     // Requests are served again once the clients reconnected; the state
     // written before the outage is intact.

@@ -1,12 +1,18 @@
 //! Helpers shared by the coordinator's integration tests: a config for a
 //! small run, a scripted worker and a scripted learner talking to the
 //! coordinator over the bus exactly as the real ones do.
+//!
+//! Waits are measured in tokio time, so that under
+//! `#[tokio::test(start_paused = true)]` they follow the paused clock (and
+//! do not depend on how busy the machine is); over a real nats-server they
+//! are real time.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use asyncrl_common::{SharedClock, SystemClock};
 use asyncrl_config::{BusConfig, Config, DatasetConfig};
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, POLICY_VERSION_KEY, TASKS_ACQUIRE, TASKS_COMPLETE, TASKS_RETURN,
@@ -20,6 +26,7 @@ use asyncrl_protos::v1::{
 use asyncrl_transport::{Bus, NatsBus, TransportMetrics};
 use bytes::Bytes;
 use prost::Message;
+use tokio::time::Instant;
 
 pub const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -58,7 +65,8 @@ pub async fn nats_bus(url: &str) -> Arc<dyn Bus> {
     )
 }
 
-/// Polls `f` until it returns Some, or panics after `timeout`.
+/// Polls `f` every 20 ms (tokio time) until it returns Some, or panics after
+/// `timeout`.
 pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
 where
     F: FnMut() -> Fut,
@@ -180,15 +188,25 @@ impl Worker {
     }
 }
 
-/// A scripted learner: announces versions and its session in the KV bucket.
+/// A scripted learner: announces versions and its session in the KV bucket,
+/// stamped by its clock.
 pub struct Learner {
     pub kv: Arc<dyn asyncrl_transport::KvBucket>,
+    pub clock: SharedClock,
 }
 
 impl Learner {
+    /// A learner on the system clock.
     pub async fn new(bus: &Arc<dyn Bus>) -> Self {
+        Self::with_clock(bus, SystemClock::shared()).await
+    }
+
+    /// A learner whose announcements carry `clock`'s time (the coordinator's
+    /// clock in tests on paused time).
+    pub async fn with_clock(bus: &Arc<dyn Bus>, clock: SharedClock) -> Self {
         Self {
             kv: bus.kv(CONTROL_BUCKET).await.expect("kv"),
+            clock,
         }
     }
 
@@ -199,7 +217,7 @@ impl Learner {
             sha256: String::new(),
             byte_size: 0,
             format: "safetensors".into(),
-            published_at_unix_ms: asyncrl_coordinator::journal::now_unix_ms(),
+            published_at_unix_ms: self.clock.now_unix_ms(),
             step: version.max(0) as u64,
         };
         self.kv
@@ -211,7 +229,7 @@ impl Learner {
     pub async fn session(&self, id: &str, start_version: i32) {
         let s = LearnerStatus {
             session_id: id.into(),
-            started_at_unix_ms: asyncrl_coordinator::journal::now_unix_ms(),
+            started_at_unix_ms: self.clock.now_unix_ms(),
             start_version,
             step: start_version.max(0) as u64,
             step_train_seconds: 0.0,
@@ -219,7 +237,7 @@ impl Learner {
         };
         self.kv
             .put(
-                asyncrl_coordinator::LEARNER_STATUS_KEY,
+                asyncrl_protos::subjects::LEARNER_STATUS_KEY,
                 Bytes::from(s.encode_to_vec()),
             )
             .await

@@ -1,0 +1,346 @@
+//! Unit tests of the scheduler: admission, leases, learner restarts,
+//! stale drops and the persisted state.
+
+use super::*;
+
+fn params(b: u32) -> SchedulerParams {
+    SchedulerParams {
+        groups_per_step: b,
+        group_size: 4,
+        lease_timeout_ms: 1_000,
+        completed_memory: 64,
+    }
+}
+
+fn sched(b: u32, n: u64) -> Scheduler {
+    Scheduler::new(params(b), n, "fp", "L0")
+}
+
+/// The learner trains on groups whose completions reach the coordinator
+/// later (a coordinator restart in between, or just a slow reply): each
+/// completion is counted once, and capacity is what the rule says.
+#[test]
+fn completions_that_arrive_after_the_learner_trained_are_counted_once() {
+    let b = 4;
+    let mut s = sched(b, 100);
+    s.on_version(0);
+    let grants = s.acquire("w", 100, 0, 0);
+    assert_eq!(grants.len(), 4);
+    // The learner consumed all four groups before any completion arrived.
+    assert!(matches!(s.on_version(1), VersionChange::Advanced { .. }));
+    assert_eq!(s.accepted(), 0, "pending completions are still leases");
+    for g in &grants {
+        s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    assert_eq!(s.accepted(), 4);
+    assert_eq!(s.capacity(0), 4, "(η + v + 1)·B − accepted − running");
+    // The same across a restart from the persisted state.
+    let grants = s.acquire("w", 100, 0, 0);
+    let mut r = Scheduler::from_proto(params(b), &s.to_proto(), 100, "fp", 0).unwrap();
+    assert!(matches!(r.on_version(2), VersionChange::Advanced { .. }));
+    for g in &grants {
+        r.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    assert_eq!(r.accepted(), 8);
+    assert_eq!(r.capacity(0), 4);
+    // State that was lost still cannot make capacity burst.
+    let mut lost = sched(b, 100);
+    lost.on_version(5);
+    assert_eq!(lost.accepted(), 20);
+    assert_eq!(lost.capacity(1), 8);
+}
+
+#[test]
+fn eta_zero_admits_exactly_b_groups_per_version() {
+    let b = 4;
+    let mut s = sched(b, 100);
+    for v in 0..5 {
+        assert_eq!(
+            s.on_version(v),
+            if v == 0 {
+                VersionChange::Unchanged
+            } else {
+                VersionChange::Advanced { from: v - 1, to: v }
+            }
+        );
+        let grants = s.acquire("w", 100, 0, 0);
+        assert_eq!(grants.len(), b as usize, "version {v}");
+        assert!(grants.iter().all(|g| g.admission_version == v));
+        assert!(s.acquire("w", 100, 0, 0).is_empty());
+        for g in &grants {
+            let c = s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+            assert!(matches!(c, Completion::Accepted { .. }));
+        }
+        // Completing frees nothing: the learner must consume first.
+        assert!(s.acquire("w", 100, 0, 0).is_empty());
+        assert_eq!(s.capacity(0), 0);
+    }
+    assert_eq!(s.accepted(), 5 * u64::from(b));
+}
+
+#[test]
+fn admission_rule_counts_running_and_accepted() {
+    let mut s = sched(2, 100);
+    // (η + v + 1)·B = (1 + 0 + 1)·2 = 4.
+    assert_eq!(s.capacity(1), 4);
+    let g = s.acquire("w", 3, 1, 0);
+    assert_eq!(g.len(), 3);
+    assert_eq!(s.capacity(1), 1);
+    assert_eq!(s.acquire("w", 3, 1, 0).len(), 1);
+    assert_eq!(s.capacity(1), 0);
+    // Completing moves a group from running to accepted: no new room.
+    for g in &g[..2] {
+        s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    assert_eq!((s.accepted(), s.running(), s.capacity(1)), (2, 2, 0));
+    // The learner consumed B = 2 groups: B more may be admitted.
+    s.on_version(1);
+    assert_eq!(s.capacity(1), 2);
+    assert_eq!(s.acquire("w", 5, 1, 0).len(), 2);
+    // Lowering η can make the capacity negative: nothing is admitted.
+    assert_eq!(s.capacity(0), -2);
+    assert!(s.acquire("w", 1, 0, 0).is_empty());
+}
+
+#[test]
+fn expired_lease_puts_the_task_back_at_the_front_and_refuses_its_completion() {
+    let mut s = sched(8, 10);
+    let g = s.acquire("w1", 3, 4, 0);
+    assert_eq!(
+        g.iter().map(|g| g.task.index).collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    // Heartbeat keeps lease 0 alive; 1 and 2 expire.
+    assert!(s.heartbeat("w1", &[g[0].lease_id.clone()], 600).is_empty());
+    let ended = s.expire_due(1_000);
+    assert_eq!(
+        ended.iter().map(|e| e.lease.task.index).collect::<Vec<_>>(),
+        [1, 2]
+    );
+    assert_eq!(s.running(), 1);
+    // The expired tasks come first, in their order, then the cursor.
+    let again = s.acquire("w2", 3, 4, 1_000);
+    assert_eq!(
+        again.iter().map(|g| g.task.index).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+    assert_ne!(again[0].lease_id, g[1].lease_id);
+    let err = s.complete("w1", &g[1].lease_id, Some(1), 4).unwrap_err();
+    assert!(matches!(err, CompleteRefusal::Expired { .. }), "{err}");
+    assert!(err.to_string().contains("expired"), "{err}");
+    // The heartbeat of an expired lease revokes it.
+    assert_eq!(
+        s.heartbeat("w1", &[g[1].lease_id.clone()], 1_100),
+        vec![g[1].lease_id.clone()]
+    );
+    // Lease 0 lives until its extended deadline.
+    assert!(s.expire_due(1_500).is_empty());
+    assert_eq!(s.expire_due(1_600).len(), 1);
+}
+
+#[test]
+fn completion_checks_lease_task_worker_and_group_size() {
+    let mut s = sched(8, 10);
+    let g = s.acquire("w1", 1, 4, 0).remove(0);
+    assert_eq!(
+        s.complete("w1", "nope", Some(0), 4),
+        Err(CompleteRefusal::MalformedLease)
+    );
+    assert_eq!(
+        s.complete("w1", "L0-999", Some(0), 4),
+        Err(CompleteRefusal::UnknownLease)
+    );
+    assert_eq!(
+        s.complete("w1", &g.lease_id, Some(5), 4),
+        Err(CompleteRefusal::WrongTask)
+    );
+    assert_eq!(
+        s.complete("w1", &g.lease_id, None, 4),
+        Err(CompleteRefusal::WrongTask)
+    );
+    assert_eq!(
+        s.complete("w2", &g.lease_id, Some(0), 4),
+        Err(CompleteRefusal::WrongWorker {
+            holder: "w1".into()
+        })
+    );
+    assert_eq!(
+        s.complete("w1", &g.lease_id, Some(0), 3),
+        Err(CompleteRefusal::WrongGroupSize { got: 3, want: 4 })
+    );
+    assert_eq!(s.running(), 1);
+    assert!(matches!(
+        s.complete("w1", &g.lease_id, Some(0), 4),
+        Ok(Completion::Accepted { .. })
+    ));
+    // A retry is answered yes and counted once.
+    assert_eq!(
+        s.complete("w1", &g.lease_id, Some(0), 4),
+        Ok(Completion::AlreadyCompleted)
+    );
+    assert_eq!(s.accepted(), 1);
+}
+
+#[test]
+fn returned_and_dead_worker_leases_are_reissued_first() {
+    let mut s = sched(8, 10);
+    let a = s.acquire("a", 2, 4, 0);
+    let b = s.acquire("b", 2, 4, 0);
+    // Only its own leases can be returned.
+    let r = s.return_leases("a", &[a[1].lease_id.clone(), b[0].lease_id.clone()], 5);
+    assert_eq!(r.len(), 1);
+    let dead = s.expire_worker("b", 6);
+    assert_eq!(dead.len(), 2);
+    assert_eq!(s.running(), 1);
+    let next = s.acquire("c", 4, 4, 7);
+    assert_eq!(
+        next.iter().map(|g| g.task.index).collect::<Vec<_>>(),
+        [2, 3, 1, 4]
+    );
+}
+
+#[test]
+fn epochs_wrap_the_cursor() {
+    let mut s = sched(64, 3);
+    let g = s.acquire("w", 7, 4, 0);
+    let got: Vec<(u64, u64)> = g.iter().map(|g| (g.task.epoch, g.task.index)).collect();
+    assert_eq!(
+        got,
+        [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
+    );
+    assert_eq!((s.epoch(), s.cursor()), (2, 1));
+}
+
+#[test]
+fn learner_restart_keeps_accepted_unless_the_version_went_down() {
+    let mut s = sched(4, 100);
+    assert_eq!(s.on_learner_session("s1", 0), VersionChange::Unchanged);
+    let g = s.acquire("w", 12, 2, 0);
+    for g in &g[..10] {
+        s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    s.on_version(2);
+    assert_eq!(s.accepted(), 10);
+    // Same session again: nothing happens.
+    assert_eq!(s.on_learner_session("s1", 2), VersionChange::Unchanged);
+    // A new session that carries on at version 2: the two accepted groups
+    // it has not trained are still in the buffer, so no new capacity.
+    assert_eq!(
+        s.on_learner_session("s2", 2),
+        VersionChange::LearnerRestart {
+            version: 2,
+            accepted_before: 10,
+            reset: false
+        }
+    );
+    assert_eq!(s.accepted(), 10);
+    // A version that goes down is a restart from an older state: reset
+    // to v · B.
+    assert_eq!(
+        s.on_version(1),
+        VersionChange::LearnerRestart {
+            version: 1,
+            accepted_before: 10,
+            reset: true
+        }
+    );
+    assert_eq!(s.accepted(), 4);
+    // So is a new session that starts below the known version (version
+    // 2 first raised accepted to what 2 · B consumed groups imply:
+    // 8 − 2 running).
+    s.on_version(2);
+    assert_eq!(s.accepted(), 6);
+    assert_eq!(
+        s.on_learner_session("s3", 1),
+        VersionChange::LearnerRestart {
+            version: 2,
+            accepted_before: 6,
+            reset: true
+        }
+    );
+    assert_eq!(s.accepted(), 8);
+    // Running leases are untouched.
+    assert_eq!(s.running(), 2);
+}
+
+#[test]
+fn a_fresh_state_does_not_burst_when_the_learner_is_ahead() {
+    let mut s = sched(4, 100);
+    s.on_version(10);
+    assert_eq!(s.accepted(), 40);
+    assert_eq!(s.capacity(1), 8);
+}
+
+#[test]
+fn stale_drop_returns_capacity_and_reissues_the_task() {
+    let mut s = sched(2, 100);
+    let g = s.acquire("w", 2, 0, 0);
+    for g in &g {
+        s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    assert_eq!(s.capacity(0), 0);
+    assert_eq!(s.on_group_dropped(&g[1].lease_id, false), None);
+    assert_eq!(
+        s.on_group_dropped(&g[1].lease_id, true),
+        Some(TaskRef { index: 1, epoch: 0 })
+    );
+    assert_eq!(s.stale_dropped_total, 1);
+    assert_eq!(s.capacity(0), 1);
+    let again = s.acquire("w", 5, 0, 0);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].task.index, 1);
+    // Unknown group: counted, nothing else.
+    assert_eq!(s.on_group_dropped("L0-77", true), None);
+    assert_eq!(s.stale_dropped_total, 2);
+}
+
+#[test]
+fn persisted_state_round_trips_and_refuses_another_dataset() {
+    let mut s = sched(4, 10);
+    s.on_learner_session("sess", 0);
+    let g = s.acquire("w1", 6, 4, 0);
+    s.complete("w1", &g[0].lease_id, Some(0), 4).unwrap();
+    s.expire_worker("w1", 5);
+    let g2 = s.acquire("w2", 2, 4, 6);
+    s.on_version(1);
+    let proto = s.to_proto();
+    let back = Scheduler::from_proto(params(4), &proto, 10, "fp", 10_000).unwrap();
+    assert!(back.same_state(&s));
+    assert!(back.leases().all(|l| l.deadline_ms == 11_000));
+    assert_eq!(back.lease(&g2[0].lease_id).unwrap().worker.as_ref(), "w2");
+    let err = Scheduler::from_proto(params(4), &proto, 10, "other", 0).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(asyncrl_protos::subjects::COORDINATOR_STATE_KEY),
+        "{err}"
+    );
+    let err = Scheduler::from_proto(params(4), &proto, 11, "fp", 0).unwrap_err();
+    assert!(matches!(err, StateError::DatasetChanged { .. }));
+    let mut bad = proto.clone();
+    bad.leases[0].worker = 99;
+    assert!(matches!(
+        Scheduler::from_proto(params(4), &bad, 10, "fp", 0),
+        Err(StateError::Corrupt(_))
+    ));
+}
+
+#[test]
+fn completed_memory_is_bounded() {
+    let mut p = params(1000);
+    p.completed_memory = 3;
+    let mut s = Scheduler::new(p, 100, "fp", "L0");
+    let g = s.acquire("w", 10, 4, 0);
+    for g in &g {
+        s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    assert_eq!(s.to_proto().completed.len(), 3);
+    // The oldest are forgotten: a retry of those is refused as unknown.
+    assert_eq!(
+        s.complete("w", &g[0].lease_id, Some(0), 4),
+        Err(CompleteRefusal::UnknownLease)
+    );
+    assert_eq!(
+        s.complete("w", &g[9].lease_id, Some(9), 4),
+        Ok(Completion::AlreadyCompleted)
+    );
+}

@@ -1,0 +1,300 @@
+//! Worker requests — register, heartbeat, acquire, complete, return — turned
+//! into replies, with what each did to the persisted state.
+
+use asyncrl_protos::v1::{
+    AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, HeartbeatReply,
+    RegisterWorker, RegisterWorkerReply, ReturnTasks, ReturnTasksReply, Task, WorkerHeartbeat,
+};
+use bytes::Bytes;
+use prost::Message;
+
+use super::RequestKind;
+use super::actor::Actor;
+use super::views::Admission;
+use crate::dataset::valid_task_id;
+use crate::metrics::CoordinatorMetrics;
+use crate::scheduler::Completion;
+
+/// Object-safe encoding of the reply messages.
+trait EncodeDyn {
+    fn encode_dyn(&self) -> Vec<u8>;
+}
+
+impl<M: Message> EncodeDyn for M {
+    fn encode_dyn(&self) -> Vec<u8> {
+        self.encode_to_vec()
+    }
+}
+
+/// What handling a request did, and so when its reply may go out.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Handled {
+    /// The persisted state is unchanged: the reply goes out with the batch.
+    Reply(Bytes),
+    /// The request changed the persisted state: its reply goes out only
+    /// once the batch is written (group commit).
+    Durable {
+        reply: Bytes,
+        /// What to answer instead if the state cannot be written; None: no
+        /// answer, so that the requester times out and retries.
+        if_unwritten: Option<Bytes>,
+    },
+}
+
+/// What an acquire came to: tasks, or why there are none.
+enum Acquired {
+    Granted(Vec<Task>),
+    Denied {
+        reason: String,
+        /// The `reason` label of `asyncrl_acquire_denied_total`.
+        label: &'static str,
+    },
+}
+
+impl Actor {
+    /// Handles one worker request.
+    pub(super) fn handle_request(
+        &mut self,
+        kind: RequestKind,
+        payload: &[u8],
+        now: i64,
+    ) -> Handled {
+        let enc = |m: &dyn EncodeDyn| Bytes::from(m.encode_dyn());
+        match kind {
+            RequestKind::Register => {
+                let reply = match RegisterWorker::decode(payload) {
+                    Err(e) => RegisterWorkerReply {
+                        accepted: false,
+                        reason: format!("malformed RegisterWorker: {e}"),
+                        heartbeat_interval_ms: self.settings.heartbeat_interval_ms,
+                    },
+                    Ok(r) if !valid_task_id(&r.worker_id) => RegisterWorkerReply {
+                        accepted: false,
+                        reason: format!(
+                            "worker_id {:?} must be 1-128 characters of [A-Za-z0-9_-]",
+                            r.worker_id
+                        ),
+                        heartbeat_interval_ms: self.settings.heartbeat_interval_ms,
+                    },
+                    Ok(r) => {
+                        self.registry.register(
+                            &r.worker_id,
+                            &r.hostname,
+                            r.capacity,
+                            r.policy_version,
+                            now,
+                        );
+                        tracing::info!(worker = %r.worker_id, hostname = %r.hostname, capacity = r.capacity, version = r.policy_version, "worker registered");
+                        RegisterWorkerReply {
+                            accepted: true,
+                            reason: String::new(),
+                            heartbeat_interval_ms: self.settings.heartbeat_interval_ms,
+                        }
+                    }
+                };
+                Handled::Reply(enc(&reply))
+            }
+            RequestKind::Heartbeat => {
+                let reply = match WorkerHeartbeat::decode(payload) {
+                    Err(e) => {
+                        tracing::warn!(error = %e, "malformed heartbeat");
+                        HeartbeatReply::default()
+                    }
+                    Ok(h) => {
+                        let w = self.registry.touch(&h.worker_id, now);
+                        w.policy_version = h.policy_version;
+                        w.tokens_per_second = h.tokens_per_second;
+                        w.draining = h.draining;
+                        self.estimator.on_heartbeat(
+                            &h.worker_id,
+                            h.policy_version,
+                            h.weight_swap_latency_ms,
+                            now,
+                        );
+                        HeartbeatReply {
+                            revoked_lease_ids: self.sched.heartbeat(
+                                &h.worker_id,
+                                &h.lease_ids,
+                                now,
+                            ),
+                        }
+                    }
+                };
+                Handled::Reply(enc(&reply))
+            }
+            RequestKind::Acquire => {
+                let retry = self.settings.retry_after_ms;
+                let deny = |reason: String| AcquireTasksReply {
+                    tasks: Vec::new(),
+                    reason,
+                    retry_after_ms: retry,
+                };
+                let a = match AcquireTasks::decode(payload) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        let b = enc(&deny(format!("malformed AcquireTasks: {e}")));
+                        return Handled::Reply(b);
+                    }
+                };
+                match self.acquire(&a, now) {
+                    Acquired::Granted(tasks) if !tasks.is_empty() => Handled::Durable {
+                        reply: enc(&AcquireTasksReply {
+                            tasks,
+                            reason: String::new(),
+                            retry_after_ms: 0,
+                        }),
+                        if_unwritten: Some(enc(&deny(
+                            "the coordinator cannot write its state to the KV bucket; retry".into(),
+                        ))),
+                    },
+                    Acquired::Granted(tasks) => Handled::Reply(enc(&AcquireTasksReply {
+                        tasks,
+                        reason: String::new(),
+                        retry_after_ms: 0,
+                    })),
+                    Acquired::Denied { reason, label } => {
+                        CoordinatorMetrics::reason(&self.metrics.acquire_denied, label);
+                        Handled::Reply(enc(&deny(reason)))
+                    }
+                }
+            }
+            RequestKind::Complete => {
+                let c = match CompleteTask::decode(payload) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let b = enc(&CompleteTaskReply {
+                            accepted: false,
+                            reason: format!("malformed CompleteTask: {e}"),
+                        });
+                        return Handled::Reply(b);
+                    }
+                };
+                self.registry.touch(&c.worker_id, now);
+                let index = asyncrl_protos::subjects::split_wire_task_id(&c.task_id)
+                    .and_then(|(id, _)| self.tasks.index_of(id))
+                    .map(|i| i as u64);
+                match self
+                    .sched
+                    .complete(&c.worker_id, &c.lease_id, index, c.num_trajectories)
+                {
+                    Ok(Completion::Accepted { lease }) => {
+                        self.metrics.tasks_completed.inc();
+                        let secs = (now - lease.granted_at_ms).max(0) as f64 / 1000.0;
+                        self.estimator.on_completion(&c.worker_id, secs);
+                        tracing::debug!(worker = %c.worker_id, task_id = %c.task_id, lease_id = %c.lease_id, seconds = secs, "task complete");
+                        let ok = enc(&CompleteTaskReply {
+                            accepted: true,
+                            reason: String::new(),
+                        });
+                        Handled::Durable {
+                            reply: ok,
+                            if_unwritten: None,
+                        }
+                    }
+                    Ok(Completion::AlreadyCompleted) => {
+                        let b = enc(&CompleteTaskReply {
+                            accepted: true,
+                            reason: "already completed (a retry)".into(),
+                        });
+                        Handled::Reply(b)
+                    }
+                    Err(refusal) => {
+                        CoordinatorMetrics::reason(
+                            &self.metrics.completions_refused,
+                            refusal.label(),
+                        );
+                        tracing::info!(worker = %c.worker_id, task_id = %c.task_id, lease_id = %c.lease_id, reason = %refusal, "completion refused");
+                        let b = enc(&CompleteTaskReply {
+                            accepted: false,
+                            reason: refusal.to_string(),
+                        });
+                        Handled::Reply(b)
+                    }
+                }
+            }
+            RequestKind::Return => {
+                let r = match ReturnTasks::decode(payload) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "malformed ReturnTasks");
+                        let b = enc(&ReturnTasksReply { returned: 0 });
+                        return Handled::Reply(b);
+                    }
+                };
+                self.registry.touch(&r.worker_id, now);
+                let ended = self.sched.return_leases(&r.worker_id, &r.lease_ids, now);
+                self.metrics.tasks_returned.inc_by(ended.len() as u64);
+                tracing::info!(worker = %r.worker_id, returned = ended.len(), asked = r.lease_ids.len(), reason = %r.reason, "tasks returned");
+                let ok = enc(&ReturnTasksReply {
+                    returned: ended.len() as u32,
+                });
+                if ended.is_empty() {
+                    Handled::Reply(ok)
+                } else {
+                    Handled::Durable {
+                        reply: ok,
+                        if_unwritten: None,
+                    }
+                }
+            }
+        }
+    }
+
+    fn acquire(&mut self, a: &AcquireTasks, now: i64) -> Acquired {
+        let deny = |reason: String, label: &'static str| Acquired::Denied { reason, label };
+        if !valid_task_id(&a.worker_id) {
+            return deny(
+                format!(
+                    "worker_id {:?} must be 1-128 characters of [A-Za-z0-9_-]",
+                    a.worker_id
+                ),
+                "bad_request",
+            );
+        }
+        let worker = self.registry.touch(&a.worker_id, now);
+        if worker.draining {
+            return deny("the worker is draining".into(), "draining");
+        }
+        let Admission { eta, paused } = self.admission();
+        if paused {
+            return deny("admission is paused (asyncrl ctl resume)".into(), "paused");
+        }
+        let n = a.free_slots.min(self.settings.max_per_acquire);
+        if n == 0 {
+            return deny("no free slots".into(), "no_slots");
+        }
+        let grants = self.sched.acquire(&a.worker_id, n, eta, now);
+        if grants.is_empty() {
+            let b = u64::from(self.settings.groups_per_step);
+            let v = self.sched.version().max(0) as u64;
+            return deny(
+                format!(
+                    "staleness bound reached: accepted {} + running {} >= (eta {eta} + v {v} + 1) * B {b} = {}; waiting for the learner",
+                    self.sched.accepted(),
+                    self.sched.running(),
+                    (u64::from(eta) + v + 1) * b
+                ),
+                "staleness_bound",
+            );
+        }
+        self.metrics.tasks_admitted.inc_by(grants.len() as u64);
+        let tasks = grants
+            .into_iter()
+            .filter_map(|g| {
+                let item = self.tasks.get(g.task.index as usize)?;
+                Some(Task {
+                    task_id: asyncrl_protos::subjects::wire_task_id(&item.task_id, g.task.epoch),
+                    lease_id: g.lease_id,
+                    prompt: item.prompt.clone(),
+                    answer: item.answer.clone(),
+                    dataset: item.dataset.clone(),
+                    group_size: self.settings.group_size,
+                    lease_deadline_unix_ms: g.deadline_ms,
+                    admission_version: g.admission_version,
+                    epoch: g.task.epoch,
+                })
+            })
+            .collect();
+        Acquired::Granted(tasks)
+    }
+}
