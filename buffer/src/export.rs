@@ -99,7 +99,7 @@ pub fn export(args: &ExportArgs) -> Result<ExportSummary, BufferError> {
         .set_compression(Compression::ZSTD(ZstdLevel::default()))
         .build();
     let schema = trajectory_schema();
-    let parquet = |e: parquet::errors::ParquetError| BufferError::Parquet(e.to_string());
+    let parquet = BufferError::Parquet;
     let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props)).map_err(parquet)?;
     let mut seen = Seen::default();
     let mut summary = ExportSummary {
@@ -208,5 +208,5 @@ fn select(
             Some(in_range && fresh)
         })
         .collect();
-    arrow::compute::filter_record_batch(batch, &keep).map_err(|e| BufferError::Arrow(e.to_string()))
+    arrow::compute::filter_record_batch(batch, &keep).map_err(BufferError::Arrow)
 }

@@ -56,11 +56,17 @@ pub enum BufferError {
     #[error("segment {} is unreadable: {reason}", path.display())]
     Segment { path: PathBuf, reason: String },
     #[error("served log: {0}")]
-    StateLog(String),
+    StateLog(&'static str),
+    #[error("cannot encode a served-log record: {0}")]
+    StateLogEncode(#[source] serde_json::Error),
     #[error("arrow: {0}")]
-    Arrow(String),
+    Arrow(#[from] arrow::error::ArrowError),
+    /// A batch that does not decode; the message also covers a panic of the
+    /// Arrow decoder, which has no error value.
+    #[error("the batch does not decode: {0}")]
+    BatchDecode(String),
     #[error("parquet: {0}")]
-    Parquet(String),
+    Parquet(#[from] parquet::errors::ParquetError),
     #[error(transparent)]
     Transport(#[from] asyncrl_transport::TransportError),
     #[error(transparent)]
@@ -68,7 +74,9 @@ pub enum BufferError {
     #[error(transparent)]
     Contract(#[from] asyncrl_protos::ContractError),
     #[error("background task failed: {0}")]
-    Join(String),
+    Join(#[from] tokio::task::JoinError),
+    #[error("{0} was lost by an earlier failure")]
+    Lost(&'static str),
     #[error("invalid export: {0}")]
     Export(String),
 }
@@ -80,12 +88,6 @@ impl BufferError {
             path: path.to_owned(),
             source,
         }
-    }
-}
-
-impl From<tokio::task::JoinError> for BufferError {
-    fn from(e: tokio::task::JoinError) -> Self {
-        BufferError::Join(e.to_string())
     }
 }
 

@@ -31,7 +31,7 @@ pub fn encode_batch(
     zstd: bool,
     version: i32,
 ) -> Result<EncodedBatch, BufferError> {
-    let arrow = |e: arrow::error::ArrowError| BufferError::Arrow(e.to_string());
+    let arrow = BufferError::Arrow;
     let batch = if batches.is_empty() || indices.is_empty() {
         RecordBatch::new_empty(trajectory_schema())
     } else {
@@ -86,7 +86,7 @@ pub fn decode_batch(ipc: &[u8]) -> Result<Vec<RecordBatch>, BufferError> {
         }
         reader.map(|b| b.map_err(|e| e.to_string())).collect()
     })
-    .map_err(BufferError::Arrow)
+    .map_err(BufferError::BatchDecode)
 }
 
 #[cfg(test)]

@@ -124,10 +124,10 @@ impl SegmentWriter {
             SegmentCompression::None => IpcWriteOptions::default(),
             SegmentCompression::Zstd => IpcWriteOptions::default()
                 .try_with_compression(Some(CompressionType::ZSTD))
-                .map_err(|e| BufferError::Arrow(e.to_string()))?,
+                .map_err(BufferError::Arrow)?,
         };
         let mut ipc = StreamWriter::try_new_with_options(Vec::new(), schema, options)
-            .map_err(|e| BufferError::Arrow(e.to_string()))?;
+            .map_err(BufferError::Arrow)?;
         let schema_msg = std::mem::take(ipc.get_mut());
         let mut head = MAGIC.to_vec();
         head.extend_from_slice(&frame(&schema_msg));
@@ -163,9 +163,7 @@ impl SegmentWriter {
     /// makes it durable before returning. On error the file is cut back to
     /// its last complete frame, so the segment stays valid.
     pub fn append(&mut self, batch: &RecordBatch) -> Result<Appended, BufferError> {
-        self.ipc
-            .write(batch)
-            .map_err(|e| BufferError::Arrow(e.to_string()))?;
+        self.ipc.write(batch).map_err(BufferError::Arrow)?;
         let msg = std::mem::take(self.ipc.get_mut());
         let framed = frame(&msg);
         let written = self

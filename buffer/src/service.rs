@@ -406,7 +406,7 @@ impl Ingest {
                 Some(batch) => {
                     let (r, fetched) = tokio::join!(self.process(batch), fetch);
                     if let Err(e) = r {
-                        if matches!(e, BufferError::Join(_)) {
+                        if matches!(e, BufferError::Join(_) | BufferError::Lost(_)) {
                             return Err(e);
                         }
                         tracing::error!(error = %e, "ingest batch failed; its messages will be redelivered");
@@ -479,9 +479,10 @@ impl Ingest {
         }
         let mut applied = Applied::default();
         if !fresh.is_empty() {
-            let mut writer = self.writer.take().ok_or_else(|| {
-                BufferError::Join("segment writer lost by an earlier failure".into())
-            })?;
+            let mut writer = self
+                .writer
+                .take()
+                .ok_or_else(|| BufferError::Lost("the segment writer"))?;
             let trajs: Vec<Trajectory> = fresh.iter().map(|(_, t, _)| t.clone()).collect();
             let cfg = self.config.clone();
             let started = Instant::now();
@@ -678,7 +679,7 @@ impl Server {
         let mut log = self
             .log
             .take()
-            .ok_or_else(|| BufferError::StateLog("lost by an earlier failure".into()))?;
+            .ok_or_else(|| BufferError::Lost("the served log"))?;
         let (log, r) = tokio::task::spawn_blocking(move || {
             let r = log.append(&records);
             (log, r)

@@ -80,8 +80,7 @@ pub struct Reused {
 }
 
 fn encode_line(record: &Record) -> Result<Vec<u8>, BufferError> {
-    let json = serde_json::to_string(record)
-        .map_err(|e| BufferError::StateLog(format!("cannot encode record: {e}")))?;
+    let json = serde_json::to_string(record).map_err(BufferError::StateLogEncode)?;
     Ok(format!("{:08x} {json}\n", crc32fast::hash(json.as_bytes())).into_bytes())
 }
 

@@ -35,18 +35,15 @@ pub async fn load_admin_token(c: &CoordinatorConfig) -> Result<Option<String>, C
 }
 
 async fn read_token_file(path: &Path) -> Result<String, CoordinatorError> {
-    let text = tokio::fs::read_to_string(path)
-        .await
-        .map_err(|e| CoordinatorError::AdminToken {
+    let text = tokio::fs::read_to_string(path).await.map_err(|source| {
+        CoordinatorError::AdminTokenFile {
             path: path.to_owned(),
-            reason: e.to_string(),
-        })?;
+            source,
+        }
+    })?;
     let token = text.trim().to_owned();
     if token.is_empty() {
-        return Err(CoordinatorError::AdminToken {
-            path: path.to_owned(),
-            reason: "the file is empty".into(),
-        });
+        return Err(CoordinatorError::AdminTokenEmpty(path.to_owned()));
     }
     Ok(token)
 }
@@ -217,14 +214,17 @@ pub(crate) async fn start(
         && let (Some(cert), Some(key)) = (&t.cert_file, &t.key_file)
     {
         async fn read(p: &Path) -> Result<Vec<u8>, CoordinatorError> {
-            tokio::fs::read(p).await.map_err(|e| {
-                CoordinatorError::AdminTls(format!("cannot read {}: {e}", p.display()))
-            })
+            tokio::fs::read(p)
+                .await
+                .map_err(|source| CoordinatorError::AdminTlsFile {
+                    path: p.to_owned(),
+                    source,
+                })
         }
         let identity = Identity::from_pem(read(cert).await?, read(key).await?);
         server = server
             .tls_config(ServerTlsConfig::new().identity(identity))
-            .map_err(|e| CoordinatorError::AdminTls(e.to_string()))?;
+            .map_err(CoordinatorError::AdminTls)?;
         tls = true;
     }
     let listener = tokio::net::TcpListener::bind(addr)

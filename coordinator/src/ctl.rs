@@ -79,10 +79,18 @@ impl CtlArgs {
 pub enum CtlError {
     #[error("no admin endpoint: pass --endpoint or set coordinator.admin_listen")]
     NoEndpoint,
-    #[error("invalid admin endpoint {endpoint:?}: {reason}")]
-    Endpoint { endpoint: String, reason: String },
-    #[error("cannot reach the coordinator at {endpoint}: {reason}")]
-    Connect { endpoint: String, reason: String },
+    #[error("invalid admin endpoint {endpoint:?}: {source}")]
+    Endpoint {
+        endpoint: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("cannot reach the coordinator at {endpoint}: {}", error_chain(source))]
+    Connect {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
     #[error("{call} failed: {message} ({code:?})")]
     Rpc {
         call: &'static str,
@@ -139,7 +147,7 @@ fn resolve_endpoint(config: &Config, args: &CtlArgs) -> Result<(String, bool), C
         .admin_addr()
         .map_err(|e| CtlError::Endpoint {
             endpoint: config.coordinator.admin_listen.clone(),
-            reason: e.to_string(),
+            source: Box::new(e),
         })?
         .ok_or(CtlError::NoEndpoint)?;
     let host = if addr.ip().is_unspecified() {
@@ -194,13 +202,16 @@ async fn connect(
     args: &CtlArgs,
 ) -> Result<CoordinatorAdminClient<Channel>, CtlError> {
     let (endpoint, tls) = resolve_endpoint(config, args)?;
-    let bad = |reason: String| CtlError::Endpoint {
+    let bad = |e: tonic::transport::Error| CtlError::Endpoint {
         endpoint: endpoint.clone(),
-        reason,
+        source: Box::new(e),
     };
     let timeout = Duration::from_secs_f64(args.timeout_s.clamp(0.1, 3600.0));
     let mut ep = Endpoint::from_shared(endpoint.clone())
-        .map_err(|e| bad(e.to_string()))?
+        .map_err(|e| CtlError::Endpoint {
+            endpoint: endpoint.clone(),
+            source: Box::new(e),
+        })?
         .connect_timeout(timeout)
         .timeout(timeout);
     if tls {
@@ -220,11 +231,11 @@ async fn connect(
         {
             cfg = cfg.domain_name(d.clone());
         }
-        ep = ep.tls_config(cfg).map_err(|e| bad(e.to_string()))?;
+        ep = ep.tls_config(cfg).map_err(bad)?;
     }
-    let channel = ep.connect().await.map_err(|e| CtlError::Connect {
+    let channel = ep.connect().await.map_err(|source| CtlError::Connect {
         endpoint: endpoint.clone(),
-        reason: error_chain(&e),
+        source,
     })?;
     Ok(CoordinatorAdminClient::new(channel))
 }

@@ -56,7 +56,7 @@ pub enum CoordinatorError {
     #[error(transparent)]
     State(#[from] StateError),
     #[error("the persisted coordinator state (KV key coordinator.state) does not decode: {0}")]
-    StateDecode(String),
+    StateDecode(#[source] prost::DecodeError),
     #[error(
         "another coordinator wrote coordinator.state (revision {revision}); only one coordinator may run per run and bucket. Stopping"
     )]
@@ -72,16 +72,28 @@ pub enum CoordinatorError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("admin TLS: cannot read {path}: {source}")]
+    AdminTlsFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("admin TLS: {0}")]
-    AdminTls(String),
-    #[error("cannot read the admin token file {path}: {reason}")]
-    AdminToken { path: PathBuf, reason: String },
+    AdminTls(#[source] tonic::transport::Error),
+    #[error("cannot read the admin token file {path}: {source}")]
+    AdminTokenFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the admin token file {0} is empty")]
+    AdminTokenEmpty(PathBuf),
     #[error(transparent)]
     Config(#[from] asyncrl_config::ConfigError),
     #[error("the coordinator has stopped")]
     Stopped,
     #[error("a coordinator task failed: {0}")]
-    Join(String),
+    Join(#[source] tokio::task::JoinError),
 }
 
 impl CoordinatorError {
@@ -249,7 +261,7 @@ impl Coordinator {
     pub async fn join(self) -> Result<(), CoordinatorError> {
         let result = match self.actor.await {
             Ok(r) => r,
-            Err(e) => Err(CoordinatorError::Join(e.to_string())),
+            Err(e) => Err(CoordinatorError::Join(e)),
         };
         self.shutdown.cancel();
         for t in self.tasks {

@@ -67,8 +67,13 @@ pub enum LearnerError {
         #[source]
         source: TransportError,
     },
+    /// The buffer's refusal (its reply's text).
     #[error("buffer: {0}")]
     Buffer(String),
+    #[error("the buffer's batch reply does not decode: {0}")]
+    BatchReply(#[source] asyncrl_protos::prost::DecodeError),
+    #[error("the batch is not an Arrow IPC stream: {0}")]
+    BatchArrow(#[source] arrow::error::ArrowError),
     #[error("metrics file {path}: {source}")]
     MetricsFile {
         path: PathBuf,
@@ -372,9 +377,8 @@ impl Ctx {
             };
             match reply {
                 Ok(bytes) => {
-                    let reply = BatchReply::decode(bytes.as_ref()).map_err(|e| {
-                        LearnerError::Buffer(format!("batch reply does not decode: {e}"))
-                    })?;
+                    let reply =
+                        BatchReply::decode(bytes.as_ref()).map_err(LearnerError::BatchReply)?;
                     if !reply.error.is_empty() {
                         match &refused_since {
                             Some((since, reason)) if *reason == reply.error => {
@@ -418,12 +422,10 @@ impl Ctx {
                 .await?
         };
         let reader = arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
-            .map_err(|e| {
-            LearnerError::Buffer(format!("batch is not an Arrow IPC stream: {e}"))
-        })?;
+            .map_err(LearnerError::BatchArrow)?;
         reader
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| LearnerError::Buffer(format!("batch is not an Arrow IPC stream: {e}")))
+            .map_err(LearnerError::BatchArrow)
     }
 
     async fn train_loop(&mut self) -> Result<LearnerSummary, LearnerError> {

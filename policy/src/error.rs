@@ -35,9 +35,24 @@ pub enum PolicyError {
     /// The safetensors data is malformed or does not match the model.
     #[error("weights: {0}")]
     Weights(String),
-    /// The tokenizer could not be loaded or failed on an input.
+    /// The safetensors library refused the data.
+    #[error("weights: {what}: {source}")]
+    Safetensors {
+        what: String,
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// An input the tokenizer cannot take (e.g. an id out of range).
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// The tokenizers library could not load the tokenizer or failed on an
+    /// input.
+    #[error("tokenizer: {what}: {source}")]
+    TokenizerLib {
+        what: String,
+        #[source]
+        source: tokenizers::Error,
+    },
     /// A request was invalid (empty prompt, prompt too long, no free slot...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -41,15 +41,23 @@ impl PolicyTokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let json = std::fs::read_to_string(path).map_err(|e| PolicyError::io(path, e))?;
-        Self::from_json(json)
-            .map_err(|e| PolicyError::Tokenizer(format!("{}: {e}", path.display())))
+        Self::from_json(json).map_err(|e| match e {
+            PolicyError::TokenizerLib { source, .. } => PolicyError::TokenizerLib {
+                what: format!("cannot load {}", path.display()),
+                source,
+            },
+            other => other,
+        })
     }
 
     /// Parses the text of a `tokenizer.json`.
     pub fn from_json(json: String) -> Result<Self> {
-        let inner: tokenizers::Tokenizer = json
-            .parse()
-            .map_err(|e: tokenizers::Error| PolicyError::Tokenizer(e.to_string()))?;
+        let inner: tokenizers::Tokenizer =
+            json.parse()
+                .map_err(|source: tokenizers::Error| PolicyError::TokenizerLib {
+                    what: "cannot parse tokenizer.json".into(),
+                    source,
+                })?;
         Ok(Self { inner, json })
     }
 
@@ -112,7 +120,10 @@ impl PolicyTokenizer {
         let enc = self
             .inner
             .encode(text, add_special_tokens)
-            .map_err(|e| PolicyError::Tokenizer(e.to_string()))?;
+            .map_err(|source| PolicyError::TokenizerLib {
+                what: "cannot encode".into(),
+                source,
+            })?;
         Ok(enc.get_ids().iter().map(|&id| i64::from(id)).collect())
     }
 
@@ -127,7 +138,10 @@ impl PolicyTokenizer {
             .collect::<Result<_>>()?;
         self.inner
             .decode(&ids, skip_special_tokens)
-            .map_err(|e| PolicyError::Tokenizer(e.to_string()))
+            .map_err(|source| PolicyError::TokenizerLib {
+                what: "cannot decode".into(),
+                source,
+            })
     }
 
     /// The id of a token (special tokens included), if the vocabulary has it.

@@ -97,12 +97,19 @@ fn tensors_to_safetensors(tensors: &[(String, Tensor)], dtype: WeightDtype) -> R
         .map(|(name, shape, bytes)| {
             TensorView::new(dtype.dtype(), shape.clone(), bytes)
                 .map(|v| (name.as_str(), v))
-                .map_err(|e| PolicyError::Weights(format!("{name}: {e}")))
+                .map_err(|source| PolicyError::Safetensors {
+                    what: name.clone(),
+                    source,
+                })
         })
         .collect::<Result<Vec<_>>>()?;
     let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-    safetensors::tensor::serialize(views, Some(metadata))
-        .map_err(|e| PolicyError::Weights(e.to_string()))
+    safetensors::tensor::serialize(views, Some(metadata)).map_err(|source| {
+        PolicyError::Safetensors {
+            what: "cannot serialise".into(),
+            source,
+        }
+    })
 }
 
 impl Policy {
@@ -120,8 +127,10 @@ impl Policy {
     /// an invalid payload leaves the weights as they were. Decode batches
     /// recompute their KV caches before the next token.
     pub fn load_weights_from_bytes(&mut self, bytes: &[u8], version: i32) -> Result<()> {
-        let st = SafeTensors::deserialize(bytes)
-            .map_err(|e| PolicyError::Weights(format!("invalid safetensors data: {e}")))?;
+        let st = SafeTensors::deserialize(bytes).map_err(|source| PolicyError::Safetensors {
+            what: "invalid safetensors data".into(),
+            source,
+        })?;
         let names: Vec<String> = st.names().into_iter().map(|n| n.to_string()).collect();
         self.assign_parameters(
             &mut |name| match st.tensor(name) {

@@ -182,7 +182,7 @@ async fn weights_save_errors_and_closures_through_the_handle() {
         .load_weights(Bytes::from_static(b"garbage"), 9)
         .await
         .unwrap_err();
-    assert!(matches!(e, PolicyError::Weights(_)), "{e}");
+    assert!(matches!(e, PolicyError::Safetensors { .. }), "{e}");
     assert_eq!(handle.version(), 0);
     // closures run on the model thread
     let n = handle

@@ -203,19 +203,38 @@ async fn a_revoked_lease_is_cancelled_and_never_completed() {
         "generation did not start"
     );
     throttle.freeze().await;
-    // Let finished completions settle, then pick a lease still generating.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let log = coordinator.log();
-    let reported: HashSet<String> = log
-        .completions
-        .iter()
-        .map(|c| c.request.lease_id.clone())
-        .collect();
-    let victim = log
+    // Pick a lease still generating: once every sequence that finished
+    // before the freeze is in the stream, a lease with fewer than G
+    // trajectories there still has a sequence to generate. (Waiting for the
+    // stream, not for a time, keeps this right on a loaded machine.)
+    let finished = model.stats().sequences_finished;
+    asyncrl_testkit::eventually(
+        "the finished sequences published",
+        Duration::from_secs(30),
+        || async {
+            let stored = bus
+                .stream_len(asyncrl_protos::subjects::TRAJECTORY_STREAM)
+                .await
+                .ok()?;
+            (stored >= finished).then_some(())
+        },
+    )
+    .await;
+    let published = read_trajectories(
+        bus.as_ref(),
+        "before-revoke",
+        finished as usize,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let groups = by_group(&published);
+    let victim = coordinator
+        .log()
         .granted
         .iter()
         .map(|(_, t)| t.lease_id.clone())
-        .find(|l| !reported.contains(l))
+        .find(|l| groups.get(l).map_or(0, Vec::len) < G as usize)
         .expect("a lease still generating");
     coordinator.revoke(&victim);
     let (seen, _) = coordinator

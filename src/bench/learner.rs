@@ -30,7 +30,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use asyncrl_policy::{DeviceOptions, Policy, PolicyError, TinyModelSpec};
+use anyhow::Context as _;
+use asyncrl_policy::{DeviceOptions, Policy, TinyModelSpec};
 use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
 
@@ -167,39 +168,6 @@ impl fmt::Display for LearnerBenchReport {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum BenchError {
-    #[error("invalid bench options: {0}")]
-    Options(String),
-    #[error("policy: {0}")]
-    Policy(#[from] PolicyError),
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
-    #[error("{context}: {source}")]
-    Io {
-        context: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("the PyTorch side ({python}) failed with {status}:\n{stderr}")]
-    Python {
-        python: PathBuf,
-        status: std::process::ExitStatus,
-        stderr: String,
-    },
-    #[error("the PyTorch side printed no valid result ({source}); stdout:\n{stdout}")]
-    PythonOutput {
-        stdout: String,
-        #[source]
-        source: serde_json::Error,
-    },
-}
-
-fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> BenchError {
-    let context = context.into();
-    move |source| BenchError::Io { context, source }
-}
-
 /// What the Python script prints.
 #[derive(Debug, Deserialize)]
 struct TorchOutput {
@@ -219,7 +187,7 @@ struct TorchOutput {
 struct TempDir(PathBuf);
 
 impl TempDir {
-    fn new() -> Result<Self, BenchError> {
+    fn new() -> anyhow::Result<Self> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -228,7 +196,7 @@ impl TempDir {
             "asyncrl-learner-bench-{}-{nanos}",
             std::process::id()
         ));
-        std::fs::create_dir_all(&path).map_err(io_err(format!("create {}", path.display())))?;
+        std::fs::create_dir_all(&path).with_context(|| format!("create {}", path.display()))?;
         Ok(Self(path))
     }
 }
@@ -254,7 +222,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 /// The per-token loss of both sides: `-mean(exp(c - sg(c)) · A)` over all
 /// positions, `c` the log-prob of `targets` under `logits`.
-fn ppo_like_loss(logits: &Tensor, targets: &Tensor, adv: &Tensor) -> Result<Tensor, BenchError> {
+fn ppo_like_loss(logits: &Tensor, targets: &Tensor, adv: &Tensor) -> anyhow::Result<Tensor> {
     let logp = logits
         .f_log_softmax(-1, Kind::Float)?
         .f_gather(-1, &targets.f_unsqueeze(-1)?, false)?
@@ -264,18 +232,22 @@ fn ppo_like_loss(logits: &Tensor, targets: &Tensor, adv: &Tensor) -> Result<Tens
 }
 
 /// Runs our side, then the PyTorch side, and reports both.
-pub fn run_learner_bench(opts: LearnerBenchOptions) -> Result<LearnerBenchReport, BenchError> {
+pub fn run_learner_bench(opts: LearnerBenchOptions) -> anyhow::Result<LearnerBenchReport> {
     if opts.rows < 1 || opts.seq_len < 1 || opts.iterations < 1 || opts.threads < 1 {
-        return Err(BenchError::Options(format!(
-            "rows ({}), seq_len ({}), iterations ({}) and threads ({}) must be at least 1",
-            opts.rows, opts.seq_len, opts.iterations, opts.threads
-        )));
+        anyhow::bail!(
+            "invalid bench options: rows ({}), seq_len ({}), iterations ({}) and threads ({}) must be at least 1",
+            opts.rows,
+            opts.seq_len,
+            opts.iterations,
+            opts.threads
+        );
     }
     if opts.seq_len > opts.spec.max_position_embeddings {
-        return Err(BenchError::Options(format!(
-            "seq_len {} exceeds the model's max_position_embeddings {}",
-            opts.seq_len, opts.spec.max_position_embeddings
-        )));
+        anyhow::bail!(
+            "invalid bench options: seq_len {} exceeds the model's max_position_embeddings {}",
+            opts.seq_len,
+            opts.spec.max_position_embeddings
+        );
     }
     tch::set_num_threads(opts.threads);
     let policy = Policy::builtin_tiny(&opts.spec, opts.seed, DeviceOptions::cpu())?;
@@ -294,7 +266,7 @@ pub fn run_learner_bench(opts: LearnerBenchOptions) -> Result<LearnerBenchReport
     let targets = Tensor::f_randint(vocab, shape, (Kind::Int64, Device::Cpu))?;
     let adv = Tensor::f_randn(shape, (Kind::Float, Device::Cpu))?;
     let mut opt = AdamW::new(AdamWConfig::default());
-    let mut step = || -> Result<(), BenchError> {
+    let mut step = || -> anyhow::Result<()> {
         let logits = policy.forward(&ids, None)?;
         let loss = ppo_like_loss(&logits, &targets, &adv)?;
         loss.f_backward()?;
@@ -347,10 +319,10 @@ fn run_python_side(
     opts: &LearnerBenchOptions,
     tmp: &Path,
     model_dir: &Path,
-) -> Result<TorchOutput, BenchError> {
+) -> anyhow::Result<TorchOutput> {
     let script = tmp.join("torch_eager.py");
     std::fs::write(&script, TORCH_EAGER_SCRIPT)
-        .map_err(io_err(format!("write {}", script.display())))?;
+        .with_context(|| format!("write {}", script.display()))?;
     let request = serde_json::json!({
         "model_dir": model_dir,
         "rows": opts.rows,
@@ -364,7 +336,7 @@ fn run_python_side(
     });
     let request_path = tmp.join("request.json");
     std::fs::write(&request_path, request.to_string())
-        .map_err(io_err(format!("write {}", request_path.display())))?;
+        .with_context(|| format!("write {}", request_path.display()))?;
     let threads = opts.threads.to_string();
     let out = Command::new(&opts.python)
         .arg(&script)
@@ -373,14 +345,15 @@ fn run_python_side(
         .env("MKL_NUM_THREADS", &threads)
         .env("TOKENIZERS_PARALLELISM", "false")
         .output()
-        .map_err(io_err(format!("run {}", opts.python.display())))?;
+        .with_context(|| format!("run {}", opts.python.display()))?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     if !out.status.success() {
-        return Err(BenchError::Python {
-            python: opts.python.clone(),
-            status: out.status,
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        });
+        anyhow::bail!(
+            "the PyTorch side ({}) failed with {}:\n{}",
+            opts.python.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     // The result is the last line; transformers may log before it.
     let line = stdout
@@ -388,10 +361,8 @@ fn run_python_side(
         .rev()
         .find(|l| !l.trim().is_empty())
         .unwrap_or("");
-    serde_json::from_str(line).map_err(|source| BenchError::PythonOutput {
-        stdout: stdout.clone(),
-        source,
-    })
+    serde_json::from_str(line)
+        .with_context(|| format!("the PyTorch side printed no valid result; stdout:\n{stdout}"))
 }
 
 #[cfg(test)]

@@ -6,13 +6,12 @@
 //! machine noise hits both.
 
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use asyncrl_transport::raw::RawNats;
-use asyncrl_transport::{Bus, NatsBus, PublishAck, StreamSpec, TransportMetrics};
+use asyncrl_transport::raw::{RawNats, timed_burst};
+use asyncrl_transport::{Bus, NatsBus, StreamSpec, TransportMetrics};
 use bytes::Bytes;
-use futures::StreamExt;
 
 #[derive(Debug, Clone)]
 pub struct PublishBenchOptions {
@@ -97,20 +96,12 @@ async fn ours(
     in_flight: usize,
     tag: &str,
 ) -> Result<Duration> {
-    let start = Instant::now();
-    let results: Vec<asyncrl_transport::Result<PublishAck>> = futures::stream::iter(0..n)
-        .map(|i| {
-            let id = format!("{tag}-{i}");
-            let payload = payload.clone();
-            async move { bus.publish_durable(subject, &id, payload).await }
-        })
-        .buffer_unordered(in_flight)
-        .collect()
-        .await;
-    for r in results {
-        r?;
-    }
-    Ok(start.elapsed())
+    Ok(timed_burst(n, in_flight, |i| {
+        let id = format!("{tag}-{i}");
+        let payload = payload.clone();
+        async move { bus.publish_durable(subject, &id, payload).await }
+    })
+    .await?)
 }
 
 /// Runs the benchmark and returns the figures.

@@ -42,8 +42,14 @@ pub type Result<T> = std::result::Result<T, TransportError>;
 /// re-reads and retries a compare-and-set.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum TransportError {
-    #[error("cannot connect to NATS at {url}: {reason}")]
-    Connect { url: String, reason: String },
+    #[error("cannot connect to NATS at {url}: {what}: {source}")]
+    Connect {
+        url: String,
+        /// What failed (e.g. "cannot read token file /x").
+        what: String,
+        #[source]
+        source: BackendError,
+    },
     #[error("no responder is listening on `{subject}`")]
     NoResponders { subject: String },
     #[error("request on `{subject}` timed out after {timeout:?}")]
@@ -70,15 +76,59 @@ pub enum TransportError {
     InvalidName { name: String, reason: String },
     #[error("the bus is closed")]
     Closed,
-    #[error("{op} failed: {reason}")]
-    Backend { op: &'static str, reason: String },
+    #[error("{op} failed: {source}")]
+    Backend {
+        op: &'static str,
+        #[source]
+        source: BackendError,
+    },
+}
+
+/// The NATS client's error behind a [`TransportError::Backend`], kept with
+/// its chain of causes (shared, so that the error stays `Clone`).
+#[derive(Debug, Clone)]
+pub struct BackendError(std::sync::Arc<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// Two backend errors are equal when they say the same (the client's
+/// errors are not comparable themselves).
+impl PartialEq for BackendError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_string() == other.0.to_string()
+    }
 }
 
 impl TransportError {
-    pub(crate) fn backend(op: &'static str, e: impl std::fmt::Display) -> Self {
+    pub(crate) fn connect(
+        url: &str,
+        what: impl Into<String>,
+        e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        TransportError::Connect {
+            url: url.to_owned(),
+            what: what.into(),
+            source: BackendError(std::sync::Arc::from(e.into())),
+        }
+    }
+
+    pub(crate) fn backend(
+        op: &'static str,
+        e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
         TransportError::Backend {
             op,
-            reason: e.to_string(),
+            source: BackendError(std::sync::Arc::from(e.into())),
         }
     }
 

@@ -147,12 +147,10 @@ impl Bus for LocalBus {
         }
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(_)) => Err(TransportError::Backend {
-                op: "request",
-                reason: format!(
-                    "the responder on `{subject}` dropped the request without replying"
-                ),
-            }),
+            Ok(Err(_)) => Err(TransportError::backend(
+                "request",
+                format!("the responder on `{subject}` dropped the request without replying"),
+            )),
             Err(_) => Err(TransportError::Timeout {
                 subject: subject.into(),
                 timeout,
@@ -191,10 +189,10 @@ impl Bus for LocalBus {
                 .iter()
                 .any(|s| other.spec.subjects.iter().any(|o| o == s))
             {
-                return Err(TransportError::Backend {
-                    op: "ensure_stream",
-                    reason: format!("subjects of `{}` overlap with stream `{name}`", spec.name),
-                });
+                return Err(TransportError::backend(
+                    "ensure_stream",
+                    format!("subjects of `{}` overlap with stream `{name}`", spec.name),
+                ));
             }
         }
         match streams.get(&spec.name) {

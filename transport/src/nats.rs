@@ -74,15 +74,21 @@ async fn connect_options(
     ) {
         (Some(path), ..) => ConnectOptions::with_credentials_file(path)
             .await
-            .map_err(|e| TransportError::Connect {
-                url: url.clone(),
-                reason: format!("cannot read credentials file {}: {e}", path.display()),
+            .map_err(|e| {
+                TransportError::connect(
+                    &url,
+                    format!("cannot read credentials file {}", path.display()),
+                    e,
+                )
             })?,
         (None, Some(token), ..) => ConnectOptions::with_token(token.clone()),
         (None, None, Some(path), _) => {
-            let token = std::fs::read_to_string(path).map_err(|e| TransportError::Connect {
-                url: url.clone(),
-                reason: format!("cannot read token file {}: {e}", path.display()),
+            let token = std::fs::read_to_string(path).map_err(|e| {
+                TransportError::connect(
+                    &url,
+                    format!("cannot read token file {}", path.display()),
+                    e,
+                )
             })?;
             ConnectOptions::with_token(token.trim().to_owned())
         }
@@ -177,10 +183,7 @@ impl NatsBus {
             .split(',')
             .map(|s| s.trim().parse::<ServerAddr>())
             .collect::<std::io::Result<_>>()
-            .map_err(|e| TransportError::Connect {
-                url: config.url.clone(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| TransportError::connect(&config.url, "invalid server URL", e))?;
         let deadline = tokio::time::Instant::now() + config.connect_timeout;
         let mut attempt = 0usize;
         let link = Arc::new(Link::default());
@@ -192,13 +195,14 @@ impl NatsBus {
                     attempt += 1;
                     let wait = reconnect_delay(attempt, Duration::from_secs(1));
                     if tokio::time::Instant::now() + wait >= deadline {
-                        return Err(TransportError::Connect {
-                            url: config.url.clone(),
-                            reason: format!(
-                                "{e} (gave up after {attempt} attempts in {:?})",
+                        return Err(TransportError::connect(
+                            &config.url,
+                            format!(
+                                "gave up after {attempt} attempts in {:?}",
                                 config.connect_timeout
                             ),
-                        });
+                            e,
+                        ));
                     }
                     tracing::debug!(url = %config.url, attempt, error = %e, "NATS connect failed; retrying");
                     tokio::time::sleep(wait).await;
@@ -226,7 +230,11 @@ impl NatsBus {
         &self.js
     }
 
-    fn err(&self, op: &'static str, e: impl std::fmt::Display) -> TransportError {
+    fn err(
+        &self,
+        op: &'static str,
+        e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> TransportError {
         self.metrics.error(op);
         TransportError::backend(op, e)
     }
@@ -534,7 +542,7 @@ impl Consumer for NatsConsumer {
 impl NatsConsumer {
     async fn fetch_into(&self, max: usize, wait: Duration, out: &mut Vec<Delivery>) -> Result<()> {
         let max = max.max(1);
-        let err = |e: &dyn std::fmt::Display| {
+        let err = |e: Box<dyn std::error::Error + Send + Sync>| {
             self.metrics.error("fetch");
             TransportError::backend("fetch", e)
         };
@@ -545,9 +553,9 @@ impl NatsConsumer {
             .max_messages(max)
             .messages()
             .await
-            .map_err(|e| err(&e))?;
+            .map_err(|e| err(e.into()))?;
         while let Some(m) = ready.next().await {
-            out.push(self.delivery(m.map_err(|e| err(&e))?)?);
+            out.push(self.delivery(m.map_err(err)?)?);
         }
         if !out.is_empty() || wait.is_zero() {
             return Ok(());
@@ -560,9 +568,9 @@ impl NatsConsumer {
             .expires(wait.max(Duration::from_millis(10)))
             .messages()
             .await
-            .map_err(|e| err(&e))?;
+            .map_err(|e| err(e.into()))?;
         while let Some(m) = one.next().await {
-            out.push(self.delivery(m.map_err(|e| err(&e))?)?);
+            out.push(self.delivery(m.map_err(err)?)?);
         }
         if !out.is_empty() && max > 1 {
             let mut rest = self
@@ -571,9 +579,9 @@ impl NatsConsumer {
                 .max_messages(max - 1)
                 .messages()
                 .await
-                .map_err(|e| err(&e))?;
+                .map_err(|e| err(e.into()))?;
             while let Some(m) = rest.next().await {
-                out.push(self.delivery(m.map_err(|e| err(&e))?)?);
+                out.push(self.delivery(m.map_err(err)?)?);
             }
         }
         Ok(())
@@ -588,7 +596,11 @@ struct NatsKv {
 }
 
 impl NatsKv {
-    fn err(&self, op: &'static str, e: impl std::fmt::Display) -> TransportError {
+    fn err(
+        &self,
+        op: &'static str,
+        e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> TransportError {
         self.metrics.error(op);
         TransportError::backend(op, e)
     }
@@ -699,7 +711,11 @@ struct NatsObjects {
 }
 
 impl NatsObjects {
-    fn err(&self, op: &'static str, e: impl std::fmt::Display) -> TransportError {
+    fn err(
+        &self,
+        op: &'static str,
+        e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> TransportError {
         self.metrics.error(op);
         TransportError::backend(op, e)
     }

@@ -33,6 +33,29 @@ impl Drop for Echo {
     }
 }
 
+/// Runs `op(0)`, …, `op(n − 1)` with `in_flight` of them at a time and
+/// returns how long it took until every one had succeeded (the first
+/// error otherwise). What each bench side times, ours and raw alike.
+pub async fn timed_burst<T, E, F, Fut>(
+    n: usize,
+    in_flight: usize,
+    op: F,
+) -> std::result::Result<Duration, E>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, E>>,
+{
+    let start = Instant::now();
+    let results: Vec<std::result::Result<T, E>> = futures::stream::iter(0..n)
+        .map(op)
+        .buffer_unordered(in_flight.max(1))
+        .collect()
+        .await;
+    let elapsed = start.elapsed();
+    results.into_iter().try_for_each(|r| r.map(drop))?;
+    Ok(elapsed)
+}
+
 impl RawNats {
     pub async fn connect(url: &str) -> Result<Self> {
         let client = async_nats::connect(url)
@@ -53,23 +76,15 @@ impl RawNats {
         tag: &str,
     ) -> Result<Duration> {
         let js = async_nats::jetstream::new(self.client.clone());
-        let start = Instant::now();
-        let results: Vec<std::result::Result<_, async_nats::jetstream::context::PublishError>> =
-            futures::stream::iter(0..n)
-                .map(|i| {
-                    let msg = async_nats::jetstream::message::PublishMessage::build()
-                        .payload(payload.clone())
-                        .message_id(format!("{tag}-{i}"));
-                    let js = js.clone();
-                    async move { js.send_publish(subject.to_owned(), msg).await?.await }
-                })
-                .buffer_unordered(in_flight.max(1))
-                .collect()
-                .await;
-        for r in results {
-            r.map_err(|e| TransportError::backend("raw publish", e))?;
-        }
-        Ok(start.elapsed())
+        timed_burst(n, in_flight, |i| {
+            let msg = async_nats::jetstream::message::PublishMessage::build()
+                .payload(payload.clone())
+                .message_id(format!("{tag}-{i}"));
+            let js = js.clone();
+            async move { js.send_publish(subject.to_owned(), msg).await?.await }
+        })
+        .await
+        .map_err(|e| TransportError::backend("raw publish", e))
     }
 
     /// Answers every request on `subject` with `reply` until the returned
@@ -106,22 +121,14 @@ impl RawNats {
         n: usize,
         concurrency: usize,
     ) -> Result<Duration> {
-        let start = Instant::now();
-        let results: Vec<std::result::Result<async_nats::Message, async_nats::RequestError>> =
-            futures::stream::iter(0..n)
-                .map(|_| {
-                    let client = self.client.clone();
-                    let payload = payload.clone();
-                    let subject = subject.to_owned();
-                    async move { client.request(subject, payload).await }
-                })
-                .buffer_unordered(concurrency.max(1))
-                .collect()
-                .await;
-        for r in results {
-            r.map_err(|e| TransportError::backend("raw request", e))?;
-        }
-        Ok(start.elapsed())
+        timed_burst(n, concurrency, |_| {
+            let client = self.client.clone();
+            let payload = payload.clone();
+            let subject = subject.to_owned();
+            async move { client.request(subject, payload).await }
+        })
+        .await
+        .map_err(|e| TransportError::backend("raw request", e))
     }
 }
 

@@ -161,7 +161,7 @@ impl Actor {
         let datasets = c.datasets.clone();
         let tasks = tokio::task::spawn_blocking(move || TaskSet::load(&datasets))
             .await
-            .map_err(|e| CoordinatorError::Join(e.to_string()))??;
+            .map_err(CoordinatorError::Join)??;
         let tasks = Arc::new(tasks);
         let settings = Settings {
             groups_per_step: config.staleness.groups_per_step,
@@ -192,7 +192,7 @@ impl Actor {
         {
             Some(entry) => {
                 let state = CoordinatorState::decode(entry.value.as_ref())
-                    .map_err(|e| CoordinatorError::StateDecode(e.to_string()))?;
+                    .map_err(CoordinatorError::StateDecode)?;
                 let s = Scheduler::from_proto(
                     params,
                     &state,
