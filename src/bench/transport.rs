@@ -174,3 +174,31 @@ pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBench
         rows,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_publish_bench_measures_both_sides() {
+        let report = run_publish_bench(PublishBenchOptions {
+            nats_url: None,
+            messages: 40,
+            message_bytes: 512,
+            in_flight: 8,
+            rounds: 1,
+        })
+        .await
+        .expect("bench");
+        assert_eq!(report.rows.len(), 2);
+        for r in &report.rows {
+            assert!(r.raw_msgs_per_s > 0.0 && r.ours_msgs_per_s > 0.0, "{r:?}");
+            assert!(r.ratio().is_finite(), "{r:?}");
+        }
+        let text = report.to_string();
+        assert!(
+            text.contains("ours/raw") && text.contains("pipelined x8"),
+            "{text}"
+        );
+    }
+}
