@@ -311,10 +311,7 @@ fn train_command(args: TrainArgs) -> anyhow::Result<()> {
 #[cfg(feature = "torch")]
 fn learner_command(args: RoleArgs) -> anyhow::Result<()> {
     role(args, "learner", |c, b, m, s| async move {
-        asyncrl_learner::service::run(c, b, m, s)
-            .await
-            .map(|_| ())
-            .map_err(Into::into)
+        asyncrl_learner::service::run(c, b, m, s).await.map(|_| ())
     })
 }
 

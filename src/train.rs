@@ -263,9 +263,7 @@ fn clear_or_refuse_previous_run(config: &Config, fresh: bool) -> anyhow::Result<
 async fn role_ended(
     done: Result<RoleResult, tokio::task::JoinError>,
     shutdown: &CancellationToken,
-    learner: &mut tokio::task::JoinHandle<
-        Result<asyncrl_learner::service::LearnerSummary, asyncrl_learner::service::LearnerError>,
-    >,
+    learner: &mut tokio::task::JoinHandle<anyhow::Result<asyncrl_learner::service::LearnerSummary>>,
 ) -> anyhow::Result<()> {
     let (role, result) = done.context("a role task failed")?;
     if shutdown.is_cancelled() {

@@ -22,6 +22,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use arrow::array::RecordBatch;
 use asyncrl_config::Config;
 use asyncrl_control::{KnobError, seal_step};
@@ -29,57 +30,17 @@ use asyncrl_protos::subjects::LEARNER_STATUS_KEY;
 use asyncrl_protos::v1::{BatchReply, BatchRequest, LearnerStatus};
 use asyncrl_protos::{Message, subjects};
 use asyncrl_telemetry::Metrics;
-use asyncrl_transport::{Bus, KvBucket, TransportError};
+use asyncrl_transport::{Bus, KvBucket};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-use crate::actor::{ActorGone, TrainerActor};
+use crate::actor::TrainerActor;
 use crate::advantages::AdvantageNorm;
 use crate::checkpoint;
 use crate::metrics::LearnerMetrics;
 use crate::objective::{LossAggregation, ObjectiveConfig, ProximalMode};
 use crate::trainer::{StepSettings, StepStats, TrainError, Trainer, TrainerOptions};
 use asyncrl_common::{Backoff, unix_ms};
-
-#[derive(Debug, thiserror::Error)]
-pub enum LearnerError {
-    #[error("cannot build the policy: {0}")]
-    Policy(#[from] asyncrl_policy::PolicyError),
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    #[error(transparent)]
-    Checkpoint(#[from] checkpoint::CheckpointError),
-    #[error("bus: {0}")]
-    Transport(#[from] TransportError),
-    #[error("knobs: {0}")]
-    Knobs(#[from] KnobError),
-    #[error(transparent)]
-    Actor(#[from] ActorGone),
-    #[error(transparent)]
-    Telemetry(#[from] asyncrl_telemetry::TelemetryError),
-    #[error(transparent)]
-    Weights(#[from] asyncrl_control::weights::WeightsError),
-    #[error("a learner task panicked or was cancelled: {0}")]
-    Join(#[source] tokio::task::JoinError),
-    #[error("cannot resume: cannot fetch the published weights of version {version}: {source}")]
-    Resume {
-        version: i32,
-        #[source]
-        source: TransportError,
-    },
-    /// The buffer's refusal (its reply's text).
-    #[error("buffer: {0}")]
-    Buffer(String),
-    #[error("the buffer's batch reply does not decode: {0}")]
-    BatchReply(#[source] asyncrl_protos::prost::DecodeError),
-    #[error("the batch is not an Arrow IPC stream: {0}")]
-    BatchArrow(#[source] arrow::error::ArrowError),
-    #[error("metrics file {path}: {source}")]
-    MetricsFile {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
 
 /// What a learner run did.
 #[derive(Debug, Clone, Default)]
@@ -165,7 +126,7 @@ pub async fn run(
     bus: Arc<dyn Bus>,
     metrics: Metrics,
     shutdown: CancellationToken,
-) -> Result<LearnerSummary, LearnerError> {
+) -> anyhow::Result<LearnerSummary> {
     run_with_progress(config, bus, metrics, shutdown, None).await
 }
 
@@ -177,20 +138,20 @@ pub async fn run_with_progress(
     metrics: Metrics,
     shutdown: CancellationToken,
     progress: Option<tokio::sync::mpsc::UnboundedSender<StepStats>>,
-) -> Result<LearnerSummary, LearnerError> {
+) -> anyhow::Result<LearnerSummary> {
     let metrics = LearnerMetrics::register(&metrics)?;
     let ckpt_dir = checkpoint_dir(&config);
     let latest = {
         let dir = ckpt_dir.clone();
         tokio::task::spawn_blocking(move || checkpoint::load_latest(&dir))
             .await
-            .map_err(LearnerError::Join)??
+            .context("the checkpoint loader panicked")??
     };
     let opts = trainer_options(&config);
     let model_section = config.model.clone();
     let seed = config.run.seed;
     let affinity = config.learner.cpu_affinity.clone();
-    let actor = TrainerActor::spawn(move || -> Result<Trainer, LearnerError> {
+    let actor = TrainerActor::spawn(move || -> anyhow::Result<Trainer> {
         if let Err(e) = crate::actor::pin_current_thread(&affinity) {
             tracing::warn!(cores = ?affinity, error = %e, "cannot pin the trainer thread");
         }
@@ -227,7 +188,7 @@ pub async fn run_with_progress(
 
 impl Ctx {
     /// Makes the trainer and `policy.version` agree (see the module docs).
-    async fn reconcile_with_published(&mut self) -> Result<(), LearnerError> {
+    async fn reconcile_with_published(&mut self) -> anyhow::Result<()> {
         let local = self.actor.call(|t| t.version()).await?;
         let announced = asyncrl_control::weights::announced(self.bus.as_ref()).await?;
         match announced {
@@ -239,9 +200,11 @@ impl Ctx {
                 );
                 let bytes = asyncrl_control::weights::fetch(self.bus.as_ref(), &a)
                     .await
-                    .map_err(|source| LearnerError::Resume {
-                        version: a.version,
-                        source,
+                    .with_context(|| {
+                        format!(
+                            "cannot resume: cannot fetch the published weights of version {}",
+                            a.version
+                        )
                     })?;
                 let version = a.version;
                 self.actor
@@ -257,7 +220,7 @@ impl Ctx {
         Ok(())
     }
 
-    async fn publish(&self, version: i32, step: u64) -> Result<(), LearnerError> {
+    async fn publish(&self, version: i32, step: u64) -> anyhow::Result<()> {
         let bytes = self.actor.call(|t| t.weights_bytes()).await??;
         let bytes = Bytes::from(bytes);
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
@@ -304,7 +267,7 @@ impl Ctx {
         }
     }
 
-    async fn checkpoint(&self) -> Result<(), LearnerError> {
+    async fn checkpoint(&self) -> anyhow::Result<()> {
         let dir = self.ckpt_dir.clone();
         let keep = self.config.learner.keep_checkpoints;
         let path = self
@@ -322,7 +285,7 @@ impl Ctx {
 
     /// Seals step `s`, waiting for the coordinator to create the knob
     /// schedule if it has not yet.
-    async fn seal(&self, s: u64) -> Result<Option<asyncrl_control::StepKnobs>, LearnerError> {
+    async fn seal(&self, s: u64) -> anyhow::Result<Option<asyncrl_control::StepKnobs>> {
         let mut logged = false;
         loop {
             match seal_step(self.kv.as_ref(), s).await {
@@ -348,7 +311,7 @@ impl Ctx {
         s: u64,
         version: i32,
         eta: u32,
-    ) -> Result<Option<Vec<RecordBatch>>, LearnerError> {
+    ) -> anyhow::Result<Option<Vec<RecordBatch>>> {
         let b = self.config.staleness.groups_per_step;
         let poll = self.config.learner.batch_poll_interval;
         let wait_ms: u32 = 1000;
@@ -377,17 +340,17 @@ impl Ctx {
             };
             match reply {
                 Ok(bytes) => {
-                    let reply =
-                        BatchReply::decode(bytes.as_ref()).map_err(LearnerError::BatchReply)?;
+                    let reply = BatchReply::decode(bytes.as_ref())
+                        .context("the buffer's batch reply does not decode")?;
                     if !reply.error.is_empty() {
                         match &refused_since {
                             Some((since, reason)) if *reason == reply.error => {
                                 if since.elapsed() >= REFUSAL_PATIENCE {
-                                    return Err(LearnerError::Buffer(format!(
-                                        "the buffer refuses step {s} (for {}s): {}",
+                                    anyhow::bail!(
+                                        "buffer: the buffer refuses step {s} (for {}s): {}",
                                         REFUSAL_PATIENCE.as_secs(),
                                         reply.error
-                                    )));
+                                    );
                                 }
                             }
                             _ => {
@@ -411,7 +374,7 @@ impl Ctx {
         }
     }
 
-    async fn decode_batch(&self, reply: &BatchReply) -> Result<Vec<RecordBatch>, LearnerError> {
+    async fn decode_batch(&self, reply: &BatchReply) -> anyhow::Result<Vec<RecordBatch>> {
         let bytes = if reply.object_name.is_empty() {
             reply.arrow_ipc.clone()
         } else {
@@ -422,13 +385,13 @@ impl Ctx {
                 .await?
         };
         let reader = arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
-            .map_err(LearnerError::BatchArrow)?;
+            .context("the batch is not an Arrow IPC stream")?;
         reader
             .collect::<Result<Vec<_>, _>>()
-            .map_err(LearnerError::BatchArrow)
+            .context("the batch is not an Arrow IPC stream")
     }
 
-    async fn train_loop(&mut self) -> Result<LearnerSummary, LearnerError> {
+    async fn train_loop(&mut self) -> anyhow::Result<LearnerSummary> {
         let csv_path = self.config.run.output_dir.join("learner_metrics.csv");
         let mut csv = MetricsCsv::open(csv_path.clone())?;
         let mut trained_log = TrainedLog::open(self.config.run.output_dir.join("trained.jsonl"))?;
@@ -557,12 +520,9 @@ struct TrainedLog {
 }
 
 impl TrainedLog {
-    fn open(path: PathBuf) -> Result<Self, LearnerError> {
-        let file =
-            asyncrl_common::linelog::open(&path).map_err(|source| LearnerError::MetricsFile {
-                path: path.clone(),
-                source,
-            })?;
+    fn open(path: PathBuf) -> anyhow::Result<Self> {
+        let file = asyncrl_common::linelog::open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
         Ok(Self { path, file })
     }
 
@@ -571,7 +531,7 @@ impl TrainedLog {
         s: &StepStats,
         trained_at: i32,
         ids: &(Vec<String>, i32),
-    ) -> Result<(), LearnerError> {
+    ) -> anyhow::Result<()> {
         let line = serde_json::json!({
             "step": s.step,
             "trained_at_version": trained_at,
@@ -583,10 +543,7 @@ impl TrainedLog {
         self.file
             .write_all(format!("{line}\n").as_bytes())
             .and_then(|()| self.file.sync_data())
-            .map_err(|source| LearnerError::MetricsFile {
-                path: self.path.clone(),
-                source,
-            })
+            .with_context(|| format!("cannot write {}", self.path.display()))
     }
 }
 
@@ -603,10 +560,9 @@ struct MetricsCsv {
 impl MetricsCsv {
     const HEADER: &'static str = "step,version,wall_seconds,reward_mean,reward_failed,loss,clip_low,clip_high,weight_masked,m2po_masked,approx_kl,entropy,grad_norm,learning_rate,tokens,groups,version_lag_mean,version_lag_max,wait_seconds,compute_seconds,publish_seconds,padded_tokens";
 
-    fn open(path: PathBuf) -> Result<Self, LearnerError> {
-        let err = |source| LearnerError::MetricsFile {
-            path: path.clone(),
-            source,
+    fn open(path: PathBuf) -> anyhow::Result<Self> {
+        let err = |source: std::io::Error| {
+            anyhow::Error::new(source).context(format!("cannot open {}", path.display()))
         };
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(err)?;
@@ -619,13 +575,7 @@ impl MetricsCsv {
         Ok(Self { path, file })
     }
 
-    fn append(
-        &mut self,
-        s: &StepStats,
-        wall: f64,
-        wait: f64,
-        publish: f64,
-    ) -> Result<(), LearnerError> {
+    fn append(&mut self, s: &StepStats, wall: f64, wait: f64, publish: f64) -> anyhow::Result<()> {
         let o = &s.objective;
         let line = format!(
             "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4},{}\n",
@@ -655,9 +605,6 @@ impl MetricsCsv {
         // One write per line: a reader never sees half of one.
         self.file
             .write_all(line.as_bytes())
-            .map_err(|source| LearnerError::MetricsFile {
-                path: self.path.clone(),
-                source,
-            })
+            .with_context(|| format!("cannot write {}", self.path.display()))
     }
 }
