@@ -199,16 +199,8 @@ async fn complete_all(bus: &NatsBus, worker: &str, tasks: Vec<Task>) -> Result<(
 
 /// Runs the benchmark and returns the figures.
 pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBenchReport> {
-    let mut own_server = None;
-    let url = match &opts.nats_url {
-        Some(url) => url.clone(),
-        None => {
-            let server = asyncrl_testkit::NatsServer::start().context("start a nats-server")?;
-            let url = server.url();
-            own_server = Some(server);
-            url
-        }
-    };
+    let nats = super::BenchServer::at_or_start(opts.nats_url.as_deref())?;
+    let url = nats.url.clone();
     let dir = tempfile_dir().await?;
     let tasks_path = dir.join("bench-tasks.jsonl");
     let n_tasks = 10_000;
@@ -334,10 +326,7 @@ pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBench
     let _ = tokio::fs::remove_dir_all(&dir).await;
     result?;
     joined?;
-    let server = match own_server {
-        Some(_) => format!("private nats-server at {url}"),
-        None => format!("nats-server at {url}"),
-    };
+    let server = nats.describe();
     Ok(AcquireBenchReport {
         options: opts,
         server,

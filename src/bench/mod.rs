@@ -29,6 +29,39 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
 
+/// The NATS server a bench measures against: the one at `--nats-url`, or a
+/// private nats-server that lives as long as this value.
+pub(crate) struct BenchServer {
+    pub url: String,
+    own: Option<asyncrl_testkit::NatsServer>,
+}
+
+impl BenchServer {
+    pub fn at_or_start(url: Option<&str>) -> anyhow::Result<Self> {
+        Ok(match url {
+            Some(url) => Self {
+                url: url.to_owned(),
+                own: None,
+            },
+            None => {
+                let server = asyncrl_testkit::NatsServer::start().context("start a nats-server")?;
+                Self {
+                    url: server.url(),
+                    own: Some(server),
+                }
+            }
+        })
+    }
+
+    /// What the report says about the server.
+    pub fn describe(&self) -> String {
+        match self.own {
+            Some(_) => format!("private nats-server at {}", self.url),
+            None => format!("nats-server at {}", self.url),
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub(crate) enum BenchCommand {
     /// JetStream publish-with-ack throughput through asyncrl's transport

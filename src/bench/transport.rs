@@ -8,7 +8,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use asyncrl_transport::raw::{RawNats, timed_burst};
 use asyncrl_transport::{Bus, NatsBus, StreamSpec, TransportMetrics};
 use bytes::Bytes;
@@ -106,16 +106,8 @@ async fn ours(
 
 /// Runs the benchmark and returns the figures.
 pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBenchReport> {
-    let mut own_server = None;
-    let url = match &opts.nats_url {
-        Some(url) => url.clone(),
-        None => {
-            let server = asyncrl_testkit::NatsServer::start().context("start a nats-server")?;
-            let url = server.url();
-            own_server = Some(server);
-            url
-        }
-    };
+    let nats = super::BenchServer::at_or_start(opts.nats_url.as_deref())?;
+    let url = nats.url.clone();
     let bus = NatsBus::connect(
         &asyncrl_config::BusConfig::nats(url.clone()),
         TransportMetrics::new(),
@@ -163,11 +155,7 @@ pub async fn run_publish_bench(opts: PublishBenchOptions) -> Result<PublishBench
             ours_msgs_per_s: rate(best_ours),
         });
     }
-    let server = match own_server {
-        Some(_) => format!("private nats-server at {url}"),
-        None => format!("nats-server at {url}"),
-    };
-    drop(own_server);
+    let server = nats.describe();
     Ok(PublishBenchReport {
         options: opts,
         server,
