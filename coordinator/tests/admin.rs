@@ -17,8 +17,10 @@ use asyncrl_coordinator::{Coordinator, seal_step};
 use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
 use asyncrl_protos::v1::{Knobs, SetKnobsRequest};
 use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_testkit::eventually;
 use asyncrl_transport::{Bus, KvBucket, LocalBus};
-use common::{Learner, Worker, config, eventually, write_tasks};
+use common::{Learner, Worker, config, write_tasks};
+
 use tokio_util::sync::CancellationToken;
 
 const TOKEN: &str = "s3cret-token";

@@ -20,12 +20,14 @@ use asyncrl_protos::subjects::COORDINATOR_STATE_KEY as STATE_KEY;
 use asyncrl_protos::subjects::TASKS_COMPLETE;
 use asyncrl_protos::v1::{CompleteTask, CompleteTaskReply};
 use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_testkit::eventually;
 use asyncrl_transport::{
     Bus, Consumer, ConsumerSpec, KvBucket, KvEntry, KvEvent, LocalBus, Message, ObjectStore,
     PublishAck, Request, Result, StreamSpec, TransportError,
 };
 use bytes::Bytes;
-use common::{Worker, config, eventually, write_tasks};
+use common::{Worker, config, write_tasks};
+
 use futures::stream::BoxStream;
 use prost::Message as _;
 use tokio_util::sync::CancellationToken;

@@ -19,9 +19,11 @@ use asyncrl_protos::subjects::BUFFER_GROUP_DROPPED;
 use asyncrl_protos::v1::{GroupDropReason, GroupDropped};
 use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_testkit::NatsServer;
+use asyncrl_testkit::eventually;
 use asyncrl_transport::{Bus, LocalBus};
 use bytes::Bytes;
-use common::{Learner, Worker, config, eventually, nats_bus, write_tasks};
+use common::{Learner, Worker, config, nats_bus, write_tasks};
+
 use prost::Message;
 use tokio_util::sync::CancellationToken;
 

@@ -65,23 +65,6 @@ pub async fn nats_bus(url: &str) -> Arc<dyn Bus> {
     )
 }
 
-/// Polls `f` every 20 ms (tokio time) until it returns Some, or panics after
-/// `timeout`.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// A scripted rollout worker.
 pub struct Worker {
     pub bus: Arc<dyn Bus>,
