@@ -118,6 +118,23 @@ fn speedup_bench_reports_both_modes_and_the_bound() {
     for run in ["eta0-round0", "eta2-round0"] {
         let steps = csv_rows(&out.join("runs").join(run).join("learner_metrics.csv"));
         assert_eq!(steps.len(), 5, "{run} trained its 5 steps");
+        // The built-in engine is token-exact: where the learner compares its
+        // log-probs with the behaviour ones (tokens of its own version), they
+        // agree to 1e-4.
+        for s in &steps {
+            if num(s, "logprob_gap_tokens") > 0.0 {
+                assert!(num(s, "logprob_gap_max") <= 1e-4, "{run}: {s:?}");
+                assert!(num(s, "logprob_kl").abs() <= 1e-6, "{run}: {s:?}");
+            }
+        }
+        if run == "eta0-round0" {
+            // η = 0 trains only tokens of the learner's own version: every
+            // step compares.
+            assert!(
+                steps.iter().all(|s| num(s, "logprob_gap_tokens") > 0.0),
+                "{steps:?}"
+            );
+        }
     }
 }
 

@@ -49,6 +49,16 @@ pub struct LearnerMetrics {
     pub weight_publications: Counter,
     pub weight_publish_failures: Counter,
     pub checkpoints: Counter,
+    /// The engine/trainer mismatch (`objective::LogprobGap`) of the last
+    /// step that had tokens of its starting version.
+    pub logprob_gap: Family<StatLabel, F64Gauge>,
+    pub logprob_kl: F64Gauge,
+    pub logprob_gap_tokens: Counter,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatLabel {
+    pub stat: &'static str,
 }
 
 fn seconds_buckets() -> Histogram {
@@ -153,6 +163,21 @@ impl LearnerMetrics {
                 "Checkpoints written",
                 Counter::default(),
             )?,
+            logprob_gap: m.register(
+                "learner_logprob_gap",
+                "|behaviour log-prob - learner log-prob| of the tokens sampled at the version a step starts from (stat: mean, max); 0 for an exact engine",
+                Family::default(),
+            )?,
+            logprob_kl: m.register(
+                "learner_logprob_kl",
+                "k3 estimate of KL(behaviour || learner) over the same tokens",
+                F64Gauge::default(),
+            )?,
+            logprob_gap_tokens: m.register(
+                "learner_logprob_gap_tokens",
+                "Tokens whose behaviour log-prob was compared with the learner's",
+                Counter::default(),
+            )?,
         })
     }
 
@@ -184,6 +209,17 @@ impl LearnerMetrics {
         self.version_lag_max.set(s.objective.max_version_lag);
         for lag in &s.version_lags {
             self.version_lag.observe(f64::from(*lag));
+        }
+        let gap = &s.logprob_gap;
+        if gap.tokens > 0 {
+            self.logprob_gap
+                .get_or_create(&StatLabel { stat: "mean" })
+                .set(gap.mean_abs);
+            self.logprob_gap
+                .get_or_create(&StatLabel { stat: "max" })
+                .set(gap.max_abs);
+            self.logprob_kl.set(gap.kl);
+            self.logprob_gap_tokens.inc_by(gap.tokens as u64);
         }
         self.tokens.inc_by(s.tokens.max(0) as u64);
         if s.compute_seconds > 0.0 {

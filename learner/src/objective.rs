@@ -156,6 +156,72 @@ pub fn approx_proximal(
     (behaviour + alpha * (current.detach() - behaviour)).detach()
 }
 
+/// How far the behaviour log-probs (what the engine reported when it
+/// sampled) are from the learner's own log-probs of the same tokens under
+/// the same weights: the engine/trainer mismatch, the most common silent
+/// failure of RL systems (log-probs before temperature, re-tokenised text,
+/// a stale prefix cache, other precision). Only tokens sampled with the
+/// version the learner's log-probs were computed at are compared; with
+/// exact engines the gap is 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LogprobGap {
+    /// Tokens compared (0: none of the batch was sampled at that version).
+    pub tokens: i64,
+    /// Mean and max `|b − l|`.
+    pub mean_abs: f64,
+    pub max_abs: f64,
+    /// The k3 estimate of KL(behaviour ‖ learner):
+    /// mean `exp(l − b) − 1 − (l − b)` (non-negative, 0 when equal).
+    pub kl: f64,
+}
+
+impl LogprobGap {
+    /// Token-weighted combination of two measurements.
+    pub fn merge(self, other: LogprobGap) -> LogprobGap {
+        let tokens = self.tokens + other.tokens;
+        if tokens == 0 {
+            return LogprobGap::default();
+        }
+        let w = |a: f64, na: i64, b: f64, nb: i64| (a * na as f64 + b * nb as f64) / tokens as f64;
+        LogprobGap {
+            tokens,
+            mean_abs: w(self.mean_abs, self.tokens, other.mean_abs, other.tokens),
+            max_abs: self.max_abs.max(other.max_abs),
+            kl: w(self.kl, self.tokens, other.kl, other.tokens),
+        }
+    }
+}
+
+/// The [`LogprobGap`] of `behaviour` against the learner's `learner`
+/// log-probs (`[N, T]`, computed with the weights of `version`), over the
+/// valid tokens whose behaviour version is `version`.
+pub fn logprob_gap(
+    behaviour: &Tensor,
+    learner: &Tensor,
+    versions: &Tensor,
+    mask: &Tensor,
+    version: i64,
+) -> LogprobGap {
+    let _g = tch::no_grad_guard();
+    let same = mask
+        .to_kind(Kind::Bool)
+        .logical_and(&versions.to_kind(Kind::Int64).eq(version));
+    let tokens = same.sum(Kind::Int64).int64_value(&[]);
+    if tokens == 0 {
+        return LogprobGap::default();
+    }
+    let b = behaviour.to_kind(Kind::Double).masked_select(&same);
+    let l = learner.detach().to_kind(Kind::Double).masked_select(&same);
+    let d = &l - &b;
+    let abs = d.abs();
+    LogprobGap {
+        tokens,
+        mean_abs: abs.mean(Kind::Double).double_value(&[]),
+        max_abs: abs.max().double_value(&[]),
+        kl: (d.exp() - 1.0 - &d).mean(Kind::Double).double_value(&[]),
+    }
+}
+
 fn fraction(count: &Tensor, total: f64) -> f64 {
     if total > 0.0 {
         count.double_value(&[]) / total
@@ -783,5 +849,97 @@ mod tests {
             proptest::prop_assert_eq!(out.stats.weight_masked_fraction, 0.0);
             proptest::prop_assert_eq!(out.stats.m2po_masked_fraction, 0.0);
         }
+    }
+
+    /// One case of [`logprob_gap`]: behaviour, learner, versions and mask of
+    /// one row, the version compared, and what it must report.
+    fn check_gap(b: &[f32], l: &[f32], v: &[i32], m: &[bool], version: i64, want: LogprobGap) {
+        let row = |x: &[f32]| Tensor::from_slice(x).reshape([1, -1]);
+        let got = logprob_gap(
+            &row(b),
+            &row(l),
+            &Tensor::from_slice(v).reshape([1, -1]),
+            &Tensor::from_slice(m).reshape([1, -1]),
+            version,
+        );
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-6;
+        assert!(
+            got.tokens == want.tokens
+                && close(got.mean_abs, want.mean_abs)
+                && close(got.max_abs, want.max_abs)
+                && close(got.kl, want.kl),
+            "got {got:?}, want {want:?}"
+        );
+    }
+
+    #[test]
+    fn logprob_gap_compares_only_tokens_of_the_version() {
+        let t = true;
+        // Exact engine: no gap.
+        check_gap(
+            &[-1.0, -2.0],
+            &[-1.0, -2.0],
+            &[3, 3],
+            &[t, t],
+            3,
+            LogprobGap {
+                tokens: 2,
+                ..LogprobGap::default()
+            },
+        );
+        // One token off by 0.5: |d| mean 0.25, max 0.5, k3 = (e^0.5 − 1.5)/2.
+        check_gap(
+            &[-1.0, -2.0],
+            &[-1.0, -1.5],
+            &[3, 3],
+            &[t, t],
+            3,
+            LogprobGap {
+                tokens: 2,
+                mean_abs: 0.25,
+                max_abs: 0.5,
+                kl: ((0.5f64).exp() - 1.5) / 2.0,
+            },
+        );
+        // Other versions and padding are left out.
+        check_gap(
+            &[-1.0, -2.0, -3.0],
+            &[-9.0, -2.0, -9.0],
+            &[2, 3, 3],
+            &[t, t, false],
+            3,
+            LogprobGap {
+                tokens: 1,
+                ..LogprobGap::default()
+            },
+        );
+        // Nothing at the version: nothing compared.
+        check_gap(&[-1.0], &[-5.0], &[1], &[t], 3, LogprobGap::default());
+    }
+
+    #[test]
+    fn logprob_gaps_merge_token_weighted() {
+        let a = LogprobGap {
+            tokens: 1,
+            mean_abs: 1.0,
+            max_abs: 1.0,
+            kl: 0.5,
+        };
+        let b = LogprobGap {
+            tokens: 3,
+            mean_abs: 0.0,
+            max_abs: 0.2,
+            kl: 0.1,
+        };
+        let m = a.merge(b);
+        assert_eq!((m.tokens, m.max_abs), (4, 1.0));
+        assert!(
+            (m.mean_abs - 0.25).abs() < 1e-12 && (m.kl - 0.2).abs() < 1e-12,
+            "{m:?}"
+        );
+        assert_eq!(
+            LogprobGap::default().merge(LogprobGap::default()),
+            LogprobGap::default()
+        );
     }
 }

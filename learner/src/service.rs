@@ -558,7 +558,7 @@ struct MetricsCsv {
 }
 
 impl MetricsCsv {
-    const HEADER: &'static str = "step,version,wall_seconds,reward_mean,reward_failed,loss,clip_low,clip_high,weight_masked,m2po_masked,approx_kl,entropy,grad_norm,learning_rate,tokens,groups,version_lag_mean,version_lag_max,wait_seconds,compute_seconds,publish_seconds,padded_tokens";
+    const HEADER: &'static str = "step,version,wall_seconds,reward_mean,reward_failed,loss,clip_low,clip_high,weight_masked,m2po_masked,approx_kl,entropy,grad_norm,learning_rate,tokens,groups,version_lag_mean,version_lag_max,wait_seconds,compute_seconds,publish_seconds,padded_tokens,logprob_gap_tokens,logprob_gap_mean,logprob_gap_max,logprob_kl";
 
     fn open(path: PathBuf) -> anyhow::Result<Self> {
         let err = |source: std::io::Error| {
@@ -578,7 +578,7 @@ impl MetricsCsv {
     fn append(&mut self, s: &StepStats, wall: f64, wait: f64, publish: f64) -> anyhow::Result<()> {
         let o = &s.objective;
         let line = format!(
-            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4},{}\n",
+            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4},{},{},{:e},{:e},{:e}\n",
             s.step,
             s.version,
             wall,
@@ -600,7 +600,11 @@ impl MetricsCsv {
             wait,
             s.compute_seconds,
             publish,
-            s.padded_tokens
+            s.padded_tokens,
+            s.logprob_gap.tokens,
+            s.logprob_gap.mean_abs,
+            s.logprob_gap.max_abs,
+            s.logprob_gap.kl
         );
         // One write per line: a reader never sees half of one.
         self.file

@@ -20,7 +20,8 @@ use crate::advantages::AdvantageNorm;
 use crate::batch::{TrainBatch, assemble, completion_logprobs};
 use crate::checkpoint::{self, CheckpointMeta, LoadedCheckpoint};
 use crate::objective::{
-    ObjectiveConfig, ObjectiveStats, ProximalMode, TokenInputs, decoupled_ppo_loss,
+    LogprobGap, ObjectiveConfig, ObjectiveStats, ProximalMode, TokenInputs, decoupled_ppo_loss,
+    logprob_gap,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +107,9 @@ pub struct StepStats {
     pub compute_seconds: f64,
     /// Per-token version lags of the trained tokens (for the histogram).
     pub version_lags: Vec<u32>,
+    /// Behaviour log-probs against the learner's own at the version the
+    /// step starts from (the engine/trainer mismatch).
+    pub logprob_gap: LogprobGap,
 }
 
 /// The policy, its optimizer and the step counter, owned by one thread.
@@ -199,7 +203,19 @@ impl Trainer {
         let mut total_tokens = 0f64;
         let mut entropy_sum = 0f64;
         let mut loss_sum = 0f64;
-        for chunk in order.chunks(order.len().div_ceil(k).max(1)) {
+        // The engine/trainer mismatch: the recompute pass covers the whole
+        // batch; without it, the first mini-batch's forward (still at the
+        // step's starting weights) covers its rows.
+        if let Some(p) = &proximal {
+            stats.logprob_gap = logprob_gap(
+                &batch.behaviour,
+                p,
+                &batch.versions,
+                &batch.mask,
+                i64::from(version_before),
+            );
+        }
+        for (i, chunk) in order.chunks(order.len().div_ceil(k).max(1)).enumerate() {
             let mb = batch.rows(chunk);
             let mb_prox = proximal
                 .as_ref()
@@ -207,6 +223,15 @@ impl Trainer {
             AdamW::zero_grad(&params);
             let logits = self.policy.forward(&mb.input_ids, None)?;
             let current = completion_logprobs(&logits, &mb, temperature);
+            if i == 0 && proximal.is_none() {
+                stats.logprob_gap = logprob_gap(
+                    &mb.behaviour,
+                    &current,
+                    &mb.versions,
+                    &mb.mask,
+                    i64::from(version_before),
+                );
+            }
             let inputs = TokenInputs {
                 behaviour: &mb.behaviour,
                 current: &current,
