@@ -32,7 +32,9 @@ pub async fn start(config: &Config, role: &str) -> anyhow::Result<Process> {
         ],
     )?;
     let health = Health::new();
-    let shutdown = CancellationToken::new();
+    // SIGTERM/SIGINT cancel it: the role drains and the telemetry server stops.
+    let shutdown = asyncrl_common::process::shutdown_on_signals(role)
+        .context("cannot listen for SIGTERM/SIGINT")?;
     let server = match config.telemetry.listen_addr()? {
         Some(addr) => {
             let stop = shutdown.clone();
@@ -48,13 +50,6 @@ pub async fn start(config: &Config, role: &str) -> anyhow::Result<Process> {
         None => None,
     };
     let telemetry_addr = server.as_ref().map(|s| s.local_addr());
-    let signalled = asyncrl_common::process::shutdown_on_signals(role)
-        .context("cannot listen for SIGTERM/SIGINT")?;
-    let token = shutdown.clone();
-    tokio::spawn(async move {
-        signalled.cancelled().await;
-        token.cancel();
-    });
     Ok(Process {
         metrics,
         health,

@@ -57,19 +57,8 @@ impl TokioClock {
         }
     }
 
-    /// Starts at the system's current time.
-    pub fn new() -> Self {
-        Self::starting_at(unix_ms())
-    }
-
     pub fn shared(self) -> SharedClock {
         Arc::new(self)
-    }
-}
-
-impl Default for TokioClock {
-    fn default() -> Self {
-        Self::new()
     }
 }
 

@@ -13,7 +13,9 @@ use asyncrl_protos::subjects::{
     weights_object_version,
 };
 use asyncrl_protos::{Message, WeightAnnouncement};
-use asyncrl_transport::{Bus, TransportError};
+use std::sync::Arc;
+
+use asyncrl_transport::{Bus, KvBucket, ObjectStore, TransportError};
 use bytes::Bytes;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,20 +26,28 @@ pub enum WeightsError {
     Decode(#[source] prost::DecodeError),
 }
 
+/// Opens the object store and the KV bucket the functions below take (once:
+/// each open is a request to the server).
+pub async fn open(
+    bus: &dyn Bus,
+) -> Result<(Arc<dyn ObjectStore>, Arc<dyn KvBucket>), TransportError> {
+    Ok((
+        bus.object_store(WEIGHTS_BUCKET).await?,
+        bus.kv(CONTROL_BUCKET).await?,
+    ))
+}
+
 /// Stores `weights` as the object of `version` and then announces it in
 /// `policy.version` (trained `step`). Returns the announcement written.
 pub async fn publish(
-    bus: &dyn Bus,
+    store: &dyn ObjectStore,
+    kv: &dyn KvBucket,
     version: i32,
     step: u64,
     weights: Bytes,
 ) -> Result<WeightAnnouncement, TransportError> {
     let name = weights_object_name(version);
-    let info = bus
-        .object_store(WEIGHTS_BUCKET)
-        .await?
-        .put(&name, weights)
-        .await?;
+    let info = store.put(&name, weights).await?;
     let announcement = WeightAnnouncement {
         version,
         object_name: name,
@@ -47,33 +57,26 @@ pub async fn publish(
         published_at_unix_ms: unix_ms(),
         step,
     };
-    announce(bus, &announcement).await?;
+    announce(kv, &announcement).await?;
     Ok(announcement)
 }
 
 /// Writes an announcement as it is.
 pub async fn announce(
-    bus: &dyn Bus,
+    kv: &dyn KvBucket,
     announcement: &WeightAnnouncement,
 ) -> Result<(), TransportError> {
-    bus.kv(CONTROL_BUCKET)
-        .await?
-        .put(
-            POLICY_VERSION_KEY,
-            Bytes::from(announcement.encode_to_vec()),
-        )
-        .await?;
+    kv.put(
+        POLICY_VERSION_KEY,
+        Bytes::from(announcement.encode_to_vec()),
+    )
+    .await?;
     Ok(())
 }
 
 /// The current announcement (None before the first publication).
-pub async fn announced(bus: &dyn Bus) -> Result<Option<WeightAnnouncement>, WeightsError> {
-    match bus
-        .kv(CONTROL_BUCKET)
-        .await?
-        .get(POLICY_VERSION_KEY)
-        .await?
-    {
+pub async fn announced(kv: &dyn KvBucket) -> Result<Option<WeightAnnouncement>, WeightsError> {
+    match kv.get(POLICY_VERSION_KEY).await? {
         Some(entry) => decode_announcement(&entry.value).map(Some),
         None => Ok(None),
     }
@@ -96,19 +99,21 @@ pub fn object_name(announcement: &WeightAnnouncement) -> String {
 
 /// Fetches the announced weights, checked against the announced sha256.
 pub async fn fetch(
-    bus: &dyn Bus,
+    store: &dyn ObjectStore,
     announcement: &WeightAnnouncement,
 ) -> Result<Bytes, TransportError> {
-    bus.object_store(WEIGHTS_BUCKET)
-        .await?
+    store
         .get_expecting(&object_name(announcement), &announcement.sha256)
         .await
 }
 
 /// Deletes the weights of versions `≤ newest − keep` (nobody can be told to
 /// fetch them any more). Returns how many objects were deleted.
-pub async fn prune(bus: &dyn Bus, newest: i32, keep: usize) -> Result<usize, TransportError> {
-    let store = bus.object_store(WEIGHTS_BUCKET).await?;
+pub async fn prune(
+    store: &dyn ObjectStore,
+    newest: i32,
+    keep: usize,
+) -> Result<usize, TransportError> {
     let mut deleted = 0;
     for info in store.list().await? {
         let old = weights_object_version(&info.name)
@@ -129,26 +134,30 @@ mod tests {
     #[tokio::test]
     async fn publish_fetch_and_prune() {
         let bus = LocalBus::new();
-        assert_eq!(announced(&bus).await.unwrap(), None);
+        let (store, kv) = open(&bus).await.unwrap();
+        let (store, kv) = (store.as_ref(), kv.as_ref());
+        assert_eq!(announced(kv).await.unwrap(), None);
         for v in 0..4 {
-            publish(&bus, v, v as u64, Bytes::from(vec![v as u8; 10]))
+            publish(store, kv, v, v as u64, Bytes::from(vec![v as u8; 10]))
                 .await
                 .unwrap();
         }
-        let ann = announced(&bus).await.unwrap().unwrap();
+        let ann = announced(kv).await.unwrap().unwrap();
         assert_eq!((ann.version, ann.step, ann.byte_size), (3, 3, 10));
         assert_eq!(ann.format, WEIGHTS_FORMAT);
-        assert_eq!(fetch(&bus, &ann).await.unwrap(), Bytes::from(vec![3u8; 10]));
+        assert_eq!(
+            fetch(store, &ann).await.unwrap(),
+            Bytes::from(vec![3u8; 10])
+        );
 
         let mut wrong = ann.clone();
         wrong.sha256 = "0".repeat(64);
         assert!(matches!(
-            fetch(&bus, &wrong).await,
+            fetch(store, &wrong).await,
             Err(TransportError::ChecksumMismatch { .. })
         ));
 
-        assert_eq!(prune(&bus, 3, 2).await.unwrap(), 2);
-        let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
+        assert_eq!(prune(store, 3, 2).await.unwrap(), 2);
         for v in 0..4 {
             let kept = store.info(&weights_object_name(v)).await.unwrap().is_some();
             assert_eq!(kept, v >= 2, "version {v}");
@@ -162,7 +171,7 @@ mod tests {
         kv.put(POLICY_VERSION_KEY, Bytes::from_static(b"\xff\xff"))
             .await
             .unwrap();
-        let err = announced(&bus).await.unwrap_err();
+        let err = announced(kv.as_ref()).await.unwrap_err();
         assert!(matches!(err, WeightsError::Decode(_)));
         assert!(err.to_string().contains(POLICY_VERSION_KEY), "{err}");
     }

@@ -175,23 +175,6 @@ pub struct LogprobGap {
     pub kl: f64,
 }
 
-impl LogprobGap {
-    /// Token-weighted combination of two measurements.
-    pub fn merge(self, other: LogprobGap) -> LogprobGap {
-        let tokens = self.tokens + other.tokens;
-        if tokens == 0 {
-            return LogprobGap::default();
-        }
-        let w = |a: f64, na: i64, b: f64, nb: i64| (a * na as f64 + b * nb as f64) / tokens as f64;
-        LogprobGap {
-            tokens,
-            mean_abs: w(self.mean_abs, self.tokens, other.mean_abs, other.tokens),
-            max_abs: self.max_abs.max(other.max_abs),
-            kl: w(self.kl, self.tokens, other.kl, other.tokens),
-        }
-    }
-}
-
 /// The [`LogprobGap`] of `behaviour` against the learner's `learner`
 /// log-probs (`[N, T]`, computed with the weights of `version`), over the
 /// valid tokens whose behaviour version is `version`.
@@ -915,31 +898,5 @@ mod tests {
         );
         // Nothing at the version: nothing compared.
         check_gap(&[-1.0], &[-5.0], &[1], &[t], 3, LogprobGap::default());
-    }
-
-    #[test]
-    fn logprob_gaps_merge_token_weighted() {
-        let a = LogprobGap {
-            tokens: 1,
-            mean_abs: 1.0,
-            max_abs: 1.0,
-            kl: 0.5,
-        };
-        let b = LogprobGap {
-            tokens: 3,
-            mean_abs: 0.0,
-            max_abs: 0.2,
-            kl: 0.1,
-        };
-        let m = a.merge(b);
-        assert_eq!((m.tokens, m.max_abs), (4, 1.0));
-        assert!(
-            (m.mean_abs - 0.25).abs() < 1e-12 && (m.kl - 0.2).abs() < 1e-12,
-            "{m:?}"
-        );
-        assert_eq!(
-            LogprobGap::default().merge(LogprobGap::default()),
-            LogprobGap::default()
-        );
     }
 }

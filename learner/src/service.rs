@@ -30,7 +30,7 @@ use asyncrl_protos::subjects::LEARNER_STATUS_KEY;
 use asyncrl_protos::v1::{BatchReply, BatchRequest, LearnerStatus};
 use asyncrl_protos::{Message, subjects};
 use asyncrl_telemetry::Metrics;
-use asyncrl_transport::{Bus, KvBucket};
+use asyncrl_transport::{Bus, KvBucket, ObjectStore};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
@@ -110,6 +110,8 @@ struct Ctx {
     config: Config,
     bus: Arc<dyn Bus>,
     kv: Arc<dyn KvBucket>,
+    /// The weights object store (opened once; the learner publishes every step).
+    weights: Arc<dyn ObjectStore>,
     actor: TrainerActor,
     metrics: LearnerMetrics,
     session: String,
@@ -165,7 +167,7 @@ pub async fn run_with_progress(
     })
     .await??;
 
-    let kv = bus.kv(subjects::CONTROL_BUCKET).await?;
+    let (weights, kv) = asyncrl_control::weights::open(bus.as_ref()).await?;
     let mut ctx = Ctx {
         session: uuid::Uuid::new_v4().to_string(),
         started_at: unix_ms(),
@@ -173,6 +175,7 @@ pub async fn run_with_progress(
         config,
         bus,
         kv,
+        weights,
         actor,
         metrics,
         ckpt_dir,
@@ -190,7 +193,7 @@ impl Ctx {
     /// Makes the trainer and `policy.version` agree (see the module docs).
     async fn reconcile_with_published(&mut self) -> anyhow::Result<()> {
         let local = self.actor.call(|t| t.version()).await?;
-        let announced = asyncrl_control::weights::announced(self.bus.as_ref()).await?;
+        let announced = asyncrl_control::weights::announced(self.kv.as_ref()).await?;
         match announced {
             Some(a) if a.version > local => {
                 tracing::warn!(
@@ -198,7 +201,7 @@ impl Ctx {
                     published_version = a.version,
                     "versions newer than the checkpoint were published before a restart: adopting the published weights"
                 );
-                let bytes = asyncrl_control::weights::fetch(self.bus.as_ref(), &a)
+                let bytes = asyncrl_control::weights::fetch(self.weights.as_ref(), &a)
                     .await
                     .with_context(|| {
                         format!(
@@ -225,8 +228,14 @@ impl Ctx {
         let bytes = Bytes::from(bytes);
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            match asyncrl_control::weights::publish(self.bus.as_ref(), version, step, bytes.clone())
-                .await
+            match asyncrl_control::weights::publish(
+                self.weights.as_ref(),
+                self.kv.as_ref(),
+                version,
+                step,
+                bytes.clone(),
+            )
+            .await
             {
                 Ok(_) => break,
                 Err(e) if e.is_transient() && !self.shutdown.is_cancelled() => {
@@ -242,7 +251,8 @@ impl Ctx {
         tracing::info!(version, step, bytes = bytes.len(), "weights published");
         // Keep the newest versions; older ones can no longer be asked for.
         let keep = self.config.learner.keep_weight_versions;
-        if let Err(e) = asyncrl_control::weights::prune(self.bus.as_ref(), version, keep).await {
+        if let Err(e) = asyncrl_control::weights::prune(self.weights.as_ref(), version, keep).await
+        {
             tracing::warn!(version, error = %e, "cannot delete the weights of old versions");
         }
         Ok(())

@@ -13,7 +13,7 @@ mod validate;
 
 pub use validate::{ContractError, decode_trajectory};
 
-/// Generated protobuf types and gRPC stubs (package `asyncrl.v1`).
+/// Generated protobuf types and gRPC client/server code (package `asyncrl.v1`).
 pub mod v1 {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("asyncrl.v1");

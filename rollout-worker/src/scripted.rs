@@ -358,11 +358,22 @@ pub async fn publish_weights(
     version: i32,
     weights: Bytes,
 ) -> Result<WeightAnnouncement, TransportError> {
-    asyncrl_control::weights::publish(bus, version, version.max(0) as u64, weights).await
+    let (store, kv) = asyncrl_control::weights::open(bus).await?;
+    asyncrl_control::weights::publish(
+        store.as_ref(),
+        kv.as_ref(),
+        version,
+        version.max(0) as u64,
+        weights,
+    )
+    .await
 }
 
 /// Writes an announcement as is (to script broken ones).
-pub use asyncrl_control::weights::announce;
+pub async fn announce(bus: &dyn Bus, ann: &WeightAnnouncement) -> Result<(), TransportError> {
+    let kv = bus.kv(asyncrl_protos::subjects::CONTROL_BUCKET).await?;
+    asyncrl_control::weights::announce(kv.as_ref(), ann).await
+}
 
 /// A trajectory read back from the stream.
 #[derive(Debug, Clone)]

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use asyncrl_policy::PolicyError;
 use asyncrl_protos::WeightAnnouncement;
-use asyncrl_protos::subjects::{CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_FORMAT};
+use asyncrl_protos::subjects::{
+    CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT,
+};
 use asyncrl_transport::TransportError;
 use bytes::Bytes;
 use tokio::sync::watch;
@@ -207,7 +209,10 @@ async fn fetch_and_load(
     }
     let name = asyncrl_control::weights::object_name(ann);
     let timeout = shared.settings.weight_fetch_timeout;
-    let fetch = asyncrl_control::weights::fetch(shared.bus.as_ref(), ann);
+    let fetch = async {
+        let store = shared.bus.object_store(WEIGHTS_BUCKET).await?;
+        asyncrl_control::weights::fetch(store.as_ref(), ann).await
+    };
     let bytes: Bytes = match tokio::time::timeout(timeout, fetch).await {
         Err(_) => {
             return Err(FetchFailure {
