@@ -30,7 +30,10 @@ pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, Proxima
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};
 pub use telemetry::{LogFormat, TelemetryConfig};
-pub use worker::{BatchingMode, WorkerConfig, WorkerRewardConfig, valid_worker_id};
+pub use worker::{
+    BatchingMode, EngineApi, EngineConfig, EngineKind, PauseMode, WorkerConfig, WorkerRewardConfig,
+    valid_worker_id,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -277,6 +280,43 @@ mod tests {
         check(
             "[worker.reward]\ntimeout = \"0s\"",
             Some("worker.reward.timeout"),
+        );
+    }
+
+    #[test]
+    fn engine_section() {
+        check("[worker.engine]\nkind = \"builtin\"", None);
+        check(
+            "[worker.engine]\nkind = \"vllm\"\nendpoints = [\"http://127.0.0.1:8000\"]\nlaunch = [\"python\", \"-m\", \"vllm.entrypoints.openai.api_server\"]\npause_mode = \"keep\"\napi = \"generate\"",
+            None,
+        );
+        check(
+            "[worker.engine]\nkind = \"sglang\"",
+            Some("unknown variant `sglang`"),
+        );
+        check(
+            "[worker.engine]\nkind = \"vllm\"",
+            Some("worker.engine.endpoints"),
+        );
+        check(
+            "[worker.engine]\nkind = \"vllm\"\nendpoints = [\"127.0.0.1:8000\"]",
+            Some("worker.engine.endpoints"),
+        );
+        check(
+            "[worker.engine]\nendpoints = [\"http://127.0.0.1:8000\"]",
+            Some("worker.engine.kind"),
+        );
+        check(
+            "[worker.engine]\nkind = \"vllm\"\nendpoints = [\"http://a:1\", \"http://b:1\"]\nlaunch = [\"vllm\"]",
+            Some("worker.engine.launch"),
+        );
+        check(
+            "[worker.engine]\nkind = \"vllm\"\nendpoints = [\"http://a:1\"]\napi = \"completions\"\npause_mode = \"keep\"",
+            Some("worker.engine.pause_mode"),
+        );
+        check(
+            "[worker.engine]\nkind = \"vllm\"\nendpoints = [\"http://a:1\"]\nready_timeout = \"0s\"",
+            Some("worker.engine.ready_timeout"),
         );
     }
 

@@ -22,6 +22,17 @@
 //! attempts = 3
 //! backoff = "100ms"
 //! concurrency = 16
+//!
+//! [worker.engine]                 # what generates; leave out for the built-in engine
+//! kind = "vllm"                   # "builtin" (default: the tch model in the worker) or "vllm"
+//! endpoints = ["http://127.0.0.1:8000"]  # vLLM servers (dev-mode routes: loopback / pod only)
+//! launch = []                     # a command that starts the one local server; empty = attach
+//! weights_dir = "/tmp/asyncrl-engine-weights"  # per-version folders the engine reloads from
+//! pause_mode = "abort"            # on a weight swap: "abort" (resubmit prompt + partial tokens) or "keep"
+//! api = "auto"                    # "generate" (/inference/v1/generate), "completions", or probe
+//! ready_timeout = "600s"          # start-up (and restart) until the server answers /health
+//! request_timeout = "600s"        # one generation request
+//! control_timeout = "120s"        # one control call (pause, reload, resume, ...)
 //! ```
 
 use std::time::Duration;
@@ -75,6 +86,165 @@ impl Default for WorkerRewardConfig {
     }
 }
 
+/// Which engine generates the worker's completions.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// The tch model on the worker's own model thread.
+    #[default]
+    Builtin,
+    /// One or more vLLM servers, driven over HTTP (token ids in, token ids
+    /// and processed log-probs out).
+    Vllm,
+}
+
+/// How in-flight requests are treated while the engine swaps weights.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseMode {
+    /// Requests in flight end with their partial tokens; the worker
+    /// resubmits prompt + partial tokens with the remaining budget once the
+    /// new weights are in (every token is sampled from fresh KV).
+    #[default]
+    Abort,
+    /// Requests are frozen and continue on the new weights (their KV cache
+    /// from the old weights is kept); needs the engine's version spans.
+    Keep,
+}
+
+/// Which generation route of the engine the worker uses.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineApi {
+    /// `/inference/v1/generate` when the server has it, else `/v1/completions`.
+    #[default]
+    Auto,
+    /// `/inference/v1/generate` (token ids, processed log-probs, weight
+    /// version spans); an error when the server lacks it.
+    Generate,
+    /// `/v1/completions` with a token-id prompt (no version spans).
+    Completions,
+}
+
+/// `[worker.engine]`: the inference engine the worker generates with.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    pub kind: EngineKind,
+    /// Base URLs (`http://host:port`) of the engine servers.
+    pub endpoints: Vec<String>,
+    /// Command (program and arguments) that starts a local server for the
+    /// one endpoint; the worker runs it, waits for readiness, and restarts
+    /// it when it dies. Empty: attach to a server that runs already.
+    pub launch: Vec<String>,
+    /// Where the worker writes each version's weights for the engine to
+    /// reload (`v<version>/model.safetensors`); the engine must see the same
+    /// path (a shared emptyDir in the sidecar layout).
+    pub weights_dir: std::path::PathBuf,
+    pub pause_mode: PauseMode,
+    pub api: EngineApi,
+    /// How long to wait for `/health` at start-up and after a restart.
+    #[serde(with = "humantime_serde")]
+    pub ready_timeout: Duration,
+    /// Timeout of one generation request.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// Timeout of one control call (pause, reload, resume, probes).
+    #[serde(with = "humantime_serde")]
+    pub control_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kind: EngineKind::Builtin,
+            endpoints: Vec::new(),
+            launch: Vec::new(),
+            weights_dir: std::env::temp_dir().join("asyncrl-engine-weights"),
+            pause_mode: PauseMode::Abort,
+            api: EngineApi::Auto,
+            ready_timeout: Duration::from_secs(600),
+            request_timeout: Duration::from_secs(600),
+            control_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+impl EngineConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (key, d) in [
+            ("worker.engine.ready_timeout", self.ready_timeout),
+            ("worker.engine.request_timeout", self.request_timeout),
+            ("worker.engine.control_timeout", self.control_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::invalid(key, "must be longer than 0s"));
+            }
+        }
+        match self.kind {
+            EngineKind::Builtin => {
+                if !self.endpoints.is_empty() || !self.launch.is_empty() {
+                    return Err(ConfigError::invalid(
+                        "worker.engine.kind",
+                        "= \"builtin\" takes no endpoints or launch command (set kind = \"vllm\")",
+                    ));
+                }
+            }
+            EngineKind::Vllm => {
+                if self.endpoints.is_empty() {
+                    return Err(ConfigError::invalid(
+                        "worker.engine.endpoints",
+                        "is empty: kind = \"vllm\" needs at least one http://host:port",
+                    ));
+                }
+                for e in &self.endpoints {
+                    if !valid_http_url(e) {
+                        return Err(ConfigError::invalid(
+                            "worker.engine.endpoints",
+                            format!("{e:?} is not an http://host:port URL"),
+                        ));
+                    }
+                }
+                if !self.launch.is_empty() && self.endpoints.len() != 1 {
+                    return Err(ConfigError::invalid(
+                        "worker.engine.launch",
+                        format!(
+                            "starts one server but worker.engine.endpoints has {}",
+                            self.endpoints.len()
+                        ),
+                    ));
+                }
+                if self.launch.first().is_some_and(|p| p.trim().is_empty()) {
+                    return Err(ConfigError::invalid(
+                        "worker.engine.launch",
+                        "has an empty program name",
+                    ));
+                }
+                if self.weights_dir.as_os_str().is_empty() {
+                    return Err(ConfigError::invalid(
+                        "worker.engine.weights_dir",
+                        "is empty",
+                    ));
+                }
+                if self.pause_mode == PauseMode::Keep && self.api == EngineApi::Completions {
+                    return Err(ConfigError::invalid(
+                        "worker.engine.pause_mode",
+                        "= \"keep\" needs per-token weight versions, which api = \"completions\" does not give (use \"abort\" or api = \"generate\")",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `s` is `http://` or `https://` followed by a host.
+fn valid_http_url(s: &str) -> bool {
+    ["http://", "https://"]
+        .iter()
+        .any(|p| s.strip_prefix(p).is_some_and(|rest| !rest.trim().is_empty()))
+}
+
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerConfig {
@@ -116,6 +286,7 @@ pub struct WorkerConfig {
     /// a one-machine run's learner and worker on cores of their own.
     pub cpu_affinity: Vec<usize>,
     pub reward: WorkerRewardConfig,
+    pub engine: EngineConfig,
 }
 
 impl Default for WorkerConfig {
@@ -135,6 +306,7 @@ impl Default for WorkerConfig {
             metrics_interval: Duration::from_secs(1),
             cpu_affinity: Vec::new(),
             reward: WorkerRewardConfig::default(),
+            engine: EngineConfig::default(),
         }
     }
 }
@@ -204,12 +376,7 @@ impl WorkerConfig {
             ));
         }
         if let Some(endpoint) = &self.reward.endpoint {
-            let ok = ["http://", "https://"].iter().any(|s| {
-                endpoint
-                    .strip_prefix(s)
-                    .is_some_and(|rest| !rest.trim().is_empty())
-            });
-            if !ok {
+            if !valid_http_url(endpoint) {
                 return Err(ConfigError::invalid(
                     "worker.reward.endpoint",
                     format!("= {endpoint:?} is not an http://host:port URL"),
@@ -223,6 +390,6 @@ impl WorkerConfig {
             1,
             4096,
         )?;
-        Ok(())
+        self.engine.validate()
     }
 }
