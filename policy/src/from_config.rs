@@ -7,6 +7,7 @@ use asyncrl_config::{DeviceName, ModelConfig as ModelSection, WeightDtypeName};
 use crate::error::{PolicyError, Result};
 use crate::model::{DeviceOptions, Policy};
 use crate::sampling::SamplingParams;
+use crate::text::ModelText;
 use crate::tiny::TinyModelSpec;
 use crate::weights::WeightDtype;
 
@@ -61,51 +62,36 @@ pub fn weight_dtype(name: WeightDtypeName) -> WeightDtype {
 
 /// Sampling parameters of `[model]`, stopping at the model's EOS tokens.
 pub fn sampling_params(section: &ModelSection, policy: &Policy) -> SamplingParams {
+    sampling_params_with_stops(section, policy.eos_token_ids())
+}
+
+/// Sampling parameters of `[model]`, stopping at `stop_token_ids`.
+pub fn sampling_params_with_stops(
+    section: &ModelSection,
+    stop_token_ids: Vec<i64>,
+) -> SamplingParams {
     SamplingParams {
         temperature: section.temperature,
         top_p: section.top_p,
         top_k: 0,
         max_new_tokens: section.max_new_tokens,
-        stop_token_ids: policy.eos_token_ids(),
+        stop_token_ids,
         seed: None,
     }
 }
 
-/// Token ids of a prompt: the tokenizer with its special tokens, and the
-/// model's BOS in front when the tokenizer did not put it there.
+/// Token ids of a prompt ([`ModelText::encode_prompt`]).
 pub fn encode_prompt(policy: &Policy, text: &str) -> Result<Vec<i64>> {
-    let tok = policy
-        .tokenizer()
-        .ok_or_else(|| PolicyError::InvalidRequest("the model has no tokenizer.json".into()))?;
-    let mut ids = tok.encode(text, true)?;
-    if let Some(bos) = policy.config().bos_token_id
-        && ids.first() != Some(&bos)
-    {
-        ids.insert(0, bos);
-    }
-    if ids.is_empty() {
-        return Err(PolicyError::InvalidRequest(format!(
-            "prompt {text:?} encodes to no tokens"
-        )));
-    }
-    Ok(ids)
+    ModelText::of(policy)?.encode_prompt(text)
 }
 
-/// The text of a completion: its tokens without a final stop token,
-/// decoded without special tokens (what verifiers and reward services see).
+/// The text of a completion ([`ModelText::decode_completion`]).
 pub fn decode_completion(
     policy: &Policy,
     tokens: &[i64],
     stop_token_ids: &[i64],
 ) -> Result<String> {
-    let tok = policy
-        .tokenizer()
-        .ok_or_else(|| PolicyError::InvalidRequest("the model has no tokenizer.json".into()))?;
-    let end = match tokens.last() {
-        Some(last) if stop_token_ids.contains(last) => tokens.len() - 1,
-        _ => tokens.len(),
-    };
-    tok.decode(&tokens[..end], true)
+    ModelText::of(policy)?.decode_completion(tokens, stop_token_ids)
 }
 
 #[cfg(test)]

@@ -37,6 +37,7 @@ pub mod error;
 pub mod from_config;
 pub mod model;
 pub mod sampling;
+pub mod text;
 pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
@@ -54,6 +55,7 @@ pub use sampling::{
     SamplingParams, logprob_temperature, sequence_logprobs, token_logprobs,
     token_logprobs_and_entropy,
 };
+pub use text::ModelText;
 pub use tiny::TinyModelSpec;
 pub use tokenizer::PolicyTokenizer;
 pub use weights::WeightDtype;

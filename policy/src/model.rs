@@ -628,22 +628,12 @@ impl Policy {
     /// Token ids that end a completion by default: the config's
     /// `eos_token_id` (one or a list) and `generation_config.json`'s.
     pub fn eos_token_ids(&self) -> Vec<i64> {
-        let mut ids = self.cfg.eos_token_ids.clone();
-        if let Some(bytes) = self.extra_files.get("generation_config.json")
-            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes)
-        {
-            match v.get("eos_token_id") {
-                Some(serde_json::Value::Array(a)) => {
-                    ids.extend(a.iter().filter_map(serde_json::Value::as_i64))
-                }
-                Some(x) => ids.extend(x.as_i64()),
-                None => {}
-            }
-        }
-        ids.retain(|&id| id >= 0 && id < self.cfg.vocab_size);
-        ids.sort_unstable();
-        ids.dedup();
-        ids
+        crate::text::eos_token_ids(
+            &self.cfg,
+            self.extra_files
+                .get("generation_config.json")
+                .map(Vec::as_slice),
+        )
     }
 
     fn rope(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
