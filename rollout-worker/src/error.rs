@@ -26,4 +26,12 @@ pub enum WorkerError {
     Rejected { worker_id: String, reason: String },
     #[error("a worker task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
+    /// The engine could not be started or does not match the config (the
+    /// message names the setting).
+    #[error("{0:#}")]
+    Engine(anyhow::Error),
+    /// The worker had to stop (its engine is gone, or its first weights do
+    /// not fit the engine).
+    #[error("the worker stopped: {0}")]
+    Stopped(String),
 }

@@ -36,6 +36,7 @@
 //! tests and benches; [`bench`] compares continuous with static batching.
 
 mod client;
+pub mod engine;
 pub mod error;
 pub mod metrics;
 pub mod reward;

@@ -66,6 +66,16 @@ pub struct WorkerMetrics {
     pub version_lag: Histogram,
     /// Failed coordinator requests, by subject.
     pub coordinator_errors: Family<ReasonLabels, Counter>,
+    /// Failed engine calls (external engines), by reason (unreachable,
+    /// status, malformed, contract, swap).
+    pub engine_errors: Family<ReasonLabels, Counter>,
+    /// Engine servers restarted or re-attached after going down.
+    pub engine_recoveries: Counter,
+    /// Engine servers ready to generate now.
+    pub engine_servers_ready: Gauge,
+    /// Generation requests resubmitted (prompt + partial tokens) after a
+    /// weight swap aborted them.
+    pub engine_resubmissions: Counter,
 }
 
 pub(crate) fn reason(value: &str) -> ReasonLabels {
@@ -191,6 +201,26 @@ impl WorkerMetrics {
                 "worker_coordinator_errors",
                 "Failed requests to the coordinator, by request",
                 Family::<ReasonLabels, Counter>::default,
+            )?,
+            engine_errors: m.get_or_register(
+                "worker_engine_errors",
+                "Failed calls to the inference engine, by reason",
+                Family::<ReasonLabels, Counter>::default,
+            )?,
+            engine_recoveries: m.get_or_register(
+                "worker_engine_recoveries",
+                "Engine servers restarted or re-attached after going down",
+                Counter::default,
+            )?,
+            engine_servers_ready: m.get_or_register(
+                "worker_engine_servers_ready",
+                "Engine servers ready to generate",
+                Gauge::default,
+            )?,
+            engine_resubmissions: m.get_or_register(
+                "worker_engine_resubmissions",
+                "Generation requests resubmitted after a weight swap aborted them",
+                Counter::default,
             )?,
         })
     }

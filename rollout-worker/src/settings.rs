@@ -26,7 +26,6 @@ pub(crate) struct Settings {
     pub metrics_interval: Duration,
     pub request_timeout: Duration,
     pub model: ModelConfig,
-    pub seed: u64,
 }
 
 impl Settings {
@@ -64,7 +63,6 @@ impl Settings {
             metrics_interval: w.metrics_interval,
             request_timeout: config.bus.request_timeout,
             model: config.model.clone(),
-            seed: config.run.seed,
         })
     }
 }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use asyncrl_policy::{ModelHandle, SamplingParams};
+use asyncrl_policy::{ModelText, SamplingParams};
 use asyncrl_transport::Bus;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -59,7 +59,10 @@ pub(crate) fn bump(c: &AtomicU64) {
 pub(crate) struct Shared {
     pub settings: Settings,
     pub bus: Arc<dyn Bus>,
-    pub model: ModelHandle,
+    /// What generates (the built-in model or an external engine).
+    pub engine: Arc<dyn crate::engine::Engine>,
+    /// The model's tokenizer and stop tokens.
+    pub text: ModelText,
     /// Sampling parameters of `[model]` (stop tokens = the model's EOS).
     pub params: SamplingParams,
     pub scorer: Scorer,
@@ -79,7 +82,7 @@ pub(crate) struct Shared {
     /// Set when the model thread is gone: the worker stops acquiring.
     pub fatal: Mutex<Option<String>>,
     pub returned_lease_ids: Mutex<Vec<String>>,
-    /// The model's token count last moved into the metrics.
+    /// The engine's token count last moved into the metrics.
     pub tokens_sampled: AtomicU64,
     /// The version of every weight swap (from the weight loader).
     pub loaded: watch::Receiver<Option<i32>>,
@@ -140,7 +143,7 @@ impl Shared {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             loaded.borrow_and_update();
-            let in_use = self.model.version();
+            let in_use = self.engine.version();
             if in_use >= version {
                 return;
             }

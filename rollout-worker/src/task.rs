@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use asyncrl_policy::from_config::{decode_completion, encode_prompt};
-use asyncrl_policy::{FinishReason as SeqFinish, PolicyError, SequenceOutput, SequenceRequest};
+use asyncrl_policy::{FinishReason as SeqFinish, SequenceOutput, SequenceRequest};
 use asyncrl_protos::subjects::{TASKS_COMPLETE, trajectory_subject};
 use asyncrl_protos::v1::{CompleteTask, CompleteTaskReply};
 use asyncrl_protos::{
@@ -21,6 +20,7 @@ use futures::stream::FuturesUnordered;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{Backoff, call};
+use crate::engine::EngineError;
 use crate::metrics::reason;
 use crate::reward::{RewardOutcome, ScoreInput};
 use crate::state::{SeqGuard, Shared, bump};
@@ -59,7 +59,7 @@ enum CompletionError {
     Aborted,
     /// The drain deadline passed.
     Stopped,
-    Generation(PolicyError),
+    Generation(EngineError),
     Publish(TransportError),
     Invalid(ContractError),
 }
@@ -143,18 +143,13 @@ async fn run_task_inner(
             "stopped while waiting for the weights of its admission version".into(),
         );
     }
-    let text = task.prompt.clone();
-    let prompt = match shared
-        .model
-        .with_policy(move |p| encode_prompt(p, &text))
-        .await
-    {
-        Ok(Ok(ids)) => ids,
-        Ok(Err(e)) | Err(e) => {
+    let prompt = match shared.text.encode_prompt(&task.prompt) {
+        Ok(ids) => ids,
+        Err(e) => {
             return TaskEnd::Unfinished(format!("cannot encode the prompt: {e}"));
         }
     };
-    let max_seq_len = shared.model.batch_options().max_seq_len;
+    let max_seq_len = shared.engine.max_seq_len();
     if prompt.len() >= max_seq_len {
         return TaskEnd::Unfinished(format!(
             "the prompt has {} tokens; model.max_seq_len = {max_seq_len} leaves no room for a completion",
@@ -164,9 +159,9 @@ async fn run_task_inner(
     let mut params = shared.params.clone();
     if shared.lengths == crate::state::CompletionLengths::ReferenceAnswer {
         let n = shared
-            .model
+            .text
             .tokenizer()
-            .and_then(|t| t.encode(&task.answer, false).ok())
+            .encode(&task.answer, false)
             .map_or(0, |ids| ids.len());
         params.max_new_tokens = n + 1;
         params.stop_token_ids.clear();
@@ -196,7 +191,7 @@ async fn run_task_inner(
             Err(e) => {
                 if !matches!(e, CompletionError::Aborted | CompletionError::Stopped) {
                     tracing::warn!(task_id = %task.task_id, lease_id = %task.lease_id, error = %e.describe(), "completion failed; abandoning the task");
-                    if let CompletionError::Generation(PolicyError::ModelThreadGone) = &e {
+                    if let CompletionError::Generation(EngineError::Gone) = &e {
                         shared.set_fatal("the model thread stopped".into());
                     }
                     // The task cannot be completed without it: stop the rest.
@@ -352,7 +347,7 @@ async fn run_completion(
     // same moment (it is published, not thrown away).
     let generated = tokio::select! {
         biased;
-        r = shared.model.generate(request) => r.map_err(CompletionError::Generation),
+        r = shared.engine.generate(request) => r.map_err(CompletionError::Generation),
         _ = stops.abort.cancelled() => Err(CompletionError::Aborted),
         _ = stops.generation.cancelled() => Err(CompletionError::Stopped),
     };
@@ -371,15 +366,12 @@ async fn run_completion(
     let finished_ms = shared.clock.now_unix_ms();
 
     // Score.
-    let tokens = out.tokens.clone();
-    let stop_ids = shared.params.stop_token_ids.clone();
     let decoded = shared
-        .model
-        .with_policy(move |p| decode_completion(p, &tokens, &stop_ids))
-        .await;
+        .text
+        .decode_completion(&out.tokens, &shared.params.stop_token_ids);
     let uuid = uuid::Uuid::new_v4().to_string();
     let reward = match decoded {
-        Ok(Ok(completion)) => {
+        Ok(completion) => {
             let input = ScoreInput {
                 trajectory_uuid: uuid.clone(),
                 task_id: task.task_id.clone(),
@@ -395,7 +387,7 @@ async fn run_completion(
                 _ = stops.hard.cancelled() => return Err(CompletionError::Stopped),
             }
         }
-        Ok(Err(e)) | Err(e) => RewardOutcome::Failed {
+        Err(e) => RewardOutcome::Failed {
             reason: format!("cannot decode the completion: {e}"),
             attempts: 0,
             latency: Duration::ZERO,

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use asyncrl_policy::PolicyError;
 use asyncrl_protos::WeightAnnouncement;
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT,
@@ -24,6 +23,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::Backoff;
+use crate::engine::EngineError;
 use crate::metrics::reason;
 use crate::state::{Shared, bump};
 
@@ -146,6 +146,12 @@ async fn load_loop(
                 shared.set_fatal(f.message);
                 return;
             }
+            Some(Err(f)) if f.label == "rejected" && current.is_none() => {
+                // The very first weights do not fit the engine's model: a
+                // configuration error, not something to wait out.
+                shared.set_fatal(f.message);
+                return;
+            }
             Some(Err(f)) => {
                 shared
                     .metrics
@@ -158,7 +164,7 @@ async fn load_loop(
                     object = %ann.object_name,
                     reason = f.label,
                     error = %f.message,
-                    in_use = shared.model.version(),
+                    in_use = shared.engine.version(),
                     "weight fetch failed; keeping the weights in use"
                 );
                 if !f.retry {
@@ -251,7 +257,7 @@ async fn fetch_and_load(
         .weights_fetched_version
         .set(i64::from(ann.version));
     let started = Instant::now();
-    match shared.model.load_weights(bytes, ann.version).await {
+    match shared.engine.load_weights(bytes, ann.version).await {
         Ok(()) => {
             let now = shared.clock.now_unix_ms();
             let latency_ms = if ann.published_at_unix_ms > 0 {
@@ -278,12 +284,27 @@ async fn fetch_and_load(
             );
             Ok(())
         }
-        Err(PolicyError::ModelThreadGone) => Err(FetchFailure {
+        Err(EngineError::Gone) => Err(FetchFailure {
             label: "model_gone",
-            message: PolicyError::ModelThreadGone.to_string(),
+            message: EngineError::Gone.to_string(),
             retry: false,
         }),
-        Err(e) => Err(FetchFailure {
+        Err(e @ EngineError::Rejected(_)) => Err(FetchFailure {
+            label: "rejected",
+            message: format!(
+                "`model.path`: the engine cannot load the learner's weights (version {}), so it serves another model: {e}",
+                ann.version
+            ),
+            retry: false,
+        }),
+        // The engine recovers on its own and reloads the newest weights;
+        // fetching again later is harmless.
+        Err(e @ (EngineError::Unavailable(_) | EngineError::Invalid(_))) => Err(FetchFailure {
+            label: "engine",
+            message: e.to_string(),
+            retry: true,
+        }),
+        Err(e @ EngineError::Model(_)) => Err(FetchFailure {
             label: "load",
             message: e.to_string(),
             retry: false,

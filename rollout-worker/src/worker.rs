@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use asyncrl_common::{SharedClock, SystemClock};
 use asyncrl_config::{BatchingMode, Config};
-use asyncrl_policy::from_config::{load_policy, sampling_params};
-use asyncrl_policy::{DecodeBatchOptions, EngineOptions, ModelHandle};
+use asyncrl_policy::ModelHandle;
 use asyncrl_protos::Task;
 use asyncrl_protos::subjects::{TASKS_ACQUIRE, TASKS_RETURN, WORKERS_HEARTBEAT, WORKERS_REGISTER};
 use asyncrl_protos::v1::{
@@ -23,6 +22,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{Backoff, call};
+use crate::engine::Readiness;
 use crate::error::WorkerError;
 use crate::metrics::{WorkerMetrics, reason};
 use crate::settings::{Settings, scorer};
@@ -128,36 +128,25 @@ impl Worker {
         let scorer = scorer(&self.config)?;
         let health = self.health.unwrap_or_default();
         health.set_not_ready(HEALTH_CONDITION, "starting the model");
-        let model = match self.model {
-            Some(m) => m,
+        let built = match self.model {
+            Some(m) => crate::engine::builtin::from_model(m, &settings.model).await,
             None => {
-                let section = settings.model.clone();
-                let seed = settings.seed;
-                let opts = EngineOptions {
-                    batch: DecodeBatchOptions {
-                        max_slots: settings.max_sequences,
-                        max_seq_len: section.max_seq_len,
-                    },
-                    thread_name: "asyncrl-worker-model".into(),
-                };
-                let cores = self.config.worker.cpu_affinity.clone();
-                ModelHandle::spawn(opts, move || {
-                    // Before libtorch starts its threads: they inherit the mask.
-                    if let Err(e) = asyncrl_policy::pin_current_thread(&cores) {
-                        tracing::warn!(cores = ?cores, error = %e, "cannot pin the model thread");
-                    }
-                    load_policy(&section, seed)
-                })
-                .await?
+                crate::engine::build(
+                    &self.config,
+                    settings.max_sequences,
+                    &settings.worker_id,
+                    metrics.clone(),
+                )
+                .await
             }
-        };
-        settings.max_sequences = model.batch_options().max_slots;
-        let section = settings.model.clone();
-        let params = model
-            .with_policy(move |p| sampling_params(&section, p))
-            .await?;
+        }
+        .map_err(WorkerError::Engine)?;
+        let engine = built.engine;
+        let params = built.params;
+        settings.max_sequences = engine.max_slots();
         tracing::info!(
             worker_id = %settings.worker_id,
+            engine = engine.kind(),
             max_sequences = settings.max_sequences,
             max_tasks_in_flight = settings.max_tasks_in_flight,
             batching = ?settings.batching,
@@ -166,12 +155,13 @@ impl Worker {
             max_new_tokens = params.max_new_tokens,
             "rollout worker starting"
         );
-        let tokens_at_start = model.stats().tokens_generated;
+        let tokens_at_start = engine.counters().tokens_generated;
         let (loaded_tx, mut loaded_rx) = watch::channel(None);
         let shared = Arc::new(Shared {
             settings,
             bus: self.bus,
-            model,
+            engine: engine.clone(),
+            text: built.text,
             params,
             scorer,
             metrics,
@@ -218,6 +208,11 @@ impl Worker {
                 background.clone(),
             ));
             health.set_ready(HEALTH_CONDITION);
+            loops.spawn(follow_engine_readiness(
+                shared.engine.readiness(),
+                health.clone(),
+                background.clone(),
+            ));
             Ok::<bool, WorkerError>(true)
         }
         .await;
@@ -256,18 +251,17 @@ impl Worker {
             completions_refused: get(&c.completions_refused),
             trajectories_published: get(&c.trajectories_published),
             sequences_cancelled: get(&c.sequences_cancelled),
-            tokens_generated: shared.model.stats().tokens_generated - tokens_at_start,
+            tokens_generated: shared.engine.counters().tokens_generated - tokens_at_start,
             weight_swaps: get(&c.weight_swaps),
             weight_fetch_failures: get(&c.weight_fetch_failures),
             reward_failures: get(&c.reward_failures),
-            final_version: (get(&c.weight_swaps) > 0).then(|| shared.model.version()),
+            final_version: (get(&c.weight_swaps) > 0).then(|| shared.engine.version()),
             drained_cleanly,
         };
         tracing::info!(?summary, "rollout worker stopped");
+        engine.shutdown().await;
         if let Some(reason) = shared.fatal() {
-            return Err(WorkerError::Model(asyncrl_policy::PolicyError::StepFailed(
-                reason,
-            )));
+            return Err(WorkerError::Stopped(reason));
         }
         Ok(summary)
     }
@@ -317,7 +311,7 @@ async fn register(
         let req = RegisterWorker {
             worker_id: s.worker_id.clone(),
             capacity: u32::try_from(s.max_sequences).unwrap_or(u32::MAX),
-            policy_version: shared.model.version(),
+            policy_version: shared.engine.version(),
             hostname: s.hostname.clone(),
         };
         let r = shutdown
@@ -337,7 +331,7 @@ async fn register(
                         .heartbeat_interval
                         .min(Duration::from_millis(u64::from(ms))),
                 };
-                tracing::info!(worker_id = %s.worker_id, version = shared.model.version(), heartbeat_ms = every.as_millis() as u64, "registered with the coordinator");
+                tracing::info!(worker_id = %s.worker_id, version = shared.engine.version(), heartbeat_ms = every.as_millis() as u64, "registered with the coordinator");
                 return Ok(Some(every));
             }
             Some(Ok(reply)) => {
@@ -531,12 +525,25 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
     };
     let (min, max) = s.acquire_backoff;
     let mut backoff = Backoff::new(min, max);
+    let mut engine_ready = shared.engine.readiness();
     loop {
         if !run.to_return.is_empty() {
             return_tasks(shared, std::mem::take(&mut run.to_return)).await;
         }
         if shutdown.is_cancelled() || shared.fatal().is_some() {
             break;
+        }
+        // An engine that is down or restarting gets no new work; the tasks
+        // whose generation failed are returned above.
+        let readiness = engine_ready.borrow_and_update().clone();
+        if let Readiness::NotReady(why) = readiness {
+            tracing::info!(reason = %why, "the engine is not ready; acquiring no tasks until it is");
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = engine_ready.wait_for(|r| *r == Readiness::Ready) => {}
+                Some(r) = run.tasks.join_next() => run.finished(shared, r),
+            }
+            continue;
         }
         let want = tasks_wanted(
             s.batching,
@@ -641,13 +648,13 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
 async fn heartbeat_loop(shared: Arc<Shared>, every: Duration, stop: CancellationToken) {
     let mut ticker = tokio::time::interval(every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last = (shared.model.stats().tokens_generated, Instant::now());
+    let mut last = (shared.engine.counters().tokens_generated, Instant::now());
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        let stats = shared.model.stats();
+        let stats = shared.engine.counters();
         let dt = last.1.elapsed().as_secs_f64();
         let tps = if dt > 0.0 {
             stats.tokens_generated.saturating_sub(last.0) as f64 / dt
@@ -657,7 +664,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, every: Duration, stop: Cancellation
         last = (stats.tokens_generated, Instant::now());
         let req = WorkerHeartbeat {
             worker_id: shared.settings.worker_id.clone(),
-            policy_version: stats.version,
+            policy_version: shared.engine.version(),
             lease_ids: shared.held_lease_ids(),
             sequences_in_flight: u32::try_from(shared.outstanding.load(Ordering::SeqCst))
                 .unwrap_or(u32::MAX),
@@ -694,7 +701,26 @@ async fn heartbeat_loop(shared: Arc<Shared>, every: Duration, stop: Cancellation
     }
 }
 
-/// Samples the model thread's counters into the metrics.
+/// Keeps the worker's readiness in step with its engine's (a worker whose
+/// engine is down is not ready: Kubernetes stops counting it).
+async fn follow_engine_readiness(
+    mut ready: watch::Receiver<Readiness>,
+    health: Health,
+    stop: CancellationToken,
+) {
+    loop {
+        match ready.borrow_and_update().clone() {
+            Readiness::Ready => health.set_ready(HEALTH_CONDITION),
+            Readiness::NotReady(why) => health.set_not_ready(HEALTH_CONDITION, why),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            r = ready.changed() => if r.is_err() { return },
+        }
+    }
+}
+
+/// Samples the engine's counters into the metrics.
 async fn sample_metrics(shared: Arc<Shared>, stop: CancellationToken) {
     let mut ticker = tokio::time::interval(shared.settings.metrics_interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -716,7 +742,7 @@ async fn sample_metrics(shared: Arc<Shared>, stop: CancellationToken) {
 
 /// Moves the model's token count into the metrics; returns the new tokens.
 fn sample_once(shared: &Shared) -> u64 {
-    let stats = shared.model.stats();
+    let stats = shared.engine.counters();
     let m = &shared.metrics;
     let before = shared
         .tokens_sampled
