@@ -28,7 +28,7 @@ pub enum WorkerError {
     Join(#[from] tokio::task::JoinError),
     /// The engine could not be started or does not match the config (the
     /// message names the setting).
-    #[error("{0:#}")]
+    #[error(transparent)]
     Engine(anyhow::Error),
     /// The worker had to stop (its engine is gone, or its first weights do
     /// not fit the engine).

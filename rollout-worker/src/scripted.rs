@@ -63,6 +63,9 @@ pub struct ScriptOptions {
     pub retry_after_ms: u32,
     /// Sent in the registration reply.
     pub heartbeat_interval_ms: u32,
+    /// Returned tasks go back to the front of the queue (as a real
+    /// coordinator re-issues them).
+    pub requeue_returned: bool,
 }
 
 impl Default for ScriptOptions {
@@ -73,6 +76,7 @@ impl Default for ScriptOptions {
             max_per_acquire: 64,
             retry_after_ms: 20,
             heartbeat_interval_ms: 1000,
+            requeue_returned: false,
         }
     }
 }
@@ -336,7 +340,25 @@ async fn handle(inner: &Mutex<Inner>, bus: &dyn Bus, subject: &str, payload: &[u
         TASKS_RETURN => {
             let req = ReturnTasks::decode(payload).unwrap_or_default();
             let returned = req.lease_ids.len() as u32;
-            lock(inner).log.returns.push(req);
+            let mut s = lock(inner);
+            if s.options.requeue_returned {
+                let again: Vec<ScriptedTask> = s
+                    .log
+                    .granted
+                    .iter()
+                    .filter(|(_, t)| req.lease_ids.contains(&t.lease_id))
+                    .map(|(_, t)| ScriptedTask {
+                        task_id: t.task_id.clone(),
+                        dataset: t.dataset.clone(),
+                        prompt: t.prompt.clone(),
+                        answer: t.answer.clone(),
+                    })
+                    .collect();
+                for t in again.into_iter().rev() {
+                    s.queue.push_front(t);
+                }
+            }
+            s.log.returns.push(req);
             ReturnTasksReply { returned }.encode_to_vec()
         }
         _ => Vec::new(),

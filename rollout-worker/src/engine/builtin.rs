@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use async_trait::async_trait;
 use asyncrl_config::Config;
 use asyncrl_policy::from_config::{load_policy, sampling_params};
 use asyncrl_policy::{
     DecodeBatchOptions, EngineOptions, ModelHandle, ModelText, SequenceOutput, SequenceRequest,
 };
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::watch;
 

@@ -22,11 +22,9 @@ pub mod vllm;
 
 use std::sync::Arc;
 
-use asyncrl_config::{Config, EngineKind};
-use asyncrl_policy::{
-    ModelText, PolicyError, SamplingParams, SequenceOutput, SequenceRequest,
-};
 use async_trait::async_trait;
+use asyncrl_config::{Config, EngineKind};
+use asyncrl_policy::{ModelText, PolicyError, SamplingParams, SequenceOutput, SequenceRequest};
 use bytes::Bytes;
 use tokio::sync::watch;
 

@@ -19,6 +19,8 @@ use tokio::task::JoinHandle;
 
 pub const TEMPERATURE: f64 = 0.7;
 
+pub mod vllm;
+
 /// A tiny model: fast on two CPU cores.
 pub fn model_section(max_new_tokens: usize, max_seq_len: usize) -> ModelConfig {
     let mut m = ModelConfig {

@@ -131,7 +131,11 @@ impl Api {
     }
 
     /// POST without a body; the reply is not read beyond its status.
-    pub async fn post_empty(&self, route: &'static str, timeout: Duration) -> Result<(), VllmError> {
+    pub async fn post_empty(
+        &self,
+        route: &'static str,
+        timeout: Duration,
+    ) -> Result<(), VllmError> {
         let req = self.http.post(format!("{}{route}", self.endpoint));
         // Control routes answer with JSON, an empty body or plain text:
         // the status is what counts.

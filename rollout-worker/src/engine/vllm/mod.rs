@@ -17,6 +17,12 @@
 //!   their tasks go back to the coordinator), restarted when the worker
 //!   launched it, and reloaded with the newest version before it serves
 //!   again. It never generates with mixed or unknown weights.
+//! - **Tied LM heads.** vLLM ties `lm_head` to `embed_tokens` when it loads
+//!   a model, but `reload_weights` copies tensors by name: a checkpoint
+//!   without `lm_head.weight` leaves the head of the old weights in place
+//!   (measured: log-probs matched neither version). For a model with
+//!   `tie_word_embeddings` the worker writes `lm_head.weight` (a copy of
+//!   the embedding) into every version folder.
 //! - **Versions.** With version spans each token carries the version that
 //!   sampled it. Without them (the completions route) a reply is only kept
 //!   when no swap overlapped it, or when the swap aborted it (then every
@@ -32,10 +38,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::Context;
+use async_trait::async_trait;
 use asyncrl_config::{Config, EngineApi, PauseMode};
 use asyncrl_policy::from_config::sampling_params_with_stops;
 use asyncrl_policy::{FinishReason, ModelText, SamplingParams, SequenceOutput, SequenceRequest};
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -68,10 +74,14 @@ enum Route {
 enum ServerState {
     /// Serving the weights of `version` (-1: the folder it started with,
     /// before the first swap).
-    Ready { version: i32 },
+    Ready {
+        version: i32,
+    },
     /// A weight swap is in progress: new requests wait.
     Swapping,
-    Down { reason: String },
+    Down {
+        reason: String,
+    },
 }
 
 struct Server {
@@ -103,7 +113,9 @@ impl Server {
             if matches!(s, ServerState::Down { .. }) {
                 false
             } else {
-                *s = ServerState::Down { reason: why.clone() };
+                *s = ServerState::Down {
+                    reason: why.clone(),
+                };
                 true
             }
         });
@@ -122,6 +134,8 @@ struct Target {
 }
 
 struct Settings {
+    /// The model ties its LM head to its embedding (see the module docs).
+    tied_head: bool,
     pause_mode: PauseMode,
     ready_timeout: Duration,
     request_timeout: Duration,
@@ -160,8 +174,12 @@ pub(crate) async fn build(
             "`model.path` is not set: worker.engine.kind = \"vllm\" needs the Hugging Face folder the engine serves (its tokenizer tokenizes the prompts)"
         )
     })?;
-    let text = ModelText::from_dir(dir)
-        .with_context(|| format!("`model.path` = {}: cannot read the model's tokenizer", dir.display()))?;
+    let text = ModelText::from_dir(dir).with_context(|| {
+        format!(
+            "`model.path` = {}: cannot read the model's tokenizer",
+            dir.display()
+        )
+    })?;
     if model.top_p < 1.0 {
         anyhow::bail!(
             "`model.top_p` = {}: vLLM's processed log-probs are renormalized over the top-p nucleus, the learner's are over the whole vocabulary; set model.top_p = 1 with worker.engine.kind = \"vllm\"",
@@ -169,7 +187,11 @@ pub(crate) async fn build(
         );
     }
     let params = sampling_params_with_stops(model, text.eos_token_ids().to_vec());
+    let tied_head = asyncrl_policy::ModelConfig::from_file(&dir.join("config.json"))
+        .with_context(|| format!("`model.path` = {}: cannot read config.json", dir.display()))?
+        .tie_word_embeddings;
     let settings = Arc::new(Settings {
+        tied_head,
         pause_mode: e.pause_mode,
         ready_timeout: e.ready_timeout,
         request_timeout: e.request_timeout,
@@ -194,15 +216,29 @@ pub(crate) async fn build(
         let launcher = (!e.launch.is_empty()).then(|| Launcher::new(e.launch.clone(), endpoint));
         let mut exited = None;
         if let Some(l) = &launcher {
-            exited = Some(l.start().with_context(|| {
-                format!("`worker.engine.launch`: cannot start {:?}", e.launch)
-            })?);
+            exited =
+                Some(l.start().with_context(|| {
+                    format!("`worker.engine.launch`: cannot start {:?}", e.launch)
+                })?);
         }
         let started = async {
-            wait_healthy(&api, settings.ready_timeout, exited.as_mut(), launcher.as_ref())
-                .await
-                .map_err(anyhow::Error::msg)?;
-            probe(&api, e.api, e.pause_mode, &text, model.max_seq_len, settings.control_timeout).await
+            wait_healthy(
+                &api,
+                settings.ready_timeout,
+                exited.as_mut(),
+                launcher.as_ref(),
+            )
+            .await
+            .map_err(anyhow::Error::msg)?;
+            probe(
+                &api,
+                e.api,
+                e.pause_mode,
+                &text,
+                model.max_seq_len,
+                settings.control_timeout,
+            )
+            .await
         }
         .await;
         let (route, model_id) = match started {
@@ -347,11 +383,9 @@ async fn probe(
         );
     }
     let models: Models = api.get(api::MODELS, timeout).await?;
-    let model_id = models
-        .data
-        .first()
-        .map(|m| m.id.clone())
-        .ok_or_else(|| anyhow::anyhow!("`worker.engine.endpoints`: {ep}/v1/models lists no model"))?;
+    let model_id = models.data.first().map(|m| m.id.clone()).ok_or_else(|| {
+        anyhow::anyhow!("`worker.engine.endpoints`: {ep}/v1/models lists no model")
+    })?;
     let theirs: Tokenized = api
         .post(
             api::TOKENIZE,
@@ -443,18 +477,32 @@ async fn recover_loop(engine: Arc<VllmEngine>, server: Arc<Server>) {
             let mut exited = None;
             if let Some(l) = &server.launcher {
                 l.stop(Duration::from_secs(10)).await;
-                exited = Some(l.start().map_err(|e| format!("cannot restart the engine process: {e}"))?);
+                exited = Some(
+                    l.start()
+                        .map_err(|e| format!("cannot restart the engine process: {e}"))?,
+                );
             }
-            wait_healthy(&server.api, engine.settings.ready_timeout, exited.as_mut(), server.launcher.as_ref()).await?;
+            wait_healthy(
+                &server.api,
+                engine.settings.ready_timeout,
+                exited.as_mut(),
+                server.launcher.as_ref(),
+            )
+            .await?;
             if let Some(rx) = exited {
                 tokio::spawn(watch_exit(server.clone(), rx, engine.stop.clone()));
             }
             let target = engine.target();
             let version = match &target {
                 Some(t) => {
-                    swap_steps(&server, engine.settings.pause_mode, engine.settings.control_timeout, t)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    swap_steps(
+                        &server,
+                        engine.settings.pause_mode,
+                        engine.settings.control_timeout,
+                        t,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
                     t.version
                 }
                 None => -1,
@@ -468,14 +516,19 @@ async fn recover_loop(engine: Arc<VllmEngine>, server: Arc<Server>) {
         match result {
             Ok(version) => {
                 backoff.reset();
-                *server.down.lock().unwrap_or_else(PoisonError::into_inner) = CancellationToken::new();
+                *server.down.lock().unwrap_or_else(PoisonError::into_inner) =
+                    CancellationToken::new();
                 server.state.send_replace(ServerState::Ready { version });
                 engine.metrics.engine_recoveries.inc();
                 tracing::info!(endpoint = %server.api.endpoint, version, "engine server recovered");
                 engine.update_readiness();
             }
             Err(e) => {
-                engine.metrics.engine_errors.get_or_create(&reason("recovery")).inc();
+                engine
+                    .metrics
+                    .engine_errors
+                    .get_or_create(&reason("recovery"))
+                    .inc();
                 tracing::warn!(endpoint = %server.api.endpoint, error = %e, "engine server not recovered yet; retrying");
                 let delay = backoff.next_delay();
                 tokio::select! {
@@ -585,7 +638,12 @@ impl VllmEngine {
             .cloned()
             .ok_or_else(|| {
                 EngineError::Unavailable(VllmError::Down {
-                    endpoint: self.servers.iter().map(|s| s.api.endpoint.clone()).collect::<Vec<_>>().join(","),
+                    endpoint: self
+                        .servers
+                        .iter()
+                        .map(|s| s.api.endpoint.clone())
+                        .collect::<Vec<_>>()
+                        .join(","),
                     reason: "every engine server is down".into(),
                 })
             })
@@ -600,7 +658,10 @@ impl VllmEngine {
             VllmError::Mismatch { .. } => "mismatch",
             VllmError::Io { .. } => "io",
         };
-        self.metrics.engine_errors.get_or_create(&reason(label)).inc();
+        self.metrics
+            .engine_errors
+            .get_or_create(&reason(label))
+            .inc();
     }
 
     /// Generates on `server` until the completion ends, resubmitting prompt
@@ -730,11 +791,13 @@ impl VllmEngine {
             };
             let part = read_choice(choice, remaining).map_err(contract)?;
             let versions = match server.route {
-                Route::Generate => span_versions(&part.spans, part.tokens.len(), version)
-                    .map_err(contract)?,
+                Route::Generate => {
+                    span_versions(&part.spans, part.tokens.len(), version).map_err(contract)?
+                }
                 Route::Completions => {
                     let now = server.epoch.load(Ordering::SeqCst);
-                    let aborted_by_this_swap = part.finish.as_deref() == Some("abort") && now == epoch + 1;
+                    let aborted_by_this_swap =
+                        part.finish.as_deref() == Some("abort") && now == epoch + 1;
                     if now != epoch && !aborted_by_this_swap {
                         // A swap overlapped the request: which weights
                         // sampled it is unknown. Generate it again.
@@ -744,7 +807,8 @@ impl VllmEngine {
                     vec![version; part.tokens.len()]
                 }
             };
-            self.tokens.fetch_add(part.tokens.len() as u64, Ordering::Relaxed);
+            self.tokens
+                .fetch_add(part.tokens.len() as u64, Ordering::Relaxed);
             ids.extend_from_slice(&part.tokens);
             out.tokens.extend_from_slice(&part.tokens);
             out.logprobs.extend_from_slice(&part.logprobs);
@@ -834,7 +898,10 @@ fn read_choice(choice: Choice, max_tokens: usize) -> Result<Part, String> {
             tokens.len()
         ));
     }
-    if let Some(bad) = logprobs.iter().find(|l| !(l.is_finite() || **l == f32::NEG_INFINITY) || **l > 1e-3) {
+    if let Some(bad) = logprobs
+        .iter()
+        .find(|l| !(l.is_finite() || **l == f32::NEG_INFINITY) || **l > 1e-3)
+    {
         return Err(format!("log-prob {bad} is not a log-probability"));
     }
     Ok(Part {
@@ -856,9 +923,7 @@ fn span_versions(
     if n == 0 {
         return Ok(Vec::new());
     }
-    let spans = spans
-        .as_ref()
-        .ok_or("the reply has no weight_versions")?;
+    let spans = spans.as_ref().ok_or("the reply has no weight_versions")?;
     let mut versions = Vec::with_capacity(n);
     for s in spans {
         if s.start != versions.len() || s.end < s.start || s.end > n {
@@ -881,7 +946,10 @@ fn span_versions(
             ));
         }
         if versions.last().is_some_and(|&last| v < last) {
-            return Err(format!("weight versions go backwards ({v} after {})", versions.last().unwrap_or(&v)));
+            return Err(format!(
+                "weight versions go backwards ({v} after {})",
+                versions.last().unwrap_or(&v)
+            ));
         }
         versions.extend(std::iter::repeat_n(v, s.end - s.start));
     }
@@ -896,7 +964,12 @@ fn span_versions(
 
 /// Writes `bytes` as `dir/v<version>/model.safetensors` (temp folder, then
 /// rename) and removes older version folders.
-fn write_version_dir(root: &Path, version: i32, bytes: &[u8]) -> Result<PathBuf, VllmError> {
+fn write_version_dir(
+    root: &Path,
+    version: i32,
+    bytes: &[u8],
+    tied_head: bool,
+) -> Result<PathBuf, VllmError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| VllmError::Io { path, source }
@@ -911,12 +984,38 @@ fn write_version_dir(root: &Path, version: i32, bytes: &[u8]) -> Result<PathBuf,
     }
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let file = tmp.join("model.safetensors");
+    let with_head;
+    let bytes = if tied_head {
+        with_head = with_tied_head(bytes).map_err(|e| VllmError::Io {
+            path: file.clone(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+        })?;
+        with_head.as_deref().unwrap_or(bytes)
+    } else {
+        bytes
+    };
     std::fs::write(&file, bytes).map_err(io(&file))?;
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
     }
     std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
     Ok(final_dir)
+}
+
+/// The checkpoint with `lm_head.weight` = `model.embed_tokens.weight`
+/// added, or None when it has its head already (or no embedding).
+fn with_tied_head(bytes: &[u8]) -> Result<Option<Vec<u8>>, safetensors::SafeTensorError> {
+    let st = safetensors::SafeTensors::deserialize(bytes)?;
+    let names = st.names();
+    if names.iter().any(|n| *n == "lm_head.weight") {
+        return Ok(None);
+    }
+    let Ok(embed) = st.tensor("model.embed_tokens.weight") else {
+        return Ok(None);
+    };
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
+    tensors.push(("lm_head.weight".to_owned(), embed));
+    safetensors::serialize(tensors, None).map(Some)
 }
 
 /// Removes every version folder (and stale temp folder) but `keep`.
@@ -962,15 +1061,17 @@ impl Engine for VllmEngine {
 
     async fn load_weights(&self, bytes: Bytes, version: i32) -> Result<(), EngineError> {
         let root = self.settings.weights_dir.clone();
-        let dir = tokio::task::spawn_blocking(move || write_version_dir(&root, version, &bytes))
-            .await
-            .map_err(|e| {
-                EngineError::Unavailable(VllmError::Io {
-                    path: self.settings.weights_dir.clone(),
-                    source: std::io::Error::other(e),
-                })
-            })?
-            .map_err(EngineError::Unavailable)?;
+        let tied = self.settings.tied_head;
+        let dir =
+            tokio::task::spawn_blocking(move || write_version_dir(&root, version, &bytes, tied))
+                .await
+                .map_err(|e| {
+                    EngineError::Unavailable(VllmError::Io {
+                        path: self.settings.weights_dir.clone(),
+                        source: std::io::Error::other(e),
+                    })
+                })?
+                .map_err(EngineError::Unavailable)?;
         let target = Target { version, dir };
         *self.target.lock().unwrap_or_else(PoisonError::into_inner) = Some(target.clone());
         let mut loaded = 0;
@@ -994,7 +1095,14 @@ impl Engine for VllmEngine {
             }
             server.state.send_replace(ServerState::Swapping);
             let started = std::time::Instant::now();
-            match swap_steps(server, self.settings.pause_mode, self.settings.control_timeout, &target).await {
+            match swap_steps(
+                server,
+                self.settings.pause_mode,
+                self.settings.control_timeout,
+                &target,
+            )
+            .await
+            {
                 Ok(()) => {
                     server.state.send_replace(ServerState::Ready { version });
                     loaded += 1;
@@ -1002,7 +1110,10 @@ impl Engine for VllmEngine {
                 }
                 Err(e) => {
                     self.count_error(&e);
-                    self.metrics.engine_errors.get_or_create(&reason("swap")).inc();
+                    self.metrics
+                        .engine_errors
+                        .get_or_create(&reason("swap"))
+                        .inc();
                     let rejected = matches!(e, VllmError::Status { .. });
                     server.mark_down(format!("weight swap to version {version} failed: {e}"));
                     first_error.get_or_insert(if rejected {
@@ -1083,7 +1194,7 @@ mod tests {
             (Some(vec![span("3", 0, 2)]), "cover 2 of 3"),
             (Some(vec![span("3", 1, 3)]), "does not continue"),
             (Some(vec![span("2", 0, 3)]), "older than"),
-            (Some(vec![span("4", 0, 1), span("3", 1, 3)]), "older than"),
+            (Some(vec![span("4", 0, 1), span("3", 1, 3)]), "backwards"),
             (Some(vec![span("default", 0, 3)]), "not one this worker set"),
             (Some(vec![span("3", 0, 4)]), "does not continue"),
         ] {
@@ -1094,10 +1205,33 @@ mod tests {
     }
 
     #[test]
+    fn tied_heads_are_written_out() {
+        let embed: Vec<u8> = (0..24u8).collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 3], &embed)
+                .unwrap();
+        let bytes = safetensors::serialize(vec![("model.embed_tokens.weight", view.clone())], None)
+            .unwrap();
+        let with = with_tied_head(&bytes).unwrap().unwrap();
+        let st = safetensors::SafeTensors::deserialize(&with).unwrap();
+        assert_eq!(st.tensor("lm_head.weight").unwrap().data(), &embed[..]);
+        assert_eq!(
+            st.tensor("model.embed_tokens.weight").unwrap().data(),
+            &embed[..]
+        );
+        // A checkpoint with its own head stays as it is.
+        assert!(with_tied_head(&with).unwrap().is_none());
+        let root = tempfile::tempdir().unwrap();
+        let dir = write_version_dir(root.path(), 3, &bytes, true).unwrap();
+        let written = std::fs::read(dir.join("model.safetensors")).unwrap();
+        assert_eq!(written, with);
+    }
+
+    #[test]
     fn version_folders_are_written_whole_and_old_ones_pruned() {
         let root = tempfile::tempdir().unwrap();
-        let a = write_version_dir(root.path(), 1, b"one").unwrap();
-        let b = write_version_dir(root.path(), 2, b"two").unwrap();
+        let a = write_version_dir(root.path(), 1, b"one", false).unwrap();
+        let b = write_version_dir(root.path(), 2, b"two", false).unwrap();
         assert_eq!(std::fs::read(b.join("model.safetensors")).unwrap(), b"two");
         std::fs::create_dir_all(root.path().join(".v3.tmp-1")).unwrap();
         std::fs::write(root.path().join("unrelated.txt"), b"x").unwrap();
