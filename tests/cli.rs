@@ -59,7 +59,17 @@ fn config_errors_are_one_line_and_name_the_problem() {
 }
 
 #[test]
-fn the_example_config_is_valid() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/local.toml");
-    asyncrl_config::Config::load(&path).expect("examples/local.toml loads");
+fn the_example_configs_are_valid() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut loaded = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|x| x == "toml") {
+            asyncrl_config::Config::load(&path)
+                .unwrap_or_else(|e| panic!("{} does not load: {e}", path.display()));
+            loaded.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    loaded.sort();
+    assert_eq!(loaded, ["arith-vllm.toml", "arith.toml", "local.toml"]);
 }

@@ -7,6 +7,8 @@
 //! - `coordinator`: acquire → grant round trips against a raw echo;
 //! - `worker`: continuous against static batching;
 //! - `learner`: our training step against PyTorch eager;
+//! - `engine`: the vLLM engine against the built-in one (tokens/s, the
+//!   worker's CPU per 1,000 tokens, a weight swap against the raw reload);
 //! - `staleness`: reward under η × clip mode × seeds;
 //! - `speedup`: sync (η = 0) against async training.
 //!
@@ -14,6 +16,8 @@
 //! asyncrl-buffer`).
 
 mod coordinator;
+#[cfg(feature = "torch")]
+mod engine;
 #[cfg(feature = "torch")]
 mod learner;
 #[cfg(feature = "torch")]
@@ -79,6 +83,10 @@ pub(crate) enum BenchCommand {
     /// Learner forward+backward+AdamW tokens/s of the built-in model against
     /// the same model in PyTorch eager (same shapes, same threads), as a ratio.
     Learner(LearnerBenchArgs),
+    /// Generated tokens/s of a vLLM CPU server against the built-in engine
+    /// on the same model and requests, the worker's CPU per 1,000 tokens
+    /// around vLLM, and a weight swap against vLLM's raw reload.
+    Engine(EngineBenchArgs),
     /// Sync (η = 0) against async training on the long-tailed reverse task,
     /// learner and worker pinned to separate cores: the measured speedup next
     /// to the pipelining bound from the same runs.
@@ -116,6 +124,28 @@ pub(crate) struct SpeedupArgs {
     seed: u64,
     #[arg(long, default_value = "docs/results/speedup")]
     out: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct EngineBenchArgs {
+    /// The model both engines serve (a Hugging Face folder; vLLM's CPU
+    /// attention needs head_dim 32 or more).
+    #[arg(long, default_value = "runs/warmstart-arith")]
+    model: PathBuf,
+    /// The python of the vLLM venv.
+    #[arg(long, default_value = ".venv-vllm/bin/python")]
+    vllm_python: PathBuf,
+    #[arg(long, default_value_t = 512)]
+    requests: usize,
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 5)]
+    swaps: usize,
+    /// Port of the vLLM server the bench launches (loopback).
+    #[arg(long, default_value_t = 8012)]
+    port: u16,
 }
 
 #[derive(Debug, Args)]
@@ -264,6 +294,24 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
             let report = learner::run_learner_bench(opts).context("learner bench")?;
             print!("{report}");
         }
+        #[cfg(feature = "torch")]
+        BenchCommand::Engine(args) => {
+            let opts = engine::EngineBenchOptions {
+                model: args.model,
+                vllm_python: args.vllm_python,
+                requests: args.requests,
+                max_new_tokens: args.max_new_tokens,
+                concurrency: args.concurrency,
+                swaps: args.swaps,
+                port: args.port,
+            };
+            let report = rt
+                .block_on(engine::run_engine_bench(opts))
+                .context("engine bench")?;
+            print!("{report}");
+        }
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Engine(_) => return crate::no_torch("bench engine"),
         #[cfg(not(feature = "torch"))]
         BenchCommand::Learner(_) => return crate::no_torch("bench learner"),
         #[cfg(not(feature = "torch"))]
