@@ -33,7 +33,8 @@ fn every_deploy_config_parses() {
         names,
         [
             "deploy/k8s/base/asyncrl.toml",
-            "deploy/k8s/components/gpu/asyncrl.toml"
+            "deploy/k8s/components/gpu/asyncrl.toml",
+            "deploy/k8s/components/vllm-sidecar/asyncrl.toml"
         ],
         "the configs the deployment ships"
     );

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use asyncrl_config::Config;
+use asyncrl_config::{Config, EngineKind};
 use asyncrl_deploy_checks::{
     Rendered, containers, k8s_dir, overlays, require_tool, run_ok, selects,
 };
@@ -33,7 +33,7 @@ const ROLES: &[(&str, &str)] = &[
 fn rendered() -> Vec<Rendered> {
     let all: Vec<Rendered> = overlays().iter().map(|o| Rendered::of(o)).collect();
     let names: Vec<&str> = all.iter().map(|r| r.name.as_str()).collect();
-    assert_eq!(names, ["dev", "gpu", "gpu-hpa"], "the overlays");
+    assert_eq!(names, ["dev", "gpu", "gpu-hpa", "gpu-vllm"], "the overlays");
     all
 }
 
@@ -324,10 +324,13 @@ fn grace_periods_cover_the_workers_drain() {
 #[test]
 fn gpus_where_the_shape_wants_them() {
     for r in rendered() {
+        // Over every container of the pod: in gpu-vllm the rollout pod's
+        // GPU is the vLLM sidecar's, not the worker's.
         let gpus = |role: &str| {
-            role_workload(&r, role)["spec"]["template"]["spec"]["containers"][0]["resources"]
-                ["limits"]["nvidia.com/gpu"]
-                .as_u64()
+            containers(role_workload(&r, role))
+                .into_iter()
+                .filter_map(|c| c["resources"]["limits"]["nvidia.com/gpu"].as_u64())
+                .reduce(|a, b| a + b)
         };
         let gpu_node = |role: &str| {
             let pod = &role_workload(&r, role)["spec"]["template"]["spec"];
@@ -725,7 +728,7 @@ fn the_rollout_pool_scales_on_the_recommendation() {
                     .contains("<<.LabelMatchers>>")
             );
         }
-        if r.name == "gpu" {
+        if r.name == "gpu" || r.name == "gpu-vllm" {
             assert_eq!(r.of_kind("ScaledObject").count(), 1);
             assert_eq!(r.of_kind("HorizontalPodAutoscaler").count(), 0);
         }
@@ -734,7 +737,7 @@ fn the_rollout_pool_scales_on_the_recommendation() {
             assert_eq!(r.of_kind("HorizontalPodAutoscaler").count(), 1);
         }
     }
-    assert_eq!(scalers, 2);
+    assert_eq!(scalers, 3);
 }
 
 #[test]
@@ -755,4 +758,158 @@ fn the_dashboard_ships_for_the_grafana_sidecar() {
                 .is_some_and(|g| !g.is_empty())
         );
     }
+}
+
+/// The value of `--name value` or `--name=value` in a command line.
+fn flag_value<'a>(args: &[&'a str], name: &str) -> Option<&'a str> {
+    args.iter().copied().enumerate().find_map(|(i, a)| {
+        if a == name {
+            args.get(i + 1).copied()
+        } else {
+            a.strip_prefix(name).and_then(|rest| rest.strip_prefix('='))
+        }
+    })
+}
+
+/// Where container `c` mounts the volume `volume`.
+fn mount_path<'a>(c: &'a Value, volume: &str) -> Option<&'a str> {
+    c["volumeMounts"]
+        .as_array()?
+        .iter()
+        .find(|m| m["name"] == volume)?["mountPath"]
+        .as_str()
+}
+
+/// overlays/gpu-vllm: each rollout pod is the worker plus a vLLM server.
+/// vLLM's dev-mode routes (pause, reload_weights, resume, generate) have no
+/// authentication, so it listens on the pod's loopback only; the worker
+/// writes each version's weights where vLLM reloads them, so both mount the
+/// shared emptyDir at the path of `worker.engine.weights_dir`; the pod's GPU
+/// is vLLM's; KEDA scales the pool as it scales the built-in workers.
+#[test]
+fn gpu_vllm_pairs_each_worker_with_a_loopback_vllm() {
+    let r = Rendered::of(&k8s_dir().join("overlays/gpu-vllm"));
+    let cfg = config(&r);
+    let pool = r.get("Deployment", "rollout-worker");
+    let pod = &pool["spec"]["template"]["spec"];
+    let all = containers(pool);
+    let names: Vec<&str> = all.iter().filter_map(|c| c["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        ["vllm", "worker"],
+        "gpu-vllm: the rollout pod's containers (init containers first)"
+    );
+    let (vllm, worker) = (all[0], all[1]);
+    assert_eq!(
+        vllm["restartPolicy"], "Always",
+        "gpu-vllm: vllm is a native sidecar, so it keeps serving while the worker drains"
+    );
+
+    // The engine the worker drives, on loopback only.
+    assert_eq!(
+        cfg.worker.engine.kind,
+        EngineKind::Vllm,
+        "gpu-vllm: worker.engine.kind"
+    );
+    let args: Vec<&str> = vllm["args"]
+        .as_array()
+        .expect("gpu-vllm: vllm args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(
+        flag_value(&args, "--host"),
+        Some("127.0.0.1"),
+        "gpu-vllm: the unauthenticated dev-mode routes must stay on the pod's loopback: {args:?}"
+    );
+    assert_eq!(
+        flag_value(&args, "--logprobs-mode"),
+        Some("processed_logprobs"),
+        "gpu-vllm: the worker refuses raw log-probs: {args:?}"
+    );
+    assert!(
+        args.contains(&"--enable-scale-out"),
+        "gpu-vllm: /inference/v1/generate needs --enable-scale-out: {args:?}"
+    );
+    assert!(
+        vllm["env"].as_array().is_some_and(|e| e
+            .iter()
+            .any(|e| e["name"] == "VLLM_SERVER_DEV_MODE" && e["value"] == "1")),
+        "gpu-vllm: the RL routes need VLLM_SERVER_DEV_MODE=1"
+    );
+    let port = flag_value(&args, "--port").unwrap_or("8000");
+    assert_eq!(
+        cfg.worker.engine.endpoints,
+        [format!("http://127.0.0.1:{port}")],
+        "gpu-vllm: worker.engine.endpoints is the sidecar"
+    );
+    assert!(
+        cfg.worker.engine.launch.is_empty(),
+        "gpu-vllm: the kubelet runs vLLM; the worker attaches"
+    );
+    // vLLM serves the model the learner trains and the worker tokenizes with.
+    assert_eq!(
+        flag_value(&args, "--model").map(Path::new),
+        cfg.model.path.as_deref(),
+        "gpu-vllm: vLLM's --model and [model] path"
+    );
+    let max_model_len: usize = flag_value(&args, "--max-model-len")
+        .expect("gpu-vllm: --max-model-len")
+        .parse()
+        .expect("a number");
+    assert!(
+        max_model_len >= cfg.model.max_seq_len,
+        "gpu-vllm: --max-model-len {max_model_len} below model.max_seq_len {}",
+        cfg.model.max_seq_len
+    );
+
+    // The per-version weight folders: one emptyDir, the same path in both
+    // containers, and that path is worker.engine.weights_dir.
+    let weights = pod["volumes"]
+        .as_array()
+        .and_then(|v| v.iter().find(|v| v["name"] == "engine-weights"))
+        .expect("gpu-vllm: volume engine-weights");
+    assert!(
+        weights["emptyDir"].is_object(),
+        "gpu-vllm: engine-weights is an emptyDir: {weights}"
+    );
+    let at_worker = mount_path(worker, "engine-weights").expect("worker mounts engine-weights");
+    let at_vllm = mount_path(vllm, "engine-weights").expect("vllm mounts engine-weights");
+    assert_eq!(
+        at_worker, at_vllm,
+        "gpu-vllm: vLLM reloads the path the worker writes"
+    );
+    assert_eq!(
+        cfg.worker.engine.weights_dir.as_path(),
+        Path::new(at_worker),
+        "gpu-vllm: worker.engine.weights_dir is the shared mount"
+    );
+
+    // The GPU is vLLM's; the worker needs none.
+    assert_eq!(
+        vllm["resources"]["limits"]["nvidia.com/gpu"].as_u64(),
+        Some(1),
+        "gpu-vllm: vllm's GPU limit"
+    );
+    for part in ["limits", "requests"] {
+        assert!(
+            worker["resources"][part].get("nvidia.com/gpu").is_none(),
+            "gpu-vllm: nvidia.com/gpu in the worker's {part}; the pod's GPU is vLLM's"
+        );
+    }
+
+    // KEDA scales these pods exactly as it scales the built-in workers.
+    let scaled: Vec<&Value> = r.of_kind("ScaledObject").collect();
+    assert_eq!(scaled.len(), 1, "gpu-vllm: one ScaledObject");
+    assert_eq!(scaled[0]["spec"]["scaleTargetRef"]["kind"], "Deployment");
+    assert_eq!(
+        scaled[0]["spec"]["scaleTargetRef"]["name"],
+        "rollout-worker"
+    );
+    let gpu = Rendered::of(&k8s_dir().join("overlays/gpu"));
+    assert_eq!(
+        scaled[0]["spec"],
+        gpu.get("ScaledObject", "rollout-worker")["spec"],
+        "gpu-vllm: the same scaling as overlays/gpu"
+    );
 }
