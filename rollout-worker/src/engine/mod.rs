@@ -109,14 +109,16 @@ pub trait Engine: Send + Sync {
 }
 
 /// An engine, the text side of its model, and the sampling parameters.
-pub(crate) struct Built {
+pub struct Built {
     pub engine: Arc<dyn Engine>,
     pub text: ModelText,
     pub params: SamplingParams,
 }
 
-/// The engine `[worker.engine]` asks for, and the text side of `[model]`.
-pub(crate) async fn build(
+/// The engine `[worker.engine]` asks for, and the text side of `[model]`
+/// (what the worker does at start; benches use it too). `metrics` is the
+/// worker's set (engine errors and recoveries are counted there).
+pub async fn build(
     config: &Config,
     max_sequences: usize,
     worker_id: &str,
@@ -124,6 +126,14 @@ pub(crate) async fn build(
 ) -> anyhow::Result<Built> {
     match config.worker.engine.kind {
         EngineKind::Builtin => builtin::build(config, max_sequences).await,
-        EngineKind::Vllm => vllm::build(config, max_sequences, worker_id, metrics).await,
+        EngineKind::Vllm => {
+            let (engine, text, params) =
+                vllm::build(config, max_sequences, worker_id, metrics).await?;
+            Ok(Built {
+                engine,
+                text,
+                params,
+            })
+        }
     }
 }

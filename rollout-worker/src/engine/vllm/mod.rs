@@ -53,7 +53,7 @@ use api::{
 };
 use launch::Launcher;
 
-use super::{Built, Engine, EngineCounters, EngineError, Readiness};
+use super::{Engine, EngineCounters, EngineError, Readiness};
 use crate::metrics::{WorkerMetrics, reason};
 
 /// The text the start-up check tokenizes on both sides.
@@ -161,12 +161,12 @@ pub struct VllmEngine {
 
 /// Starts (or attaches to) the servers of `[worker.engine]`, checks them
 /// against `[model]`, and starts their watchers.
-pub(crate) async fn build(
+pub async fn build(
     config: &Config,
     max_sequences: usize,
     worker_id: &str,
     metrics: WorkerMetrics,
-) -> anyhow::Result<Built> {
+) -> anyhow::Result<(Arc<VllmEngine>, ModelText, SamplingParams)> {
     let e = &config.worker.engine;
     let model = &config.model;
     let dir = model.path.as_deref().ok_or_else(|| {
@@ -196,7 +196,13 @@ pub(crate) async fn build(
         ready_timeout: e.ready_timeout,
         request_timeout: e.request_timeout,
         control_timeout: e.control_timeout,
-        weights_dir: e.weights_dir.join(worker_id),
+        // Absolute: the engine resolves it, from its own working directory.
+        weights_dir: std::path::absolute(e.weights_dir.join(worker_id)).with_context(|| {
+            format!(
+                "`worker.engine.weights_dir` = {}: cannot make it absolute",
+                e.weights_dir.display()
+            )
+        })?,
         max_slots: max_sequences,
         max_seq_len: model.max_seq_len,
     });
@@ -287,11 +293,7 @@ pub(crate) async fn build(
         tokio::spawn(recover_loop(engine.clone(), server.clone()));
         tokio::spawn(health_loop(server.clone(), engine.stop.clone()));
     }
-    Ok(Built {
-        engine,
-        text,
-        params,
-    })
+    Ok((engine, text, params))
 }
 
 /// Waits until `/health` answers, the launched process exits, or `limit`.
@@ -590,6 +592,35 @@ async fn swap_steps(
 }
 
 impl VllmEngine {
+    /// Times `reload_weights` of the newest version's folder on the first
+    /// server, alone (no pause, no version, no cache reset): the baseline
+    /// of `asyncrl bench engine`'s swap figure.
+    pub async fn time_raw_reload(&self) -> Result<Duration, VllmError> {
+        let target = self.target().ok_or_else(|| VllmError::Down {
+            endpoint: String::new(),
+            reason: "no weights loaded yet".into(),
+        })?;
+        let server = &self.servers[0];
+        let _guard = server.swap_lock.lock().await;
+        let dir = target.dir.to_string_lossy();
+        let started = std::time::Instant::now();
+        let _: serde_json::Value = server
+            .api
+            .post(
+                api::COLLECTIVE_RPC,
+                &ReloadRequest {
+                    method: "reload_weights",
+                    kwargs: ReloadKwargs {
+                        weights_path: &dir,
+                        is_checkpoint_format: true,
+                    },
+                },
+                self.settings.control_timeout,
+            )
+            .await?;
+        Ok(started.elapsed())
+    }
+
     fn target(&self) -> Option<Target> {
         self.target
             .lock()
