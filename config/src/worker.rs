@@ -240,9 +240,10 @@ impl EngineConfig {
 
 /// Whether `s` is `http://` or `https://` followed by a host.
 fn valid_http_url(s: &str) -> bool {
-    ["http://", "https://"]
-        .iter()
-        .any(|p| s.strip_prefix(p).is_some_and(|rest| !rest.trim().is_empty()))
+    ["http://", "https://"].iter().any(|p| {
+        s.strip_prefix(p)
+            .is_some_and(|rest| !rest.trim().is_empty())
+    })
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -375,13 +376,13 @@ impl WorkerConfig {
                 ),
             ));
         }
-        if let Some(endpoint) = &self.reward.endpoint {
-            if !valid_http_url(endpoint) {
-                return Err(ConfigError::invalid(
-                    "worker.reward.endpoint",
-                    format!("= {endpoint:?} is not an http://host:port URL"),
-                ));
-            }
+        if let Some(endpoint) = &self.reward.endpoint
+            && !valid_http_url(endpoint)
+        {
+            return Err(ConfigError::invalid(
+                "worker.reward.endpoint",
+                format!("= {endpoint:?} is not an http://host:port URL"),
+            ));
         }
         check_range("worker.reward.attempts", self.reward.attempts, 1, 100)?;
         check_range(

@@ -213,10 +213,11 @@ pub async fn run_engine_bench(opts: EngineBenchOptions) -> anyhow::Result<Engine
         std::fs::read(opts.model.join("model.safetensors"))
             .with_context(|| format!("{}/model.safetensors", opts.model.display()))?,
     );
-    let prompts: Vec<String> = asyncrl_tasks::generate(asyncrl_tasks::BuiltinTask::Arith, opts.requests, 7)
-        .into_iter()
-        .map(|i| i.prompt)
-        .collect();
+    let prompts: Vec<String> =
+        asyncrl_tasks::generate(asyncrl_tasks::BuiltinTask::Arith, opts.requests, 7)
+            .into_iter()
+            .map(|i| i.prompt)
+            .collect();
 
     let mut results = Vec::new();
     let mut swaps = Vec::new();

@@ -157,6 +157,9 @@ pub fn shared(
         .stdout(log.try_clone().expect("log"))
         .stderr(log);
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    // Deliberately not waited for: the shared server outlives this test
+    // process (scripts/test stops it by its pid file).
+    #[allow(clippy::zombie_processes)]
     let child = cmd.spawn().unwrap_or_else(|e| {
         panic!(
             "cannot start the shared vLLM server with {} ({e}); run scripts/setup",

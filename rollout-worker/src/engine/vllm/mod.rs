@@ -1038,7 +1038,7 @@ fn write_version_dir(
 fn with_tied_head(bytes: &[u8]) -> Result<Option<Vec<u8>>, safetensors::SafeTensorError> {
     let st = safetensors::SafeTensors::deserialize(bytes)?;
     let names = st.names();
-    if names.iter().any(|n| *n == "lm_head.weight") {
+    if names.contains(&"lm_head.weight") {
         return Ok(None);
     }
     let Ok(embed) = st.tensor("model.embed_tokens.weight") else {

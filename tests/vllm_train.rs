@@ -1,0 +1,335 @@
+//! `asyncrl train` with the rollout worker generating through a real vLLM
+//! CPU server (launched by the worker from `.venv-vllm`), against the same
+//! run with the built-in engine, from the same warm start: both learn
+//! `arith` and end at the same reward (within seed noise); the vLLM server
+//! is killed with SIGKILL mid-run and the run still completes, with no
+//! trajectory trained twice and every token's log-prob matching the
+//! learner's.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const STEPS: usize = 400;
+
+fn asyncrl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+        .args(args)
+        .output()
+        .expect("run asyncrl")
+}
+
+fn succeeded(what: &str, out: &Output) {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// examples/arith.toml with its paths in `dir`, its ports free.
+fn config(dir: &Path, name: &str, engine: &str) -> PathBuf {
+    let text = std::fs::read_to_string(root().join("examples/arith.toml")).unwrap();
+    let out = dir.join(name);
+    let text = text
+        .replace("name = \"arith-eta4\"", &format!("name = \"{name}\""))
+        .replace(
+            "output_dir = \"runs/arith-eta4\"",
+            &format!("output_dir = \"{}\"", out.display()),
+        )
+        .replace("listen = \"127.0.0.1:9464\"", "listen = \"127.0.0.1:0\"")
+        .replace(
+            "admin_listen = \"127.0.0.1:7461\"",
+            "admin_listen = \"127.0.0.1:0\"",
+        )
+        .replace(
+            "path = \"runs/warmstart-arith\"",
+            &format!("path = \"{}\"", dir.join("warm").display()),
+        )
+        .replace(
+            "path = \"runs/data/arith-train.jsonl\"",
+            &format!("path = \"{}\"", dir.join("arith.jsonl").display()),
+        );
+    assert!(
+        text.contains(&format!("max_steps = {STEPS}")),
+        "examples/arith.toml changed"
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, format!("{text}\n{engine}")).unwrap();
+    path
+}
+
+fn vllm_engine(dir: &Path, port: u16, pid_file: &Path) -> String {
+    let python = root().join(".venv-vllm/bin/python");
+    let server = format!(
+        "echo $$ > '{pid}'; exec env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 '{python}' -m vllm.entrypoints.openai.api_server --model '{model}' --dtype float32 --max-model-len 64 --logprobs-mode processed_logprobs --enable-scale-out --enforce-eager --host 127.0.0.1 --port {port}",
+        pid = pid_file.display(),
+        python = python.display(),
+        model = dir.join("warm").display(),
+    );
+    format!(
+        "[worker.engine]\nkind = \"vllm\"\nendpoints = [\"http://127.0.0.1:{port}\"]\nlaunch = [\"sh\", \"-c\", {server:?}]\nweights_dir = \"{}\"\nready_timeout = \"540s\"\n",
+        dir.join("engine-weights").display()
+    )
+}
+
+struct Run {
+    rewards: Vec<f64>,
+    gap_max: f64,
+    lag_max: f64,
+    trained: Vec<serde_json::Value>,
+}
+
+fn read_run(out: &Path) -> Run {
+    let text = std::fs::read_to_string(out.join("learner_metrics.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let (reward, gap, lag) = (
+        col("reward_mean"),
+        col("logprob_gap_max"),
+        col("version_lag_max"),
+    );
+    let mut run = Run {
+        rewards: Vec::new(),
+        gap_max: 0.0,
+        lag_max: 0.0,
+        trained: Vec::new(),
+    };
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        run.rewards.push(f[reward].parse().unwrap());
+        run.gap_max = run.gap_max.max(f[gap].parse().unwrap_or(0.0));
+        run.lag_max = run.lag_max.max(f[lag].parse().unwrap());
+    }
+    run.trained = std::fs::read_to_string(out.join("trained.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    run
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+fn steps_done(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("learner_metrics.csv"))
+        .map(|t| t.lines().count().saturating_sub(1))
+        .unwrap_or(0)
+}
+
+#[test]
+fn train_with_vllm_learns_like_the_builtin_engine_and_survives_a_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = d.join("arith.jsonl");
+    let data_s = data.to_str().unwrap();
+    succeeded(
+        "data generate",
+        &asyncrl(&[
+            "data",
+            "generate",
+            "--task",
+            "arith",
+            "--n",
+            "20000",
+            "--seed",
+            "1",
+            "--max-operand",
+            "20",
+            "--out",
+            data_s,
+        ]),
+    );
+    let builtin = config(d, "builtin", "");
+    let warm = d.join("warm");
+    succeeded(
+        "warmstart",
+        &asyncrl(&[
+            "warmstart",
+            builtin.to_str().unwrap(),
+            "--out",
+            warm.to_str().unwrap(),
+            "--steps",
+            "600",
+        ]),
+    );
+    succeeded(
+        "train (built-in)",
+        &asyncrl(&["train", builtin.to_str().unwrap()]),
+    );
+
+    let port = asyncrl_testkit::free_port().unwrap();
+    let pid_file = d.join("vllm.pid");
+    let vllm = config(d, "vllm", &vllm_engine(d, port, &pid_file));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+        .args(["train", vllm.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // SIGKILL the vLLM server a quarter into the run.
+    let started = Instant::now();
+    while steps_done(&d.join("vllm")) < STEPS / 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(900),
+            "the vLLM run did not reach step {}",
+            STEPS / 4
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the vLLM run ended early: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kills the vLLM server this run's worker launched.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let out = child.wait_with_output().unwrap();
+    succeeded("train (vLLM)", &out);
+    let restarted: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_ne!(pid, restarted, "the worker did not restart the vLLM server");
+
+    let b = read_run(&d.join("builtin"));
+    let v = read_run(&d.join("vllm"));
+    for (name, run) in [("built-in", &b), ("vLLM", &v)] {
+        assert_eq!(run.rewards.len(), STEPS, "{name}");
+        assert_eq!(run.trained.len(), STEPS, "{name}");
+        // No trajectory trained twice.
+        let mut seen = HashSet::new();
+        for step in &run.trained {
+            for t in step["trajectories"].as_array().unwrap() {
+                assert!(
+                    seen.insert(t.as_str().unwrap().to_owned()),
+                    "{name}: {t} trained twice"
+                );
+            }
+        }
+        assert!(run.lag_max <= 4.0, "{name}: a token older than eta");
+    }
+    // The learner's recompute matches what vLLM sampled with.
+    assert!(
+        v.gap_max < 1e-3,
+        "engine/trainer log-prob gap {}",
+        v.gap_max
+    );
+    let first = |r: &Run| mean(&r.rewards[..100]);
+    let last = |r: &Run| mean(&r.rewards[STEPS - 100..]);
+    eprintln!(
+        "reward first/last 100 steps: built-in {:.3} -> {:.3}, vLLM {:.3} -> {:.3}; vLLM gap max {:.2e}",
+        first(&b),
+        last(&b),
+        first(&v),
+        last(&v),
+        v.gap_max
+    );
+    for (name, run) in [("built-in", &b), ("vLLM", &v)] {
+        assert!(
+            last(run) > first(run) + 0.01,
+            "{name} did not learn: {:.3} -> {:.3}",
+            first(run),
+            last(run)
+        );
+    }
+    assert!(
+        (last(&v) - last(&b)).abs() < 0.04,
+        "the engines end apart: built-in {:.3}, vLLM {:.3}",
+        last(&b),
+        last(&v)
+    );
+}
+
+#[test]
+fn engine_bench_reports_throughput_overhead_and_swap_ratios() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = d.join("arith.jsonl");
+    succeeded(
+        "data generate",
+        &asyncrl(&[
+            "data",
+            "generate",
+            "--task",
+            "arith",
+            "--n",
+            "200",
+            "--seed",
+            "1",
+            "--out",
+            data.to_str().unwrap(),
+        ]),
+    );
+    let cfg = config(d, "bench", "");
+    let warm = d.join("warm");
+    succeeded(
+        "warmstart",
+        &asyncrl(&[
+            "warmstart",
+            cfg.to_str().unwrap(),
+            "--out",
+            warm.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--eval",
+            "4",
+        ]),
+    );
+    let port = asyncrl_testkit::free_port().unwrap().to_string();
+    let out = asyncrl(&[
+        "bench",
+        "engine",
+        "--model",
+        warm.to_str().unwrap(),
+        "--vllm-python",
+        root().join(".venv-vllm/bin/python").to_str().unwrap(),
+        "--requests",
+        "32",
+        "--max-new-tokens",
+        "8",
+        "--concurrency",
+        "8",
+        "--swaps",
+        "2",
+        "--port",
+        &port,
+    ]);
+    succeeded("bench engine", &out);
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("{report}");
+    let number_after = |label: &str| -> f64 {
+        let rest = &report[report
+            .find(label)
+            .unwrap_or_else(|| panic!("no {label:?} in {report}"))
+            + label.len()..];
+        rest.trim_start()
+            .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap_or_else(|e| panic!("{label}: {e} in {report}"))
+    };
+    assert!(number_after("ratio vLLM / built-in tokens/s:") > 0.0);
+    assert!(number_after("worker CPU around vLLM:") > 0.0);
+    let swap = number_after("median");
+    assert!(swap > 0.0);
+    assert!(report.contains("raw reload_weights: median"), "{report}");
+    // Both engines generated: tokens/s lines for each.
+    assert_eq!(report.matches("tokens/s\n").count(), 2, "{report}");
+    // The bench stopped the server it launched.
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err());
+}
