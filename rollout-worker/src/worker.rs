@@ -143,6 +143,11 @@ impl Worker {
         .map_err(WorkerError::Engine)?;
         let engine = built.engine;
         let params = built.params;
+        if engine.kind() == "builtin" {
+            // The model thread is its one server (external engines keep
+            // this gauge themselves).
+            metrics.engine_servers_ready.set(1);
+        }
         settings.max_sequences = engine.max_slots();
         tracing::info!(
             worker_id = %settings.worker_id,
