@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use asyncrl_config::{Config, EngineConfig, EngineKind, ModelConfig};
+use asyncrl_config::{Config, EngineConfig, EngineKind, ModelConfig, PauseMode};
 use asyncrl_policy::{ModelText, Policy};
 use asyncrl_rollout_worker::scripted::{
     Received, ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream,
@@ -91,8 +91,16 @@ async fn scripted(nats: &Nats, tasks: Vec<ScriptedTask>, admission: i32) -> Scri
 }
 
 /// Every token's log-prob equals the learner's recompute under the weights
-/// of the token's own version; returns the largest difference.
-fn check_exact(received: &[Received], policies: &HashMap<i32, Policy>, admission: i32) -> f32 {
+/// of the token's own version (with `first_version_only`, only the tokens
+/// of each trajectory's first version: `keep` mode continues a sequence
+/// on new weights with the KV cache of the old ones, which no recompute
+/// reproduces); returns the largest difference.
+fn check_exact(
+    received: &[Received],
+    policies: &HashMap<i32, Policy>,
+    admission: i32,
+    first_version_only: bool,
+) -> f32 {
     let mut worst = 0f32;
     for r in received {
         let t = &r.trajectory;
@@ -107,7 +115,9 @@ fn check_exact(received: &[Received], policies: &HashMap<i32, Policy>, admission
             t.policy_versions
         );
         for (&v, p) in policies {
-            if !t.policy_versions.contains(&v) {
+            if !t.policy_versions.contains(&v)
+                || (first_version_only && t.policy_versions.first() != Some(&v))
+            {
                 continue;
             }
             let lp = recompute(p, &t.prompt_token_ids, &t.completion_token_ids);
@@ -156,6 +166,17 @@ fn check_groups(received: &[Received], completed: &BTreeSet<String>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_generation_is_token_exact_across_weight_swaps() {
+    swaps(PauseMode::Abort).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_keep_mode_continues_sequences_with_exact_versions() {
+    swaps(PauseMode::Keep).await;
+}
+
+/// Versions 1, 2, 3 announced while 8 sequences are in flight, through the
+/// shared server in `mode`.
+async fn swaps(mode: PauseMode) {
     let _one = ONE_AT_A_TIME.lock().await;
     let (model, url) = tokio::task::spawn_blocking(|| server::shared(&arch(), policy))
         .await
@@ -164,7 +185,9 @@ async fn vllm_generation_is_token_exact_across_weight_swaps() {
     let weights_dir = tempfile::tempdir().unwrap();
     let tasks = ScriptedTask::generated(BuiltinTask::Arith, 40, 3);
     let coordinator = scripted(&nats, tasks.clone(), 1).await;
-    let config = vllm_config(&nats, &model, engine(&url, vec![], weights_dir.path()), 8);
+    let mut e = engine(&url, vec![], weights_dir.path());
+    e.pause_mode = mode;
+    let config = vllm_config(&nats, &model, e, 8);
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run(
@@ -210,7 +233,8 @@ async fn vllm_generation_is_token_exact_across_weight_swaps() {
     .unwrap();
     let completed: BTreeSet<String> = log.completed_leases().into_iter().collect();
     check_groups(&received, &completed);
-    let worst = check_exact(&received, &policies, 1);
+    let keep = mode == PauseMode::Keep;
+    let worst = check_exact(&received, &policies, 1, keep);
     let mixed = received
         .iter()
         .filter(|r| {
@@ -220,10 +244,14 @@ async fn vllm_generation_is_token_exact_across_weight_swaps() {
         .count();
     let m = WorkerMetrics::new(&metrics).unwrap();
     eprintln!(
-        "{} trajectories, {mixed} spanning a weight swap, {} resubmissions; largest |learner - vLLM| log-prob difference {worst:e}",
+        "{mode:?}: {} trajectories, {mixed} spanning a weight swap, {} resubmissions; largest |learner - vLLM| log-prob difference {worst:e}",
         received.len(),
         m.engine_resubmissions.get()
     );
+    if keep {
+        // Frozen, not aborted: nothing is resubmitted.
+        assert_eq!(m.engine_resubmissions.get(), 0);
+    }
     assert!(
         mixed > 0,
         "no trajectory spans a weight swap: the swaps came between sequences (the check could not fail)"
@@ -458,7 +486,7 @@ async fn vllm_kill_9_mid_run_loses_nothing() {
     let completed: BTreeSet<String> = log.completed_leases().into_iter().collect();
     check_groups(&received, &completed);
     let policies = HashMap::from([(1, p1)]);
-    check_exact(&received, &policies, 1);
+    check_exact(&received, &policies, 1, false);
     eprintln!("{summary:?}");
     // The worker stopped the server it launched.
     assert!(!server::healthy(&format!("http://127.0.0.1:{port}")));
