@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use asyncrl_config::{Config, EngineConfig, EngineKind, ModelConfig, PauseMode};
+use asyncrl_config::{Config, EngineApi, EngineConfig, EngineKind, ModelConfig, PauseMode};
 use asyncrl_policy::{ModelText, Policy};
 use asyncrl_rollout_worker::scripted::{
     Received, ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream,
@@ -174,9 +174,18 @@ async fn vllm_keep_mode_continues_sequences_with_exact_versions() {
     swaps(PauseMode::Keep).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_completions_fallback_is_token_exact_across_weight_swaps() {
+    swaps_on(PauseMode::Abort, EngineApi::Completions).await;
+}
+
 /// Versions 1, 2, 3 announced while 8 sequences are in flight, through the
 /// shared server in `mode`.
 async fn swaps(mode: PauseMode) {
+    swaps_on(mode, EngineApi::Generate).await;
+}
+
+async fn swaps_on(mode: PauseMode, api: EngineApi) {
     let _one = ONE_AT_A_TIME.lock().await;
     let (model, url) = tokio::task::spawn_blocking(|| server::shared(&arch(), policy))
         .await
@@ -187,6 +196,7 @@ async fn swaps(mode: PauseMode) {
     let coordinator = scripted(&nats, tasks.clone(), 1).await;
     let mut e = engine(&url, vec![], weights_dir.path());
     e.pause_mode = mode;
+    e.api = api;
     let config = vllm_config(&nats, &model, e, 8);
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
@@ -244,7 +254,7 @@ async fn swaps(mode: PauseMode) {
         .count();
     let m = WorkerMetrics::new(&metrics).unwrap();
     eprintln!(
-        "{mode:?}: {} trajectories, {mixed} spanning a weight swap, {} resubmissions; largest |learner - vLLM| log-prob difference {worst:e}",
+        "{mode:?} through {api:?}: {} trajectories, {mixed} spanning a weight swap, {} resubmissions; largest |learner - vLLM| log-prob difference {worst:e}",
         received.len(),
         m.engine_resubmissions.get()
     );
