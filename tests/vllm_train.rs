@@ -79,6 +79,28 @@ fn vllm_engine(dir: &Path, port: u16, pid_file: &Path) -> String {
     )
 }
 
+/// `arith` data in `dir/arith.jsonl` (`data_args` after the task and seed),
+/// the run's config `dir/<name>.toml`, and the warm start of its model in
+/// `dir/warm` (`warm_args` after the output); returns the config.
+fn warm_start(dir: &Path, name: &str, data_args: &[&str], warm_args: &[&str]) -> PathBuf {
+    let data = dir.join("arith.jsonl");
+    let mut args = vec!["data", "generate", "--task", "arith", "--seed", "1"];
+    args.extend_from_slice(data_args);
+    args.extend(["--out", data.to_str().unwrap()]);
+    succeeded("data generate", &asyncrl(&args));
+    let config = config(dir, name, "");
+    let warm = dir.join("warm");
+    let mut args = vec![
+        "warmstart",
+        config.to_str().unwrap(),
+        "--out",
+        warm.to_str().unwrap(),
+    ];
+    args.extend_from_slice(warm_args);
+    succeeded("warmstart", &asyncrl(&args));
+    config
+}
+
 struct Run {
     rewards: Vec<f64>,
     gap_max: f64,
@@ -130,37 +152,11 @@ fn steps_done(out: &Path) -> usize {
 fn train_with_vllm_learns_like_the_builtin_engine_and_survives_a_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let data = d.join("arith.jsonl");
-    let data_s = data.to_str().unwrap();
-    succeeded(
-        "data generate",
-        &asyncrl(&[
-            "data",
-            "generate",
-            "--task",
-            "arith",
-            "--n",
-            "20000",
-            "--seed",
-            "1",
-            "--max-operand",
-            "20",
-            "--out",
-            data_s,
-        ]),
-    );
-    let builtin = config(d, "builtin", "");
-    let warm = d.join("warm");
-    succeeded(
-        "warmstart",
-        &asyncrl(&[
-            "warmstart",
-            builtin.to_str().unwrap(),
-            "--out",
-            warm.to_str().unwrap(),
-            "--steps",
-            "600",
-        ]),
+    let builtin = warm_start(
+        d,
+        "builtin",
+        &["--n", "20000", "--max-operand", "20"],
+        &["--steps", "600"],
     );
     succeeded(
         "train (built-in)",
@@ -258,37 +254,13 @@ fn train_with_vllm_learns_like_the_builtin_engine_and_survives_a_kill_9() {
 fn engine_bench_reports_throughput_overhead_and_swap_ratios() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let data = d.join("arith.jsonl");
-    succeeded(
-        "data generate",
-        &asyncrl(&[
-            "data",
-            "generate",
-            "--task",
-            "arith",
-            "--n",
-            "200",
-            "--seed",
-            "1",
-            "--out",
-            data.to_str().unwrap(),
-        ]),
+    warm_start(
+        d,
+        "bench",
+        &["--n", "200"],
+        &["--steps", "2", "--eval", "4"],
     );
-    let cfg = config(d, "bench", "");
     let warm = d.join("warm");
-    succeeded(
-        "warmstart",
-        &asyncrl(&[
-            "warmstart",
-            cfg.to_str().unwrap(),
-            "--out",
-            warm.to_str().unwrap(),
-            "--steps",
-            "2",
-            "--eval",
-            "4",
-        ]),
-    );
     let port = asyncrl_testkit::free_port().unwrap().to_string();
     let out = asyncrl(&[
         "bench",

@@ -20,6 +20,7 @@ pub struct ModelText {
     bos_token_id: Option<i64>,
     eos_token_ids: Vec<i64>,
     vocab_size: i64,
+    tie_word_embeddings: bool,
 }
 
 impl ModelText {
@@ -46,6 +47,7 @@ impl ModelText {
             bos_token_id: cfg.bos_token_id,
             eos_token_ids: eos_token_ids(&cfg, generation_config.as_deref()),
             vocab_size: cfg.vocab_size,
+            tie_word_embeddings: cfg.tie_word_embeddings,
         })
     }
 
@@ -60,6 +62,7 @@ impl ModelText {
             bos_token_id: policy.config().bos_token_id,
             eos_token_ids: policy.eos_token_ids(),
             vocab_size: policy.config().vocab_size,
+            tie_word_embeddings: policy.config().tie_word_embeddings,
         })
     }
 
@@ -70,6 +73,11 @@ impl ModelText {
     /// Token ids that end a completion by default.
     pub fn eos_token_ids(&self) -> &[i64] {
         &self.eos_token_ids
+    }
+
+    /// Whether the LM head shares the embedding's weights (`config.json`).
+    pub fn tie_word_embeddings(&self) -> bool {
+        self.tie_word_embeddings
     }
 
     /// `vocab_size` of the model's `config.json`.

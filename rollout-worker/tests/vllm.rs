@@ -301,6 +301,16 @@ fn other_tokenizer(model: &Path, into: &Path) {
     std::fs::write(into.join("tokenizer.json"), tok.to_string()).unwrap();
 }
 
+/// A model folder in `dir` and the launch command of a server of the
+/// worker's own for it on a free port (its pid goes to `dir/pid`).
+fn own_server(dir: &Path, logprobs_mode: &str) -> (PathBuf, u16, Vec<String>) {
+    let model = dir.join("model");
+    policy(&arch(), 1).save_pretrained(&model, None).unwrap();
+    let port = asyncrl_testkit::free_port().unwrap();
+    let launch = server::launch_command(&model, port, logprobs_mode, &dir.join("pid"));
+    (model, port, launch)
+}
+
 async fn start_err(config: Config, nats: &Nats) -> String {
     let r = tokio::time::timeout(
         Duration::from_secs(600),
@@ -347,11 +357,7 @@ async fn vllm_refuses_raw_logprobs() {
     let _one = ONE_AT_A_TIME.lock().await;
     let nats = nats().await;
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    policy(&arch(), 1).save_pretrained(&model, None).unwrap();
-    let port = asyncrl_testkit::free_port().unwrap();
-    let pid_file = dir.path().join("pid");
-    let launch = server::launch_command(&model, port, "raw_logprobs", &pid_file);
+    let (model, port, launch) = own_server(dir.path(), "raw_logprobs");
     let config = vllm_config(
         &nats,
         &model,
@@ -372,11 +378,7 @@ async fn vllm_refuses_weights_of_another_architecture() {
     let _one = ONE_AT_A_TIME.lock().await;
     let nats = nats().await;
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    policy(&arch(), 1).save_pretrained(&model, None).unwrap();
-    let port = asyncrl_testkit::free_port().unwrap();
-    let launch =
-        server::launch_command(&model, port, "processed_logprobs", &dir.path().join("pid"));
+    let (model, port, launch) = own_server(dir.path(), "processed_logprobs");
     let coordinator = scripted(&nats, ScriptedTask::generated(BuiltinTask::Arith, 4, 1), 0).await;
     let config = vllm_config(
         &nats,
@@ -419,11 +421,8 @@ async fn vllm_kill_9_mid_run_loses_nothing() {
     let _one = ONE_AT_A_TIME.lock().await;
     let nats = nats().await;
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    policy(&arch(), 1).save_pretrained(&model, None).unwrap();
-    let port = asyncrl_testkit::free_port().unwrap();
+    let (model, port, launch) = own_server(dir.path(), "processed_logprobs");
     let pid_file = dir.path().join("pid");
-    let launch = server::launch_command(&model, port, "processed_logprobs", &pid_file);
     let tasks = ScriptedTask::generated(BuiltinTask::Arith, 24, 5);
     let coordinator = scripted(&nats, tasks.clone(), 1).await;
     let config = vllm_config(
@@ -450,11 +449,7 @@ async fn vllm_kill_9_mid_run_loses_nothing() {
         })
         .await;
     assert!(ok, "no tasks completed before the kill: {log:#?}");
-    let first_pid: i32 = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let first_pid: i32 = server::read_pid(&pid_file);
     // SAFETY: kills the vLLM server this test's worker launched.
     assert_eq!(unsafe { libc::kill(first_pid, libc::SIGKILL) }, 0);
     let (ok, log) = coordinator
@@ -471,11 +466,7 @@ async fn vllm_kill_9_mid_run_loses_nothing() {
     assert!(ok, "the run did not complete after the kill: {log:#?}");
     shutdown.cancel();
     let summary = worker.await.unwrap().expect("worker");
-    let second_pid: i32 = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let second_pid: i32 = server::read_pid(&pid_file);
     assert_ne!(first_pid, second_pid, "the server was not restarted");
     let m = WorkerMetrics::new(&metrics).unwrap();
     assert!(m.engine_recoveries.get() >= 1);

@@ -87,6 +87,15 @@ pub fn launch_command(
     ]
 }
 
+/// The pid a launch command wrote.
+pub fn read_pid(pid_file: &Path) -> i32 {
+    std::fs::read_to_string(pid_file)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("a pid")
+}
+
 /// Whether `url`/health answers 200.
 pub fn healthy(url: &str) -> bool {
     let Some(addr) = url.strip_prefix("http://") else {

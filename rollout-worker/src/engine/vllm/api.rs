@@ -130,6 +130,29 @@ impl Api {
         self.send(route, req, timeout).await
     }
 
+    /// `collective_rpc reload_weights` of the checkpoint folder `dir`.
+    pub async fn reload_weights(
+        &self,
+        dir: &std::path::Path,
+        timeout: Duration,
+    ) -> Result<(), VllmError> {
+        let dir = dir.to_string_lossy();
+        let _: serde_json::Value = self
+            .post(
+                COLLECTIVE_RPC,
+                &ReloadRequest {
+                    method: "reload_weights",
+                    kwargs: ReloadKwargs {
+                        weights_path: &dir,
+                        is_checkpoint_format: true,
+                    },
+                },
+                timeout,
+            )
+            .await?;
+        Ok(())
+    }
+
     /// POST without a body; the reply is not read beyond its status.
     pub async fn post_empty(
         &self,

@@ -12,8 +12,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::api::{
-    self, Api, Models, NewVersion, OpenApi, ReloadKwargs, ReloadRequest, ServerInfo,
-    TokenizeRequest, Tokenized, VllmError,
+    self, Api, Models, NewVersion, OpenApi, ServerInfo, TokenizeRequest, Tokenized, VllmError,
 };
 use super::launch::Launcher;
 use super::{HEALTH_EVERY, Route, Server, ServerState, TOKENIZER_PROBE, Target, VllmEngine};
@@ -286,20 +285,7 @@ pub(super) async fn swap_steps(
         PauseMode::Keep => api::PAUSE_KEEP,
     };
     api.post_empty(pause, timeout).await?;
-    let dir = target.dir.to_string_lossy();
-    let _: serde_json::Value = api
-        .post(
-            api::COLLECTIVE_RPC,
-            &ReloadRequest {
-                method: "reload_weights",
-                kwargs: ReloadKwargs {
-                    weights_path: &dir,
-                    is_checkpoint_format: true,
-                },
-            },
-            timeout,
-        )
-        .await?;
+    api.reload_weights(&target.dir, timeout).await?;
     let _: serde_json::Value = api
         .post(
             api::UPDATE_WEIGHT_VERSION,

@@ -50,7 +50,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub use api::VllmError;
-use api::{Api, CompletionsRequest, GenerateRequest, GenerationReply, ReloadKwargs, ReloadRequest};
+use api::{Api, CompletionsRequest, GenerateRequest, GenerationReply};
 use folders::{prune_version_dirs, write_version_dir};
 use launch::Launcher;
 use lifecycle::{
@@ -192,9 +192,7 @@ pub async fn build(
         );
     }
     let params = sampling_params_with_stops(model, text.eos_token_ids().to_vec());
-    let tied_head = asyncrl_policy::ModelConfig::from_file(&dir.join("config.json"))
-        .with_context(|| format!("`model.path` = {}: cannot read config.json", dir.display()))?
-        .tie_word_embeddings;
+    let tied_head = text.tie_word_embeddings();
     let settings = Arc::new(Settings {
         tied_head,
         pause_mode: e.pause_mode,
@@ -312,21 +310,10 @@ impl VllmEngine {
         })?;
         let server = &self.servers[0];
         let _guard = server.swap_lock.lock().await;
-        let dir = target.dir.to_string_lossy();
         let started = std::time::Instant::now();
-        let _: serde_json::Value = server
+        server
             .api
-            .post(
-                api::COLLECTIVE_RPC,
-                &ReloadRequest {
-                    method: "reload_weights",
-                    kwargs: ReloadKwargs {
-                        weights_path: &dir,
-                        is_checkpoint_format: true,
-                    },
-                },
-                self.settings.control_timeout,
-            )
+            .reload_weights(&target.dir, self.settings.control_timeout)
             .await?;
         Ok(started.elapsed())
     }
