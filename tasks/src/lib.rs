@@ -10,6 +10,7 @@
 //! rollout worker (which scores) both use this crate.
 
 mod generate;
+mod math;
 mod verify;
 
 use std::io::BufRead;
@@ -20,6 +21,7 @@ use serde::{Deserialize, Serialize};
 pub use generate::{
     BuiltinTask, GenerateOptions, REVERSE_MAX_LEN, SplitMix64, generate, generate_with,
 };
+pub use math::{MathAnswer, extract_final_answer, math_reward};
 pub use verify::{Verdict, score};
 
 /// One prompt with its reference answer.
