@@ -183,3 +183,12 @@ fn no_role_depends_on_another_role() {
         }
     }
 }
+
+#[test]
+fn one_crate_tokenizes_and_renders_chat_templates() {
+    // Architecture invariant: prompts become token ids only through
+    // asyncrl_text::ModelText, so every role tokenizes them alike.
+    let g = graph();
+    assert_eq!(g.users_of("tokenizers"), set(&["asyncrl-text"]));
+    assert_eq!(g.users_of("minijinja"), set(&["asyncrl-text"]));
+}

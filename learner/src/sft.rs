@@ -62,7 +62,10 @@ fn encode_example(
     let tok = policy.tokenizer().ok_or_else(|| {
         asyncrl_policy::PolicyError::InvalidRequest("the model has no tokenizer".into())
     })?;
-    ids.extend(tok.encode(&item.answer, false)?);
+    ids.extend(
+        tok.encode(&item.answer, false)
+            .map_err(asyncrl_policy::PolicyError::from)?,
+    );
     ids.push(eos);
     Ok((ids, prompt_len))
 }

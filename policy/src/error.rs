@@ -42,17 +42,9 @@ pub enum PolicyError {
         #[source]
         source: safetensors::SafeTensorError,
     },
-    /// An input the tokenizer cannot take (e.g. an id out of range).
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-    /// The tokenizers library could not load the tokenizer or failed on an
-    /// input.
-    #[error("tokenizer: {what}: {source}")]
-    TokenizerLib {
-        what: String,
-        #[source]
-        source: tokenizers::Error,
-    },
+    /// The tokenizer, the chat template or another text file of the model.
+    #[error(transparent)]
+    Text(#[from] asyncrl_text::TextError),
     /// A request was invalid (empty prompt, prompt too long, no free slot...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

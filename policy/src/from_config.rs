@@ -7,7 +7,6 @@ use asyncrl_config::{DeviceName, ModelConfig as ModelSection, WeightDtypeName};
 use crate::error::{PolicyError, Result};
 use crate::model::{DeviceOptions, Policy};
 use crate::sampling::SamplingParams;
-use crate::text::ModelText;
 use crate::tiny::TinyModelSpec;
 use crate::weights::WeightDtype;
 
@@ -82,7 +81,7 @@ pub fn sampling_params_with_stops(
 
 /// Token ids of a prompt ([`ModelText::encode_prompt`]).
 pub fn encode_prompt(policy: &Policy, text: &str) -> Result<Vec<i64>> {
-    ModelText::of(policy)?.encode_prompt(text)
+    Ok(policy.text()?.encode_prompt(text)?)
 }
 
 /// The text of a completion ([`ModelText::decode_completion`]).
@@ -91,7 +90,7 @@ pub fn decode_completion(
     tokens: &[i64],
     stop_token_ids: &[i64],
 ) -> Result<String> {
-    ModelText::of(policy)?.decode_completion(tokens, stop_token_ids)
+    Ok(policy.text()?.decode_completion(tokens, stop_token_ids)?)
 }
 
 #[cfg(test)]

@@ -37,10 +37,11 @@ pub mod error;
 pub mod from_config;
 pub mod model;
 pub mod sampling;
-pub mod text;
 pub mod tiny;
-pub mod tokenizer;
 pub mod weights;
+
+/// The text side of a model lives in `asyncrl-text` (no libtorch there).
+pub use asyncrl_text::{self as text, ModelText, PolicyTokenizer, tokenizer};
 
 pub use actor::{EngineOptions, EngineStats, ModelHandle};
 pub use affinity::pin_current_thread;
@@ -55,7 +56,5 @@ pub use sampling::{
     SamplingParams, logprob_temperature, sequence_logprobs, token_logprobs,
     token_logprobs_and_entropy,
 };
-pub use text::ModelText;
 pub use tiny::TinyModelSpec;
-pub use tokenizer::PolicyTokenizer;
 pub use weights::WeightDtype;

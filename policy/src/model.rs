@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor, nn};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{PolicyError, Result};
 use crate::tokenizer::PolicyTokenizer;
+use asyncrl_text::ModelText;
 
 /// How parameters are stored and computed.
 ///
@@ -628,12 +629,36 @@ impl Policy {
     /// Token ids that end a completion by default: the config's
     /// `eos_token_id` (one or a list) and `generation_config.json`'s.
     pub fn eos_token_ids(&self) -> Vec<i64> {
-        crate::text::eos_token_ids(
-            &self.cfg,
-            self.extra_files
-                .get("generation_config.json")
-                .map(Vec::as_slice),
+        let generation_config = self
+            .extra_files
+            .get("generation_config.json")
+            .and_then(|b| serde_json::from_slice(b).ok());
+        asyncrl_text::eos_token_ids(
+            &self.cfg.eos_token_ids,
+            self.cfg.vocab_size,
+            generation_config.as_ref(),
         )
+    }
+
+    /// The text side of this policy: its tokenizer, stop tokens and chat
+    /// template (from the small files of its folder).
+    pub fn text(&self) -> Result<ModelText> {
+        let tokenizer = self
+            .tokenizer
+            .clone()
+            .ok_or_else(|| PolicyError::InvalidRequest("the model has no tokenizer.json".into()))?;
+        let facts = asyncrl_text::ModelFacts {
+            bos_token_id: self.cfg.bos_token_id,
+            eos_token_ids: self.cfg.eos_token_ids.clone(),
+            vocab_size: self.cfg.vocab_size,
+            tie_word_embeddings: self.cfg.tie_word_embeddings,
+        };
+        Ok(ModelText::from_parts(
+            "the loaded model".into(),
+            tokenizer,
+            facts,
+            &self.extra_files,
+        )?)
     }
 
     fn rope(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {

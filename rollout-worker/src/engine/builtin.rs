@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use asyncrl_config::Config;
 use asyncrl_policy::from_config::{load_policy, sampling_params};
 use asyncrl_policy::{
-    DecodeBatchOptions, EngineOptions, ModelHandle, ModelText, SequenceOutput, SequenceRequest,
+    DecodeBatchOptions, EngineOptions, ModelHandle, SequenceOutput, SequenceRequest,
 };
 use bytes::Bytes;
 use tokio::sync::watch;
@@ -68,7 +68,7 @@ pub(crate) async fn from_model(
 ) -> anyhow::Result<Built> {
     let section = section.clone();
     let (text, params) = model
-        .with_policy(move |p| (ModelText::of(p), sampling_params(&section, p)))
+        .with_policy(move |p| (p.text(), sampling_params(&section, p)))
         .await
         .context("the built-in model thread stopped")?;
     let text = text.context("the built-in model has no tokenizer")?;

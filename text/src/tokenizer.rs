@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::error::{PolicyError, Result};
+use crate::error::{Result, TextError};
 
 /// Padding token of the built-in vocabulary (id 0).
 pub const BUILTIN_PAD: &str = "<pad>";
@@ -40,9 +40,9 @@ impl std::fmt::Debug for PolicyTokenizer {
 impl PolicyTokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let json = std::fs::read_to_string(path).map_err(|e| PolicyError::io(path, e))?;
+        let json = std::fs::read_to_string(path).map_err(|e| TextError::io(path, e))?;
         Self::from_json(json).map_err(|e| match e {
-            PolicyError::TokenizerLib { source, .. } => PolicyError::TokenizerLib {
+            TextError::TokenizerLib { source, .. } => TextError::TokenizerLib {
                 what: format!("cannot load {}", path.display()),
                 source,
             },
@@ -54,7 +54,7 @@ impl PolicyTokenizer {
     pub fn from_json(json: String) -> Result<Self> {
         let inner: tokenizers::Tokenizer =
             json.parse()
-                .map_err(|source: tokenizers::Error| PolicyError::TokenizerLib {
+                .map_err(|source: tokenizers::Error| TextError::TokenizerLib {
                     what: "cannot parse tokenizer.json".into(),
                     source,
                 })?;
@@ -120,7 +120,7 @@ impl PolicyTokenizer {
         let enc = self
             .inner
             .encode(text, add_special_tokens)
-            .map_err(|source| PolicyError::TokenizerLib {
+            .map_err(|source| TextError::TokenizerLib {
                 what: "cannot encode".into(),
                 source,
             })?;
@@ -133,12 +133,12 @@ impl PolicyTokenizer {
             .iter()
             .map(|&id| {
                 u32::try_from(id)
-                    .map_err(|_| PolicyError::Tokenizer(format!("token id {id} is out of range")))
+                    .map_err(|_| TextError::Tokenizer(format!("token id {id} is out of range")))
             })
             .collect::<Result<_>>()?;
         self.inner
             .decode(&ids, skip_special_tokens)
-            .map_err(|source| PolicyError::TokenizerLib {
+            .map_err(|source| TextError::TokenizerLib {
                 what: "cannot decode".into(),
                 source,
             })

@@ -1,0 +1,25 @@
+//! The text side of a model, without its weights and without libtorch:
+//!
+//! - [`PolicyTokenizer`]: any Hugging Face `tokenizer.json`, and the
+//!   built-in character vocabulary of the tiny model;
+//! - [`ChatTemplate`]: the model's Jinja chat template, rendered with
+//!   minijinja as transformers renders it;
+//! - [`Prompt`]: text or a list of [`Message`]s;
+//! - [`ModelText`]: tokenizer, BOS, stop tokens and strings, chat template of
+//!   one model, and how prompts become token ids and completions become text.
+//!
+//! The coordinator (prompt lengths at load time), the rollout worker, the
+//! learner's warm start and `asyncrl train --check-config` all go through
+//! [`ModelText`], so a prompt is tokenized the same way everywhere.
+
+pub mod chat;
+pub mod error;
+pub mod model_text;
+pub mod tokenizer;
+
+pub use chat::{ChatTemplate, Message, Prompt, ROLES, SpecialTokens};
+pub use error::{Result, TextError};
+pub use model_text::{ModelFacts, ModelText, TEXT_FILES, eos_token_ids};
+pub use tokenizer::{
+    BUILTIN_BOS, BUILTIN_CHARS, BUILTIN_EOS, BUILTIN_PAD, BUILTIN_UNK, PolicyTokenizer,
+};
