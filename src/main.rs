@@ -4,6 +4,7 @@
 //! joined by `: `) and the process exits non-zero; no panic, no backtrace.
 
 mod bench;
+mod check;
 mod ctl_cli;
 #[cfg(feature = "torch")]
 mod metrics_csv;
@@ -77,6 +78,11 @@ struct TrainArgs {
     /// refused, since the in-process bus cannot resume it.
     #[arg(long)]
     fresh: bool,
+    /// Check the config and its files, then exit: loads the model's
+    /// tokenizer and chat template, reads every data set, renders and
+    /// tokenizes every prompt, and prints the first one of each data set.
+    #[arg(long)]
+    check_config: bool,
 }
 
 #[derive(Debug, Args)]
@@ -297,6 +303,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 #[cfg(feature = "torch")]
 fn train_command(args: TrainArgs) -> anyhow::Result<()> {
     let config = load(&args.config, args.bus.as_deref())?;
+    if args.check_config {
+        return check_config(&config);
+    }
     let opts = train::TrainOptions {
         workers: args.workers,
         fresh: args.fresh,
@@ -335,8 +344,18 @@ pub(crate) fn no_torch(command: &str) -> anyhow::Result<()> {
 }
 
 #[cfg(not(feature = "torch"))]
-fn train_command(_: TrainArgs) -> anyhow::Result<()> {
+fn train_command(args: TrainArgs) -> anyhow::Result<()> {
+    if args.check_config {
+        return check_config(&load(&args.config, args.bus.as_deref())?);
+    }
     no_torch("train")
+}
+
+/// `asyncrl train --check-config`.
+fn check_config(config: &Config) -> anyhow::Result<()> {
+    let report = check::check_tasks(config)?;
+    print!("{report}");
+    Ok(())
 }
 
 #[cfg(not(feature = "torch"))]

@@ -15,6 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::check::check_tasks;
 use crate::metrics_csv::read_columns;
 use crate::plot::{Series, line_chart, smooth};
 use crate::roles;
@@ -86,8 +87,8 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     })?;
     // A data set that cannot be read stops the run before any role starts:
     // one error line, not the other roles' retries around the coordinator's.
-    let datasets = config.coordinator.datasets.clone();
-    tokio::task::spawn_blocking(move || asyncrl_coordinator::TaskSet::load(&datasets))
+    let check = config.clone();
+    tokio::task::spawn_blocking(move || check_tasks(&check))
         .await
         .context("reading the data sets failed")??;
     let process = roles::start(&config, "train").await?;

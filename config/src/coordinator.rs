@@ -78,14 +78,112 @@ impl Default for CoordinatorConfig {
     }
 }
 
-/// One prompt data set.
+/// One prompt data set: a JSONL or Parquet file (a Hugging Face `datasets`
+/// export loads as it is), with a mapping from its fields to the prompt, the
+/// answer and the id.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetConfig {
-    /// Name of the data set and of its verifier (e.g. `arith`); it prefixes
-    /// the task ids, so only `[A-Za-z0-9_-]`.
+    /// Name of the data set; it prefixes the task ids, so only
+    /// `[A-Za-z0-9_-]`. Also the verifier when `verifier` is not set.
     pub name: String,
     pub path: PathBuf,
+    /// `jsonl`, `parquet`, or `auto` (by the file's extension: `.parquet`,
+    /// else JSONL).
+    #[serde(default)]
+    pub format: DatasetFormat,
+    /// The field (JSONL key, Parquet column) holding the prompt: a string,
+    /// or a list of `{"role", "content"}` messages.
+    #[serde(default = "default_prompt_field")]
+    pub prompt_field: String,
+    /// The field holding the reference answer (a string or a number).
+    #[serde(default = "default_answer_field")]
+    pub answer_field: String,
+    /// The field holding the task id, used when a row has it; otherwise the
+    /// id is `<name>-<row>` (row counted from 0).
+    #[serde(default = "default_id_field")]
+    pub id_field: String,
+    /// Render text prompts with the model's chat template, as one user
+    /// message (message prompts always are).
+    #[serde(default)]
+    pub apply_chat_template: bool,
+    /// A system message put before every prompt that has none (needs
+    /// `apply_chat_template` or message prompts).
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    /// The built-in verifier that scores completions (`arith`, `reverse`,
+    /// `math`), or `service` for the worker's reward service. Default: the
+    /// data set's name when that is a built-in verifier, else `service`.
+    #[serde(default)]
+    pub verifier: Option<String>,
+    /// Prompts longer than this many tokens (after the chat template) are
+    /// handled as `long_prompts` says; unset: no limit at load time.
+    #[serde(default)]
+    pub max_prompt_tokens: Option<usize>,
+    /// `error` (refuse to load the data set) or `skip` (count, log and leave
+    /// out each long prompt). Never truncated.
+    #[serde(default)]
+    pub long_prompts: LongPrompts,
+}
+
+fn default_prompt_field() -> String {
+    "prompt".into()
+}
+fn default_answer_field() -> String {
+    "answer".into()
+}
+fn default_id_field() -> String {
+    "id".into()
+}
+
+impl DatasetConfig {
+    /// A JSONL data set with the default field names.
+    pub fn jsonl(name: impl Into<String>, path: impl Into<PathBuf>) -> Self {
+        Self {
+            name: name.into(),
+            path: path.into(),
+            format: DatasetFormat::Auto,
+            prompt_field: default_prompt_field(),
+            answer_field: default_answer_field(),
+            id_field: default_id_field(),
+            apply_chat_template: false,
+            system_prompt: None,
+            verifier: None,
+            max_prompt_tokens: None,
+            long_prompts: LongPrompts::Error,
+        }
+    }
+
+    /// The verifier that scores this data set's completions.
+    pub fn verifier_name(&self) -> &str {
+        match &self.verifier {
+            Some(v) => v,
+            None if BUILTIN_VERIFIERS.contains(&self.name.as_str()) => &self.name,
+            None => "service",
+        }
+    }
+}
+
+/// The verifiers the rollout worker has built in.
+pub const BUILTIN_VERIFIERS: [&str; 3] = ["arith", "reverse", "math"];
+
+/// The file format of a data set.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetFormat {
+    #[default]
+    Auto,
+    Jsonl,
+    Parquet,
+}
+
+/// What loading does with a prompt over `max_prompt_tokens`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LongPrompts {
+    #[default]
+    Error,
+    Skip,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
@@ -283,6 +381,46 @@ impl CoordinatorConfig {
                     "is empty",
                 ));
             }
+            let field = |f: &str| format!("coordinator.datasets[{i}].{f}");
+            for (f, v) in [
+                ("prompt_field", &d.prompt_field),
+                ("answer_field", &d.answer_field),
+                ("id_field", &d.id_field),
+            ] {
+                if v.is_empty() {
+                    return Err(ConfigError::invalid(field(f), "is empty"));
+                }
+            }
+            if d.prompt_field == d.answer_field {
+                return Err(ConfigError::invalid(
+                    field("answer_field"),
+                    format!("= {:?} is also the prompt_field", d.answer_field),
+                ));
+            }
+            if let Some(v) = &d.verifier
+                && v != "service"
+                && !BUILTIN_VERIFIERS.contains(&v.as_str())
+            {
+                return Err(ConfigError::invalid(
+                    field("verifier"),
+                    format!(
+                        "= {v:?} is not a built-in verifier ({}) nor \"service\"",
+                        BUILTIN_VERIFIERS.join(", ")
+                    ),
+                ));
+            }
+            if d.max_prompt_tokens == Some(0) {
+                return Err(ConfigError::invalid(
+                    field("max_prompt_tokens"),
+                    "must be at least 1 (leave it out for no limit)",
+                ));
+            }
+            if d.system_prompt.as_deref() == Some("") {
+                return Err(ConfigError::invalid(
+                    field("system_prompt"),
+                    "is empty (leave it out for none)",
+                ));
+            }
         }
         for (key, d) in [
             ("coordinator.lease_timeout", self.lease_timeout),
@@ -379,7 +517,18 @@ impl CoordinatorConfig {
 
 #[cfg(test)]
 mod tests {
+    use super::DatasetConfig;
     use crate::test_check::check;
+
+    #[test]
+    fn verifier_defaults_to_a_builtin_name_else_the_service() {
+        let mut d = DatasetConfig::jsonl("math", "x.jsonl");
+        assert_eq!(d.verifier_name(), "math");
+        d.name = "gsm8k".into();
+        assert_eq!(d.verifier_name(), "service");
+        d.verifier = Some("math".into());
+        assert_eq!(d.verifier_name(), "math");
+    }
 
     #[test]
     fn coordinator_table() {
@@ -417,6 +566,46 @@ mod tests {
             Some("coordinator.admin_listen"),
         );
         check("[coordinator]\nadmin_listen = \"\"", None);
+        let ds = "[[coordinator.datasets]]\nname = \"gsm8k\"\npath = \"d.parquet\"\n";
+        check(
+            &format!(
+                "{ds}format = \"parquet\"\nprompt_field = \"question\"\nid_field = \"uid\"\napply_chat_template = true\nsystem_prompt = \"Think.\"\nverifier = \"math\"\nmax_prompt_tokens = 512\nlong_prompts = \"skip\""
+            ),
+            None,
+        );
+        check(
+            &format!("{ds}format = \"csv\""),
+            Some("coordinator.datasets[0].format"),
+        );
+        check(
+            &format!("{ds}prompt_field = \"\""),
+            Some("coordinator.datasets[0].prompt_field"),
+        );
+        check(
+            &format!("{ds}answer_field = \"prompt\""),
+            Some("coordinator.datasets[0].answer_field"),
+        );
+        check(
+            &format!("{ds}verifier = \"exact\""),
+            Some("coordinator.datasets[0].verifier"),
+        );
+        check(&format!("{ds}verifier = \"service\""), None);
+        check(
+            &format!("{ds}max_prompt_tokens = 0"),
+            Some("coordinator.datasets[0].max_prompt_tokens"),
+        );
+        check(
+            &format!("{ds}long_prompts = \"truncate\""),
+            Some("coordinator.datasets[0].long_prompts"),
+        );
+        check(
+            &format!("{ds}system_prompt = \"\""),
+            Some("coordinator.datasets[0].system_prompt"),
+        );
+        check(
+            &format!("{ds}prompt = \"q\""),
+            Some("coordinator.datasets[0].prompt"),
+        );
         check(
             "[coordinator]\nadmin_token = \"a\"\nadmin_token_file = \"/t\"",
             Some("coordinator.admin_token_file"),

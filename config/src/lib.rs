@@ -23,8 +23,8 @@ pub use buffer::{
 };
 pub use bus::{BusConfig, BusKind, TlsConfig};
 pub use coordinator::{
-    AdminTlsConfig, ClipModeName, CoordinatorConfig, DatasetConfig, InitialKnobs, KnobRange,
-    UnknownClipMode, knob_ranges,
+    AdminTlsConfig, BUILTIN_VERIFIERS, ClipModeName, CoordinatorConfig, DatasetConfig,
+    DatasetFormat, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode, knob_ranges,
 };
 pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, ProximalName};
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};

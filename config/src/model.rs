@@ -70,6 +70,13 @@ pub struct ModelConfig {
     pub weight_dtype: WeightDtypeName,
     /// Threads libtorch may use for intra-op parallelism on the CPU (0: its default).
     pub cpu_threads: i32,
+    /// Token ids that end a completion, besides the model's EOS tokens
+    /// (`config.json` and `generation_config.json`).
+    pub stop_token_ids: Vec<i64>,
+    /// Texts that end a completion (besides `generation_config.json`'s
+    /// `stop_strings`): the completion keeps its tokens up to the one that
+    /// completes the string, exactly as sampled.
+    pub stop_strings: Vec<String>,
 }
 
 impl Default for ModelConfig {
@@ -84,6 +91,8 @@ impl Default for ModelConfig {
             max_seq_len: 128,
             weight_dtype: WeightDtypeName::F32,
             cpu_threads: 0,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
         }
     }
 }
@@ -96,6 +105,18 @@ impl ModelConfig {
             return Err(ConfigError::invalid(
                 "model.path",
                 "is empty (leave it out for the built-in model)",
+            ));
+        }
+        if let Some(id) = self.stop_token_ids.iter().find(|&&id| id < 0) {
+            return Err(ConfigError::invalid(
+                "model.stop_token_ids",
+                format!("holds {id}; token ids are at least 0"),
+            ));
+        }
+        if self.stop_strings.iter().any(String::is_empty) {
+            return Err(ConfigError::invalid(
+                "model.stop_strings",
+                "holds an empty string",
             ));
         }
         let t = &self.tiny;
@@ -157,5 +178,24 @@ impl ModelConfig {
         }
         check_range("model.cpu_threads", self.cpu_threads, 0, 1024)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::test_check::check;
+
+    #[test]
+    fn stop_conditions_table() {
+        check(
+            "[model]\nstop_token_ids = [7, 9]\nstop_strings = [\"</answer>\", \"\\n\\n\"]",
+            None,
+        );
+        check(
+            "[model]\nstop_token_ids = [-1]",
+            Some("model.stop_token_ids"),
+        );
+        check("[model]\nstop_strings = [\"\"]", Some("model.stop_strings"));
+        check("[model]\nstop_strings = \"x\"", Some("model.stop_strings"));
     }
 }

@@ -36,7 +36,8 @@ use asyncrl_transport::{Bus, TransportError};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-pub use dataset::{DatasetError, TaskItem, TaskSet};
+pub use asyncrl_tasks::{TaskError, TaskItem};
+pub use dataset::TaskSet;
 pub use journal::JournalError;
 pub use knobs::{KnobError, StepKnobs, seal_step};
 pub use scheduler::StateError;
@@ -47,7 +48,9 @@ use crate::service::{Actor, AdminCommand, Event};
 #[derive(Debug, thiserror::Error)]
 pub enum CoordinatorError {
     #[error(transparent)]
-    Dataset(#[from] DatasetError),
+    Dataset(#[from] TaskError),
+    #[error("cannot read the model's tokenizer to measure prompts: {0}")]
+    Text(#[from] asyncrl_text::TextError),
     #[error("cannot {what}: {source}")]
     Transport {
         what: String,

@@ -2,9 +2,9 @@
 //! `prompt → answer <eos>` (loss on the answer and the stop token only), so
 //! that RL starts from a policy that earns some reward. Prompts are encoded
 //! exactly as the rollout worker encodes them
-//! (`asyncrl_policy::from_config::encode_prompt`).
+//! (`asyncrl_text::ModelText::encode`).
 
-use asyncrl_policy::from_config::{decode_completion, encode_prompt};
+use asyncrl_policy::from_config::decode_completion;
 use asyncrl_policy::{DecodeBatchOptions, Policy, SamplingParams, SequenceRequest};
 use asyncrl_tasks::{SplitMix64, TaskItem, Verdict};
 use tch::{Kind, Tensor};
@@ -52,12 +52,23 @@ pub struct SftReport {
     pub seconds: f64,
 }
 
+/// Token ids of a task's prompt, as the rollout worker makes them.
+fn encode_task_prompt(
+    policy: &Policy,
+    prompt: &asyncrl_tasks::Prompt,
+) -> Result<Vec<i64>, TrainError> {
+    let text = policy.text()?;
+    Ok(text
+        .encode(prompt)
+        .map_err(asyncrl_policy::PolicyError::from)?)
+}
+
 fn encode_example(
     policy: &Policy,
     item: &TaskItem,
     eos: i64,
 ) -> Result<(Vec<i64>, usize), TrainError> {
-    let mut ids = encode_prompt(policy, &item.prompt)?;
+    let mut ids = encode_task_prompt(policy, &item.prompt)?;
     let prompt_len = ids.len();
     let tok = policy.tokenizer().ok_or_else(|| {
         asyncrl_policy::PolicyError::InvalidRequest("the model has no tokenizer".into())
@@ -133,7 +144,7 @@ pub fn evaluate(
             .enumerate()
             .map(|(i, it)| {
                 Ok(SequenceRequest {
-                    prompt: encode_prompt(policy, &it.prompt)?,
+                    prompt: encode_task_prompt(policy, &it.prompt)?,
                     params: SamplingParams {
                         temperature: temp,
                         top_p: 1.0,
@@ -255,7 +266,7 @@ pub fn run_warm_start(
         .datasets
         .first()
         .ok_or(WarmStartError::NoDataset)?;
-    let items = asyncrl_tasks::load_jsonl(&dataset.path)?;
+    let items = asyncrl_tasks::load_dataset(dataset, None)?.items;
     let hold = eval_items.min(items.len() / 2);
     let (train, eval) = items.split_at(items.len() - hold);
     // The warm start begins from the built-in model of `[model.tiny]`

@@ -66,6 +66,10 @@ pub enum FinishReason {
     MaxSeqLen,
     /// Removed before it finished.
     Cancelled,
+    /// The decoded completion reached a stop string (set by the rollout
+    /// worker, which cuts the completion after the token that completed
+    /// it).
+    StopString,
 }
 
 /// A finished (or cancelled) sequence.

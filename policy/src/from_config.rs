@@ -64,11 +64,17 @@ pub fn sampling_params(section: &ModelSection, policy: &Policy) -> SamplingParam
     sampling_params_with_stops(section, policy.eos_token_ids())
 }
 
-/// Sampling parameters of `[model]`, stopping at `stop_token_ids`.
+/// Sampling parameters of `[model]`, stopping at `stop_token_ids` and
+/// `model.stop_token_ids`.
 pub fn sampling_params_with_stops(
     section: &ModelSection,
-    stop_token_ids: Vec<i64>,
+    mut stop_token_ids: Vec<i64>,
 ) -> SamplingParams {
+    for id in &section.stop_token_ids {
+        if !stop_token_ids.contains(id) {
+            stop_token_ids.push(*id);
+        }
+    }
     SamplingParams {
         temperature: section.temperature,
         top_p: section.top_p,

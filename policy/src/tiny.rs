@@ -78,21 +78,6 @@ impl TinyModelSpec {
     }
 }
 
-/// `tokenizer_config.json` of the built-in tokenizer, so that transformers'
-/// `AutoTokenizer` opens the saved folder.
-fn builtin_tokenizer_config() -> Vec<u8> {
-    let v = serde_json::json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": crate::tokenizer::BUILTIN_BOS,
-        "eos_token": crate::tokenizer::BUILTIN_EOS,
-        "pad_token": crate::tokenizer::BUILTIN_PAD,
-        "unk_token": crate::tokenizer::BUILTIN_UNK,
-        "model_max_length": 1_000_000,
-        "clean_up_tokenization_spaces": false,
-    });
-    serde_json::to_vec_pretty(&v).unwrap_or_default()
-}
-
 /// A standard normal draw (Box-Muller), so that the initial weights depend
 /// only on the seed (not on libtorch's generator).
 fn normal(rng: &mut StdRng) -> f64 {
@@ -108,9 +93,10 @@ impl Policy {
     pub fn builtin_tiny(spec: &TinyModelSpec, seed: u64, opts: DeviceOptions) -> Result<Self> {
         let mut policy = Policy::random_init(spec.config(), seed, spec.init_std, opts)?;
         policy.tokenizer = Some(PolicyTokenizer::builtin());
-        policy
-            .extra_files
-            .insert("tokenizer_config.json".into(), builtin_tokenizer_config());
+        policy.extra_files.insert(
+            "tokenizer_config.json".into(),
+            asyncrl_text::builtin_tokenizer_config(),
+        );
         Ok(policy)
     }
 

@@ -68,6 +68,7 @@ fn finish_reason_name(code: i32) -> &'static str {
         Ok(FinishReason::Stop) => "stop",
         Ok(FinishReason::Length) => "length",
         Ok(FinishReason::Aborted) => "aborted",
+        Ok(FinishReason::StopString) => "stop_string",
         _ => "unspecified",
     }
 }
@@ -77,6 +78,7 @@ fn finish_reason_code(name: &str) -> i32 {
         "stop" => FinishReason::Stop as i32,
         "length" => FinishReason::Length as i32,
         "aborted" => FinishReason::Aborted as i32,
+        "stop_string" => FinishReason::StopString as i32,
         _ => FinishReason::Unspecified as i32,
     }
 }

@@ -22,6 +22,9 @@ pub struct ScoreInput {
     pub trajectory_uuid: String,
     pub task_id: String,
     pub dataset: String,
+    /// The built-in verifier's name, or `service`.
+    pub verifier: String,
+    /// The prompt's text (message prompts: rendered with the chat template).
     pub prompt: String,
     pub completion: String,
     pub completion_token_ids: Vec<i32>,
@@ -141,7 +144,7 @@ impl Scorer {
         let start = Instant::now();
         match self {
             Scorer::Builtin => {
-                match asyncrl_tasks::score(&input.dataset, &input.completion, &input.answer) {
+                match asyncrl_tasks::score(&input.verifier, &input.completion, &input.answer) {
                     Verdict::Reward(reward) => RewardOutcome::Scored {
                         reward,
                         latency: start.elapsed(),
@@ -230,6 +233,7 @@ mod tests {
             trajectory_uuid: "u".into(),
             task_id: "t".into(),
             dataset: dataset.into(),
+            verifier: dataset.into(),
             prompt: "p".into(),
             completion: completion.into(),
             completion_token_ids: vec![],

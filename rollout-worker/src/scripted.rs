@@ -42,10 +42,10 @@ impl ScriptedTask {
         asyncrl_tasks::generate(task, n, seed)
             .into_iter()
             .map(|item| ScriptedTask {
-                task_id: item.id,
+                task_id: item.id.clone(),
                 dataset: task.name().to_owned(),
-                prompt: item.prompt,
-                answer: item.answer,
+                prompt: item.prompt_text().to_owned(),
+                answer: item.answer.clone(),
             })
             .collect()
     }
@@ -288,6 +288,8 @@ async fn handle(inner: &Mutex<Inner>, bus: &dyn Bus, subject: &str, payload: &[u
                     task_id: t.task_id,
                     lease_id: format!("lease-{}", s.next_lease),
                     prompt: t.prompt,
+                    messages: Vec::new(),
+                    verifier: String::new(),
                     answer: t.answer,
                     dataset: t.dataset,
                     group_size: s.options.group_size,

@@ -63,8 +63,12 @@ pub(crate) struct Shared {
     pub engine: Arc<dyn crate::engine::Engine>,
     /// The model's tokenizer and stop tokens.
     pub text: ModelText,
-    /// Sampling parameters of `[model]` (stop tokens = the model's EOS).
+    /// Sampling parameters of `[model]` (stop tokens = the model's EOS and
+    /// `model.stop_token_ids`).
     pub params: SamplingParams,
+    /// Stop strings: `model.stop_strings`, then the model's
+    /// `generation_config.json` ones.
+    pub stop_strings: Vec<String>,
     pub scorer: Scorer,
     pub metrics: WorkerMetrics,
     pub counters: Counters,

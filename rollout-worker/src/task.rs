@@ -13,6 +13,7 @@ use asyncrl_protos::v1::{CompleteTask, CompleteTaskReply};
 use asyncrl_protos::{
     ContractError, FinishReason, Message, RewardStatus, Task, Timings, Trajectory,
 };
+use asyncrl_text::Prompt;
 use asyncrl_transport::TransportError;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -143,7 +144,7 @@ async fn run_task_inner(
             "stopped while waiting for the weights of its admission version".into(),
         );
     }
-    let prompt = match shared.text.encode_prompt(&task.prompt) {
+    let prompt = match shared.text.encode(&prompt_of(task)) {
         Ok(ids) => ids,
         Err(e) => {
             return TaskEnd::Unfinished(format!("cannot encode the prompt: {e}"));
@@ -273,11 +274,75 @@ async fn complete(
     TaskEnd::NotAccepted(format!("the coordinator could not be told: {last}"))
 }
 
+/// The prompt of a task: its text, or its chat messages.
+pub(crate) fn prompt_of(task: &Task) -> Prompt {
+    if task.messages.is_empty() {
+        Prompt::Text(task.prompt.clone())
+    } else {
+        Prompt::Messages(
+            task.messages
+                .iter()
+                .map(|m| asyncrl_text::Message::new(m.role.clone(), m.content.clone()))
+                .collect(),
+        )
+    }
+}
+
+/// The verifier of a task (by its data set's name for a coordinator that
+/// does not name one).
+pub(crate) fn verifier_of(task: &Task) -> &str {
+    if task.verifier.is_empty() {
+        &task.dataset
+    } else {
+        &task.verifier
+    }
+}
+
+/// Ends a completion at its first stop string: the tokens up to the one
+/// that completed it stay exactly as sampled (with their log-probs and
+/// versions); the rest are dropped. Generation itself ran on to a stop
+/// token or the length limit.
+fn cut_at_stop_string(shared: &Shared, mut out: SequenceOutput) -> SequenceOutput {
+    if shared.stop_strings.is_empty() {
+        return out;
+    }
+    match shared
+        .text
+        .stop_string_end(&out.tokens, &shared.stop_strings)
+    {
+        Ok(Some(n)) => {
+            out.tokens.truncate(n);
+            out.logprobs.truncate(n);
+            out.versions.truncate(n);
+            out.finish_reason = SeqFinish::StopString;
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot decode a completion to look for stop strings");
+        }
+    }
+    out
+}
+
+/// The text verifiers see: up to (not including) the first stop string, as
+/// vLLM returns it.
+fn text_before_stop_string(mut text: String, stop_strings: &[String]) -> String {
+    if let Some(cut) = stop_strings
+        .iter()
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+    {
+        text.truncate(cut);
+    }
+    text
+}
+
 fn finish_reason(r: SeqFinish) -> FinishReason {
     match r {
         SeqFinish::Stop => FinishReason::Stop,
         SeqFinish::MaxNewTokens | SeqFinish::MaxSeqLen => FinishReason::Length,
         SeqFinish::Cancelled => FinishReason::Aborted,
+        SeqFinish::StopString => FinishReason::StopString,
     }
 }
 
@@ -364,11 +429,13 @@ async fn run_completion(
     };
     let generation_ms = clamp_ms(started.elapsed());
     let finished_ms = shared.clock.now_unix_ms();
+    let out = cut_at_stop_string(shared, out);
 
     // Score.
     let decoded = shared
         .text
-        .decode_completion(&out.tokens, &shared.params.stop_token_ids);
+        .decode_completion(&out.tokens, &shared.params.stop_token_ids)
+        .map(|text| text_before_stop_string(text, &shared.stop_strings));
     let uuid = uuid::Uuid::new_v4().to_string();
     let reward = match decoded {
         Ok(completion) => {
@@ -376,7 +443,11 @@ async fn run_completion(
                 trajectory_uuid: uuid.clone(),
                 task_id: task.task_id.clone(),
                 dataset: task.dataset.clone(),
-                prompt: task.prompt.clone(),
+                verifier: verifier_of(task).to_owned(),
+                prompt: shared
+                    .text
+                    .render(&prompt_of(task))
+                    .unwrap_or_else(|_| task.prompt.clone()),
                 completion,
                 completion_token_ids: out.tokens.iter().map(|&t| t as i32).collect(),
                 answer: task.answer.clone(),
@@ -477,11 +548,36 @@ mod tests {
             prompt: "1+1=".into(),
             answer: "2".into(),
             dataset: "arith".into(),
+            verifier: String::new(),
+            messages: Vec::new(),
             group_size: 4,
             lease_deadline_unix_ms: 0,
             admission_version: 3,
             epoch: 0,
         }
+    }
+
+    #[test]
+    fn prompts_verifiers_and_stop_string_text() {
+        let mut t = task();
+        assert_eq!(prompt_of(&t), Prompt::Text("1+1=".into()));
+        assert_eq!(verifier_of(&t), "arith", "an older coordinator names none");
+        t.verifier = "math".into();
+        assert_eq!(verifier_of(&t), "math");
+        t.prompt.clear();
+        t.messages = vec![asyncrl_protos::v1::ChatMessage {
+            role: "user".into(),
+            content: "1+1=".into(),
+        }];
+        assert_eq!(
+            prompt_of(&t),
+            Prompt::Messages(vec![asyncrl_text::Message::new("user", "1+1=")])
+        );
+        let stops = ["</a>".to_owned(), "\n\n".to_owned()];
+        assert_eq!(text_before_stop_string("42</a> x".into(), &stops), "42");
+        assert_eq!(text_before_stop_string("4\n\n2</a>".into(), &stops), "4");
+        assert_eq!(text_before_stop_string("42".into(), &stops), "42");
+        assert_eq!(text_before_stop_string("42</a>".into(), &[]), "42</a>");
     }
 
     fn output(reason: SeqFinish) -> SequenceOutput {

@@ -166,6 +166,19 @@ impl Worker {
             settings,
             bus: self.bus,
             engine: engine.clone(),
+            stop_strings: {
+                let mut s = self.config.model.stop_strings.clone();
+                s.extend(
+                    built
+                        .text
+                        .stop_strings()
+                        .iter()
+                        .filter(|x| !s.contains(x))
+                        .cloned()
+                        .collect::<Vec<_>>(),
+                );
+                s
+            },
             text: built.text,
             params,
             scorer,

@@ -51,6 +51,7 @@ fn input(completion: &str, answer: &str) -> ScoreInput {
         trajectory_uuid: "7c9e6679-7425-40de-944b-e07fc1f90ae7".into(),
         task_id: "t-1".into(),
         dataset: "custom".into(),
+        verifier: "service".into(),
         prompt: "2+2=".into(),
         completion: completion.into(),
         completion_token_ids: vec![4, 5],

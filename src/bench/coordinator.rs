@@ -105,6 +105,8 @@ fn grant_sized_payload() -> Bytes {
             prompt: "37+58=".into(),
             answer: "95".into(),
             dataset: "arith".into(),
+            verifier: "arith".into(),
+            messages: Vec::new(),
             group_size: 8,
             lease_deadline_unix_ms: 1_700_000_000_000,
             admission_version: 3,
@@ -235,10 +237,7 @@ pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBench
     config.staleness.eta = 64;
     config.staleness.groups_per_step = 4096;
     config.staleness.group_size = 8;
-    config.coordinator.datasets = vec![DatasetConfig {
-        name: "arith".into(),
-        path: tasks_path,
-    }];
+    config.coordinator.datasets = vec![DatasetConfig::jsonl("arith", tasks_path)];
     config.coordinator.admin_listen = String::new();
     config.coordinator.lease_timeout = Duration::from_secs(600);
     config.coordinator.max_tasks_per_acquire = 1;

@@ -216,7 +216,7 @@ pub async fn run_engine_bench(opts: EngineBenchOptions) -> anyhow::Result<Engine
     let prompts: Vec<String> =
         asyncrl_tasks::generate(asyncrl_tasks::BuiltinTask::Arith, opts.requests, 7)
             .into_iter()
-            .map(|i| i.prompt)
+            .map(|i| i.prompt_text().to_owned())
             .collect();
 
     let mut results = Vec::new();

@@ -225,10 +225,10 @@ fn run_config(bench: &SpeedupBench, eta: u32, name: &str, data: &Path) -> anyhow
     // "rev:" + up to 64 digits + "=", then up to 64 digits and the end token.
     c.model.max_new_tokens = asyncrl_tasks::REVERSE_MAX_LEN as usize + 1;
     c.model.max_seq_len = 2 * asyncrl_tasks::REVERSE_MAX_LEN as usize + 8;
-    c.coordinator.datasets = vec![DatasetConfig {
-        name: BuiltinTask::Reverse.name().into(),
-        path: data.to_owned(),
-    }];
+    c.coordinator.datasets = vec![DatasetConfig::jsonl(
+        BuiltinTask::Reverse.name(),
+        data.to_owned(),
+    )];
     c.coordinator.admin_listen = "127.0.0.1:0".into();
     c.coordinator.initial_knobs.clip_mode = ClipModeName::Adaptive;
     c.learner.cpu_affinity = bench.learner_cores.clone();

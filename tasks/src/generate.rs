@@ -1,5 +1,7 @@
 //! Deterministic generators for the built-in tasks.
 
+use asyncrl_text::Prompt;
+
 use crate::TaskItem;
 
 /// SplitMix64: a tiny PRNG whose output is fixed by its definition, so a
@@ -137,8 +139,10 @@ pub fn generate_with(
             };
             TaskItem {
                 id: format!("{}-{i:06}", task.name()),
-                prompt,
+                dataset: task.name().to_owned(),
+                prompt: Prompt::Text(prompt),
                 answer,
+                verifier: task.name().to_owned(),
             }
         })
         .collect()
@@ -166,7 +170,7 @@ mod tests {
     #[test]
     fn arith_answers_are_right() {
         for item in generate(BuiltinTask::Arith, 500, 1) {
-            let p = item.prompt.trim_end_matches('=');
+            let p = item.prompt_text().trim_end_matches('=');
             let (a, b, sum) = if let Some((a, b)) = p.split_once('+') {
                 (a, b, true)
             } else {
@@ -176,7 +180,7 @@ mod tests {
             let (a, b): (i64, i64) = (a.parse().unwrap(), b.parse().unwrap());
             assert_eq!(item.answer, if sum { a + b } else { a - b }.to_string());
             assert!(
-                item.prompt
+                item.prompt_text()
                     .chars()
                     .all(|c| BuiltinTask::Arith.alphabet().contains(c))
             );
@@ -192,12 +196,16 @@ mod tests {
             GenerateOptions { max_operand: 20 },
         ) {
             let ops: Vec<i64> = item
-                .prompt
+                .prompt_text()
                 .trim_end_matches('=')
                 .split(['+', '-'])
                 .map(|x| x.parse().unwrap())
                 .collect();
-            assert!(ops.iter().all(|o| (0..20).contains(o)), "{}", item.prompt);
+            assert!(
+                ops.iter().all(|o| (0..20).contains(o)),
+                "{}",
+                item.prompt_text()
+            );
         }
         assert_eq!(
             generate(BuiltinTask::Arith, 10, 1),
@@ -220,7 +228,10 @@ mod tests {
         );
         assert!(*sorted.first().unwrap() >= 2 && *sorted.last().unwrap() as u64 <= REVERSE_MAX_LEN);
         for item in &items {
-            let digits = item.prompt.trim_start_matches("rev:").trim_end_matches('=');
+            let digits = item
+                .prompt_text()
+                .trim_start_matches("rev:")
+                .trim_end_matches('=');
             assert_eq!(item.answer, digits.chars().rev().collect::<String>());
         }
     }

@@ -1,55 +1,109 @@
 //! Prompt data sets.
 //!
-//! - The task file format: JSONL, one `{"prompt": ..., "answer": ...}` per
-//!   line (an optional `"id"` names the item; otherwise it is
-//!   `<file stem>-<line>`). Users replace these files with their own.
+//! - The one task loader ([`load_datasets`], [`load_dataset`]): JSONL and
+//!   Parquet files with a field mapping, prompts as text or chat messages,
+//!   prompt-length limits (see the `load` module for the rules).
 //! - Deterministic generators for the built-in tasks ([`BuiltinTask`]).
-//! - Their verifiers ([`score`]): the reward of a completion.
+//! - The built-in verifiers ([`score`]): `arith`, `reverse`, and `math`
+//!   (numeric final answers: GSM8K `####`, `\boxed{}`, the last number).
 //!
-//! No tensors here: the coordinator (which owns the data set) and the
-//! rollout worker (which scores) both use this crate.
+//! No tensors here: the coordinator (which owns the data set), the rollout
+//! worker (which scores) and the learner's warm start all use this crate.
 
 mod generate;
+mod load;
 mod math;
 mod verify;
 
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
+pub use asyncrl_text::{Message, Prompt};
 pub use generate::{
     BuiltinTask, GenerateOptions, REVERSE_MAX_LEN, SplitMix64, generate, generate_with,
 };
+pub use load::{LoadedDataset, load_dataset, load_datasets, valid_task_id};
 pub use math::{MathAnswer, extract_final_answer, math_reward};
 pub use verify::{Verdict, score};
 
 /// One prompt with its reference answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskItem {
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// Stable id (a NATS subject token): the row's id field, or
+    /// `<data set>-<row>`.
     pub id: String,
-    pub prompt: String,
-    #[serde(default)]
+    /// The data set it came from.
+    pub dataset: String,
+    pub prompt: Prompt,
     pub answer: String,
+    /// The verifier that scores its completions (`arith`, `reverse`,
+    /// `math`, or `service`).
+    pub verifier: String,
+}
+
+impl TaskItem {
+    /// The prompt as text (a text prompt; the last message's content of a
+    /// message prompt), for logs and the built-in tiny tasks.
+    pub fn prompt_text(&self) -> &str {
+        match &self.prompt {
+            Prompt::Text(t) => t,
+            Prompt::Messages(m) => m.last().map(|m| m.content.as_str()).unwrap_or(""),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
-    #[error("cannot read task file {path}: {source}")]
+    #[error(
+        "no task data set configured: add [[coordinator.datasets]] with a name and a JSONL or Parquet path"
+    )]
+    NoDatasets,
+    #[error("cannot read tasks file {path} (data set `{dataset}`): {source}")]
     Read {
+        dataset: String,
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("task file {path}, line {line}: {reason}")]
-    Line {
+    #[error("tasks file {path}, {at}{}: {reason}", field.as_ref().map(|f| format!(", field `{f}`")).unwrap_or_default())]
+    Row {
         path: PathBuf,
-        line: usize,
+        /// `line N` (JSONL, from 1) or `row N` (Parquet, from 0).
+        at: String,
+        field: Option<String>,
         reason: String,
     },
-    #[error("task file {path} has no tasks")]
-    Empty { path: PathBuf },
+    #[error("tasks file {path} has no column `{column}` (the {key}); its columns: {columns}")]
+    NoColumn {
+        path: PathBuf,
+        column: String,
+        key: String,
+        columns: String,
+    },
+    #[error("tasks file {path}: not a readable Parquet file: {source}")]
+    Parquet {
+        path: PathBuf,
+        source: parquet::errors::ParquetError,
+    },
+    #[error("tasks file {path}: {source}")]
+    Arrow {
+        path: PathBuf,
+        source: arrow::error::ArrowError,
+    },
+    #[error("tasks file {path} holds no task (data set `{dataset}`{})", if *skipped_long > 0 { format!("; {skipped_long} prompts were over max_prompt_tokens") } else { String::new() })]
+    Empty {
+        dataset: String,
+        path: PathBuf,
+        skipped_long: usize,
+    },
+    #[error("task id `{id}` appears twice: in {first} and in {second}")]
+    DuplicateId {
+        id: String,
+        first: String,
+        second: String,
+    },
+    #[error(
+        "data set `{dataset}` sets max_prompt_tokens, which needs the model's tokenizer (model.path, or the built-in model)"
+    )]
+    NoTokenizer { dataset: String },
     #[error("cannot write task file {path}: {source}")]
     Write {
         path: PathBuf,
@@ -57,62 +111,15 @@ pub enum TaskError {
     },
 }
 
-/// Reads a JSONL task file. Blank lines are skipped; any other bad line is
-/// an error naming the file and the line. Ids must be unique.
-pub fn load_jsonl(path: &Path) -> Result<Vec<TaskItem>, TaskError> {
-    let file = std::fs::File::open(path).map_err(|source| TaskError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    let stem = path
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("task")
-        .to_owned();
-    let mut items = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line_no = i + 1;
-        let line = line.map_err(|source| TaskError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |reason: String| TaskError::Line {
-            path: path.to_owned(),
-            line: line_no,
-            reason,
-        };
-        let mut item: TaskItem = serde_json::from_str(&line).map_err(|e| bad(e.to_string()))?;
-        if item.prompt.is_empty() {
-            return Err(bad("`prompt` is empty".into()));
-        }
-        if item.id.is_empty() {
-            item.id = format!("{stem}-{line_no}");
-        }
-        if !item
-            .id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c))
-        {
-            return Err(bad(format!(
-                "`id` {:?} may only hold [A-Za-z0-9_-]",
-                item.id
-            )));
-        }
-        if !seen.insert(item.id.clone()) {
-            return Err(bad(format!("duplicate id {:?}", item.id)));
-        }
-        items.push(item);
+/// The text side of `[model]`: the folder of `model.path`, or the built-in
+/// model's. Reads small files only (no weights). Blocking.
+pub fn model_text(
+    model: &asyncrl_config::ModelConfig,
+) -> asyncrl_text::Result<asyncrl_text::ModelText> {
+    match &model.path {
+        Some(dir) => asyncrl_text::ModelText::from_dir(dir),
+        None => Ok(asyncrl_text::ModelText::builtin()),
     }
-    if items.is_empty() {
-        return Err(TaskError::Empty {
-            path: path.to_owned(),
-        });
-    }
-    Ok(items)
 }
 
 /// Writes tasks as JSONL (used by the generators).
@@ -126,94 +133,10 @@ pub fn write_jsonl(path: &Path, items: &[TaskItem]) -> Result<(), TaskError> {
     }
     let mut out = String::new();
     for item in items {
-        // Serialising a struct of strings cannot fail.
-        out.push_str(&serde_json::to_string(item).unwrap_or_default());
+        let value =
+            serde_json::json!({"id": item.id, "prompt": item.prompt, "answer": item.answer});
+        out.push_str(&value.to_string());
         out.push('\n');
     }
     std::fs::write(path, out).map_err(write_err)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn write(text: &str) -> (tempfile::TempDir, PathBuf) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("arith.jsonl");
-        std::fs::write(&path, text).unwrap();
-        (dir, path)
-    }
-
-    fn check(text: &str, expect: Result<usize, &str>) {
-        let (_dir, path) = write(text);
-        match (load_jsonl(&path), expect) {
-            (Ok(items), Ok(n)) => assert_eq!(items.len(), n, "{text:?}"),
-            (Err(e), Err(want)) => {
-                let msg = e.to_string();
-                assert!(
-                    msg.contains(want),
-                    "{text:?}: `{msg}` should contain `{want}`"
-                );
-                assert!(
-                    msg.contains("arith.jsonl"),
-                    "error should name the file: {msg}"
-                );
-            }
-            (got, want) => panic!("{text:?}: expected {want:?}, got {got:?}"),
-        }
-    }
-
-    #[test]
-    fn loader_table() {
-        check("{\"prompt\":\"1+1=\",\"answer\":\"2\"}\n", Ok(1));
-        check(
-            "{\"prompt\":\"1+1=\",\"answer\":\"2\"}\n\n{\"prompt\":\"2+2=\",\"answer\":\"4\"}",
-            Ok(2),
-        );
-        check("{\"id\":\"a\",\"prompt\":\"x\"}\n", Ok(1));
-        check("", Err("has no tasks"));
-        check("{\"prompt\":\"1+1=\"\n", Err("line 1"));
-        check(
-            "{\"prompt\":\"a\",\"answer\":\"b\"}\nnot json\n",
-            Err("line 2"),
-        );
-        check(
-            "{\"prompt\":\"\",\"answer\":\"2\"}\n",
-            Err("`prompt` is empty"),
-        );
-        check(
-            "{\"prompt\":\"a\",\"answr\":\"2\"}\n",
-            Err("unknown field `answr`"),
-        );
-        check(
-            "{\"id\":\"x\",\"prompt\":\"a\"}\n{\"id\":\"x\",\"prompt\":\"b\"}\n",
-            Err("duplicate id"),
-        );
-        check("{\"id\":\"x y\",\"prompt\":\"a\"}\n", Err("may only hold"));
-    }
-
-    #[test]
-    fn default_ids_name_file_and_line() {
-        let (_dir, path) = write("{\"prompt\":\"a\"}\n\n{\"prompt\":\"b\"}\n");
-        let items = load_jsonl(&path).unwrap();
-        assert_eq!(items[0].id, "arith-1");
-        assert_eq!(items[1].id, "arith-3");
-    }
-
-    #[test]
-    fn missing_file_is_named() {
-        let err = load_jsonl(Path::new("/nonexistent/tasks.jsonl"))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("/nonexistent/tasks.jsonl"), "{err}");
-    }
-
-    #[test]
-    fn write_then_load_round_trips() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("sub/gen.jsonl");
-        let items = generate(BuiltinTask::Arith, 50, 7);
-        write_jsonl(&path, &items).unwrap();
-        assert_eq!(load_jsonl(&path).unwrap(), items);
-    }
 }

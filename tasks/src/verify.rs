@@ -11,14 +11,19 @@ pub enum Verdict {
 }
 
 /// Scores a completion (the decoded text after the prompt, without the stop
-/// token) against the reference answer.
+/// token) against the reference answer, with the built-in verifier named
+/// `verifier`.
 ///
 /// - `arith`: 1 if the completion, trimmed, is exactly the answer, else 0.
 /// - `reverse`: the fraction of answer positions whose character is right,
 ///   over `max(len(answer), len(completion))`, so that extra characters
 ///   cost as much as missing ones.
-pub fn score(dataset: &str, completion: &str, answer: &str) -> Verdict {
-    match BuiltinTask::from_name(dataset) {
+/// - `math`: [`crate::math_reward`], 1 if the final numbers agree.
+pub fn score(verifier: &str, completion: &str, answer: &str) -> Verdict {
+    if verifier == "math" {
+        return Verdict::Reward(crate::math_reward(completion, answer));
+    }
+    match BuiltinTask::from_name(verifier) {
         Some(BuiltinTask::Arith) => Verdict::Reward(if completion.trim() == answer {
             1.0
         } else {
@@ -57,6 +62,14 @@ mod tests {
             ("reverse", "5432199", "54321", Verdict::Reward(5.0 / 7.0)),
             ("reverse", "", "54", Verdict::Reward(0.0)),
             ("custom", "x", "y", Verdict::NoVerifier),
+            ("service", "x", "y", Verdict::NoVerifier),
+            (
+                "math",
+                "so \\boxed{72}",
+                "... #### 72",
+                Verdict::Reward(1.0),
+            ),
+            ("math", "71", "#### 72", Verdict::Reward(0.0)),
         ];
         for (dataset, completion, answer, want) in cases {
             assert_eq!(

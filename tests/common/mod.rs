@@ -1026,10 +1026,13 @@ weight_retry_backoff_max = "1s"
         }
 
         // The coordinator started tasks in data set order without skipping.
-        let taskset = asyncrl_coordinator::TaskSet::load(&[asyncrl_config::DatasetConfig {
-            name: "arith".into(),
-            path: self.tasks_file.clone(),
-        }])
+        let taskset = asyncrl_coordinator::TaskSet::load(
+            &[asyncrl_config::DatasetConfig::jsonl(
+                "arith",
+                self.tasks_file.clone(),
+            )],
+            None,
+        )
         .expect("load the task file");
         let mut positions: Vec<usize> = attempts
             .keys()

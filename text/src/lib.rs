@@ -19,7 +19,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message, Prompt, ROLES, SpecialTokens};
 pub use error::{Result, TextError};
-pub use model_text::{ModelFacts, ModelText, TEXT_FILES, eos_token_ids};
+pub use model_text::{ModelFacts, ModelText, TEXT_FILES, builtin_tokenizer_config, eos_token_ids};
 pub use tokenizer::{
     BUILTIN_BOS, BUILTIN_CHARS, BUILTIN_EOS, BUILTIN_PAD, BUILTIN_UNK, PolicyTokenizer,
 };

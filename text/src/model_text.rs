@@ -214,6 +214,31 @@ impl ModelText {
         })
     }
 
+    /// The text side of the built-in tiny model (character vocabulary,
+    /// `<bos>` first, `<eos>` to stop, no chat template), as
+    /// `Policy::builtin_tiny` has it. `tie_word_embeddings` is the tiny
+    /// model's default (true).
+    pub fn builtin() -> Self {
+        let tokenizer = PolicyTokenizer::builtin();
+        let facts = ModelFacts {
+            bos_token_id: tokenizer.token_to_id(crate::tokenizer::BUILTIN_BOS),
+            eos_token_ids: tokenizer
+                .token_to_id(crate::tokenizer::BUILTIN_EOS)
+                .into_iter()
+                .collect(),
+            vocab_size: tokenizer.vocab_size() as i64,
+            tie_word_embeddings: true,
+        };
+        let files = BTreeMap::from([(
+            "tokenizer_config.json".to_owned(),
+            builtin_tokenizer_config(),
+        )]);
+        // The built-in files are fixed and known to load; a failure is a bug.
+        #[allow(clippy::expect_used)]
+        Self::from_parts("the built-in model".into(), tokenizer, facts, &files)
+            .expect("the built-in text side loads")
+    }
+
     pub fn tokenizer(&self) -> &PolicyTokenizer {
         &self.tokenizer
     }
@@ -339,6 +364,21 @@ impl ModelText {
         }
         Ok(Some(hi))
     }
+}
+
+/// `tokenizer_config.json` of the built-in tokenizer, so that transformers'
+/// `AutoTokenizer` opens a saved built-in model folder.
+pub fn builtin_tokenizer_config() -> Vec<u8> {
+    let v = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": crate::tokenizer::BUILTIN_BOS,
+        "eos_token": crate::tokenizer::BUILTIN_EOS,
+        "pad_token": crate::tokenizer::BUILTIN_PAD,
+        "unk_token": crate::tokenizer::BUILTIN_UNK,
+        "model_max_length": 1_000_000,
+        "clean_up_tokenization_spaces": false,
+    });
+    serde_json::to_vec_pretty(&v).unwrap_or_default()
 }
 
 /// Token ids that end a completion by default: `config.json`'s

@@ -159,9 +159,23 @@ impl Actor {
     ) -> Result<Self, CoordinatorError> {
         let c = &config.coordinator;
         let datasets = c.datasets.clone();
-        let tasks = tokio::task::spawn_blocking(move || TaskSet::load(&datasets))
-            .await
-            .map_err(CoordinatorError::Join)??;
+        // The model's tokenizer is read only when a data set limits its
+        // prompt lengths.
+        let model = config.model.clone();
+        let needs_text = datasets.iter().any(|d| d.max_prompt_tokens.is_some());
+        let tasks = tokio::task::spawn_blocking(move || {
+            let text = if needs_text {
+                Some(asyncrl_tasks::model_text(&model)?)
+            } else {
+                None
+            };
+            Ok::<_, CoordinatorError>(TaskSet::load(&datasets, text.as_ref())?)
+        })
+        .await
+        .map_err(CoordinatorError::Join)??;
+        for (name, kept, skipped) in tasks.summary() {
+            tracing::info!(dataset = %name, tasks = kept, skipped_long = skipped, "data set loaded");
+        }
         let tasks = Arc::new(tasks);
         let settings = Settings {
             groups_per_step: config.staleness.groups_per_step,

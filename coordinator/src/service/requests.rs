@@ -2,7 +2,7 @@
 //! into replies, with what each did to the persisted state.
 
 use asyncrl_protos::v1::{
-    AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, HeartbeatReply,
+    AcquireTasks, AcquireTasksReply, ChatMessage, CompleteTask, CompleteTaskReply, HeartbeatReply,
     RegisterWorker, RegisterWorkerReply, ReturnTasks, ReturnTasksReply, Task, WorkerHeartbeat,
 };
 use bytes::Bytes;
@@ -11,9 +11,9 @@ use prost::Message;
 use super::RequestKind;
 use super::actor::Actor;
 use super::views::Admission;
-use crate::dataset::valid_task_id;
 use crate::metrics::CoordinatorMetrics;
 use crate::scheduler::Completion;
+use asyncrl_tasks::{Prompt, valid_task_id};
 
 /// Object-safe encoding of the reply messages.
 trait EncodeDyn {
@@ -282,10 +282,24 @@ impl Actor {
             .into_iter()
             .filter_map(|g| {
                 let item = self.tasks.get(g.task.index as usize)?;
+                let (prompt, messages) = match &item.prompt {
+                    Prompt::Text(t) => (t.clone(), Vec::new()),
+                    Prompt::Messages(m) => (
+                        String::new(),
+                        m.iter()
+                            .map(|m| ChatMessage {
+                                role: m.role.clone(),
+                                content: m.content.clone(),
+                            })
+                            .collect(),
+                    ),
+                };
                 Some(Task {
-                    task_id: asyncrl_protos::subjects::wire_task_id(&item.task_id, g.task.epoch),
+                    task_id: asyncrl_protos::subjects::wire_task_id(&item.id, g.task.epoch),
                     lease_id: g.lease_id,
-                    prompt: item.prompt.clone(),
+                    prompt,
+                    messages,
+                    verifier: item.verifier.clone(),
                     answer: item.answer.clone(),
                     dataset: item.dataset.clone(),
                     group_size: self.settings.group_size,

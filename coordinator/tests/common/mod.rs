@@ -44,10 +44,7 @@ pub fn config(dir: &Path, tasks: &Path, b: u32, eta: u32) -> Config {
     c.staleness.groups_per_step = b;
     c.staleness.eta = eta;
     c.staleness.group_size = 2;
-    c.coordinator.datasets = vec![DatasetConfig {
-        name: "arith".into(),
-        path: tasks.to_owned(),
-    }];
+    c.coordinator.datasets = vec![DatasetConfig::jsonl("arith", tasks.to_owned())];
     c.coordinator.admin_listen = String::new();
     c.coordinator.heartbeat_interval = Duration::from_millis(100);
     c.coordinator.lease_timeout = Duration::from_secs(30);
