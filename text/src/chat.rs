@@ -5,9 +5,13 @@
 //! rendered by minijinja the way transformers' `apply_chat_template` renders
 //! it: `trim_blocks` and `lstrip_blocks` on, Python string methods
 //! (`.strip()`, `.startswith()`...) through minijinja-contrib's `pycompat`,
-//! `raise_exception` and `strftime_now` defined, and the tokenizer's special
-//! tokens (`bos_token`, `eos_token`, ...) in the context. The rendered text is
-//! tokenized without adding special tokens: the template writes them.
+//! `raise_exception` and `strftime_now` defined, transformers' `tojson`
+//! (Python's `json.dumps`, no HTML escaping) and Python's whitespace for
+//! `trim` and `.strip()`, the tokenizer's special tokens (`bos_token`,
+//! `eos_token`, ...) in the context, and an empty message list refused. The
+//! rendered text is tokenized without adding special tokens: the template
+//! writes them. `tests/chat_parity.rs` checks all this against transformers
+//! on the templates of Qwen2.5 and Llama-3.x.
 
 use serde::{Deserialize, Serialize};
 
@@ -70,13 +74,63 @@ impl Prompt {
     }
 }
 
-/// The special tokens a template may refer to (`bos_token`, ...), as text.
+/// The special tokens a template may refer to (`bos_token`, ...), as text:
+/// the named special tokens transformers passes to a chat template.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SpecialTokens {
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub unk_token: Option<String>,
+    pub sep_token: Option<String>,
     pub pad_token: Option<String>,
+    pub cls_token: Option<String>,
+    pub mask_token: Option<String>,
+}
+
+impl SpecialTokens {
+    /// The names of the tokens, as the template sees them, in
+    /// transformers' order.
+    pub const NAMES: [&str; 7] = [
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+    ];
+
+    /// Each token with its name (those the tokenizer has).
+    pub fn named(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        Self::NAMES
+            .into_iter()
+            .zip([
+                &self.bos_token,
+                &self.eos_token,
+                &self.unk_token,
+                &self.sep_token,
+                &self.pad_token,
+                &self.cls_token,
+                &self.mask_token,
+            ])
+            .filter_map(|(name, value)| Some((name, value.as_deref()?)))
+    }
+
+    /// Sets the token called `name` (one of [`Self::NAMES`]); other names
+    /// are ignored.
+    pub fn set(&mut self, name: &str, value: Option<String>) {
+        let slot = match name {
+            "bos_token" => &mut self.bos_token,
+            "eos_token" => &mut self.eos_token,
+            "unk_token" => &mut self.unk_token,
+            "sep_token" => &mut self.sep_token,
+            "pad_token" => &mut self.pad_token,
+            "cls_token" => &mut self.cls_token,
+            "mask_token" => &mut self.mask_token,
+            _ => return,
+        };
+        *slot = value;
+    }
 }
 
 /// A compiled chat template.
@@ -129,7 +183,9 @@ impl ChatTemplate {
         let mut env = minijinja::Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(crate::jinja_py::unknown_method);
+        env.add_filter("tojson", crate::jinja_py::tojson);
+        env.add_filter("trim", crate::jinja_py::trim);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(NAME, source.to_owned())
@@ -141,8 +197,15 @@ impl ChatTemplate {
     }
 
     /// The text of `messages`, ending with the assistant's generation prompt
-    /// when `add_generation_prompt`.
+    /// when `add_generation_prompt`. An empty list is an error, as in
+    /// transformers.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        if messages.is_empty() {
+            return Err(TextError::Invalid(
+                "cannot apply the chat template to an empty conversation: give at least one message"
+                    .into(),
+            ));
+        }
         let template = self
             .env
             .get_template(NAME)
@@ -161,15 +224,8 @@ impl ChatTemplate {
         );
         ctx.insert("tools", minijinja::Value::from(()));
         ctx.insert("documents", minijinja::Value::from(()));
-        for (name, value) in [
-            ("bos_token", &s.bos_token),
-            ("eos_token", &s.eos_token),
-            ("unk_token", &s.unk_token),
-            ("pad_token", &s.pad_token),
-        ] {
-            if let Some(v) = value {
-                ctx.insert(name, minijinja::Value::from(v.as_str()));
-            }
+        for (name, value) in s.named() {
+            ctx.insert(name, minijinja::Value::from(value));
         }
         template.render(ctx).map_err(|source| TextError::Template {
             what: "cannot render the messages".into(),
@@ -218,6 +274,28 @@ mod tests {
             .to_string();
         assert!(err.contains("Conversation must start with user"), "{err}");
         assert!(ChatTemplate::new("{% for %}", tokens()).is_err());
+        let t = ChatTemplate::new("{{ bos_token }}", tokens()).unwrap();
+        let err = t.render(&[], true).unwrap_err().to_string();
+        assert!(err.contains("empty conversation"), "{err}");
+    }
+
+    #[test]
+    fn special_tokens_and_tojson_are_transformers_ones() {
+        let mut special = tokens();
+        special.set("mask_token", Some("<mask>".into()));
+        special.set("bogus", Some("x".into()));
+        let t = ChatTemplate::new(
+            "{{ bos_token }}|{{ mask_token }}|{{ pad_token is defined }}|{{ messages[0].content | tojson }}|{{ messages[0] | tojson }}",
+            special,
+        )
+        .unwrap();
+        let text = t
+            .render(&[Message::new("user", "<a & 'b'>")], true)
+            .unwrap();
+        assert_eq!(
+            text,
+            r#"<s>|<mask>|False|"<a & 'b'>"|{"role": "user", "content": "<a & 'b'>"}"#
+        );
     }
 
     #[test]

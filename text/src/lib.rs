@@ -14,6 +14,7 @@
 
 pub mod chat;
 pub mod error;
+mod jinja_py;
 pub mod model_text;
 pub mod tokenizer;
 

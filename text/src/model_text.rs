@@ -190,15 +190,12 @@ impl ModelText {
         };
         let chat_template = source
             .map(|src| {
-                let special = tokenizer_config
-                    .as_ref()
-                    .map(|c| SpecialTokens {
-                        bos_token: special_token(c, "bos_token"),
-                        eos_token: special_token(c, "eos_token"),
-                        unk_token: special_token(c, "unk_token"),
-                        pad_token: special_token(c, "pad_token"),
-                    })
-                    .unwrap_or_default();
+                let mut special = SpecialTokens::default();
+                if let Some(c) = &tokenizer_config {
+                    for name in SpecialTokens::NAMES {
+                        special.set(name, special_token(c, name));
+                    }
+                }
                 ChatTemplate::new(&src, special)
             })
             .transpose()?;
