@@ -71,5 +71,13 @@ fn the_example_configs_are_valid() {
         }
     }
     loaded.sort();
-    assert_eq!(loaded, ["arith-vllm.toml", "arith.toml", "local.toml"]);
+    assert_eq!(
+        loaded,
+        [
+            "arith-vllm.toml",
+            "arith.toml",
+            "gsm8k-qwen2.5.toml",
+            "local.toml"
+        ]
+    );
 }

@@ -21,6 +21,8 @@ mod engine;
 #[cfg(feature = "torch")]
 mod learner;
 #[cfg(feature = "torch")]
+mod memory;
+#[cfg(feature = "torch")]
 mod speedup;
 #[cfg(feature = "torch")]
 mod staleness;
@@ -87,6 +89,10 @@ pub(crate) enum BenchCommand {
     /// on the same model and requests, the worker's CPU per 1,000 tokens
     /// around vLLM, and a weight swap against vLLM's raw reload.
     Engine(EngineBenchArgs),
+    /// Peak resident memory of a Qwen2.5-0.5B-shaped model (random weights)
+    /// generating with the built-in engine and taking one learner step,
+    /// per micro-batch budget (the first is the baseline of the ratios).
+    Memory(MemoryBenchArgs),
     /// Sync (η = 0) against async training on the long-tailed reverse task,
     /// learner and worker pinned to separate cores: the measured speedup next
     /// to the pipelining bound from the same runs.
@@ -146,6 +152,24 @@ pub(crate) struct EngineBenchArgs {
     /// Port of the vLLM server the bench launches (loopback).
     #[arg(long, default_value_t = 8012)]
     port: u16,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct MemoryBenchArgs {
+    #[arg(long, default_value_t = 8)]
+    completions: usize,
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 512)]
+    completion_tokens: usize,
+    /// Learner micro-batch budgets to measure (tokens; 0 = no split).
+    #[arg(long, value_delimiter = ',', default_value = "1152")]
+    microbatch_tokens: Vec<usize>,
+    #[arg(long, default_value_t = 2)]
+    threads: i32,
+    /// Skip generation (the learner trains on random tokens).
+    #[arg(long)]
+    skip_worker: bool,
 }
 
 #[derive(Debug, Args)]
@@ -310,6 +334,22 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 .context("engine bench")?;
             print!("{report}");
         }
+        #[cfg(feature = "torch")]
+        BenchCommand::Memory(args) => {
+            let opts = memory::MemoryBenchOptions {
+                completions: args.completions,
+                prompt_tokens: args.prompt_tokens,
+                completion_tokens: args.completion_tokens,
+                microbatch_tokens: args.microbatch_tokens,
+                threads: args.threads,
+                skip_worker: args.skip_worker,
+                ..Default::default()
+            };
+            let report = memory::run_memory_bench(opts).context("memory bench")?;
+            print!("{report}");
+        }
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Memory(_) => return crate::no_torch("bench memory"),
         #[cfg(not(feature = "torch"))]
         BenchCommand::Engine(_) => return crate::no_torch("bench engine"),
         #[cfg(not(feature = "torch"))]
