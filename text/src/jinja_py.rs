@@ -6,13 +6,19 @@
 //!   sort_keys=False)`, so `<`, `>`, `&` and `'` stay as they are (minijinja
 //!   escapes them for HTML), items are separated by `", "` and keys by
 //!   `": "` (minijinja writes `","` and `":"`), and floats are written as
-//!   Python writes them;
+//!   Python writes them; serde_json writes the JSON, through a formatter
+//!   with Python's layout;
 //! - `trim` and `str.strip()` / `lstrip()` / `rstrip()`: Python strips what
 //!   `str.isspace()` calls whitespace, which adds the ASCII separators
 //!   U+001C..U+001F to Rust's (Unicode) whitespace.
 
+use std::cell::Cell;
+use std::io;
+
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Error, ErrorKind, State, Value};
+use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
+use serde_json::ser::Formatter;
 
 /// Whether Python's `str.isspace()` holds for `c`.
 pub(crate) fn is_py_space(c: char) -> bool {
@@ -63,17 +69,6 @@ pub(crate) fn unknown_method(
         }));
     }
     minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
-}
-
-/// The options of Python's `json.dumps` that transformers' `tojson` passes
-/// on.
-struct Dumps {
-    ensure_ascii: bool,
-    /// The indentation of one level; `None` writes everything on one line.
-    indent: Option<String>,
-    item_separator: String,
-    key_separator: String,
-    sort_keys: bool,
 }
 
 /// transformers' `tojson` filter: `tojson(x, ensure_ascii=False,
@@ -130,16 +125,36 @@ pub(crate) fn tojson(
     };
     let sort_keys = arg(None, "sort_keys")?.is_some_and(|v| v.is_true());
     kwargs.assert_all_used()?;
-    let options = Dumps {
+
+    let shared = Shared {
+        sort_keys,
+        non_finite: Cell::new(None),
+        error: Cell::new(None),
+    };
+    let formatter = PyFormatter {
         ensure_ascii,
         indent,
         item_separator,
         key_separator,
-        sort_keys,
+        level: 0,
+        has_value: false,
+        non_finite: &shared.non_finite,
     };
-    let mut out = String::new();
-    dump(&mut out, value, &options, 0)?;
-    Ok(Value::from(out))
+    let mut out = Vec::new();
+    let mut serializer = serde_json::Serializer::with_formatter(&mut out, formatter);
+    PyJson {
+        value,
+        shared: &shared,
+    }
+    .serialize(&mut serializer)
+    .map_err(|e| {
+        shared
+            .error
+            .take()
+            .unwrap_or_else(|| invalid(format!("tojson: {e}")))
+    })?;
+    let text = String::from_utf8(out).map_err(|e| invalid(format!("tojson: {e}")))?;
+    Ok(Value::from(text))
 }
 
 fn not_serializable(value: &Value) -> Error {
@@ -149,87 +164,114 @@ fn not_serializable(value: &Value) -> Error {
     ))
 }
 
-fn dump(out: &mut String, value: &Value, o: &Dumps, level: usize) -> Result<(), Error> {
-    match value.kind() {
-        ValueKind::None => out.push_str("null"),
-        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
-        ValueKind::Number => out.push_str(&number(value)?),
-        ValueKind::String => string(out, value.as_str().unwrap_or_default(), o.ensure_ascii),
-        ValueKind::Seq => {
-            let items: Vec<Value> = value
-                .try_iter()
-                .map_err(|_| not_serializable(value))?
-                .collect();
-            container(out, '[', ']', items.len(), o, level, |out, i| {
-                dump(out, &items[i], o, level + 1)
-            })?;
-        }
-        ValueKind::Map => {
-            let mut items = Vec::new();
-            for key in value.try_iter().map_err(|_| not_serializable(value))? {
-                let item = value.get_item(&key)?;
-                items.push((key_text(&key)?, item));
-            }
-            if o.sort_keys {
-                items.sort_by(|a, b| a.0.cmp(&b.0));
-            }
-            container(out, '{', '}', items.len(), o, level, |out, i| {
-                let (key, item) = &items[i];
-                string(out, key, o.ensure_ascii);
-                out.push_str(&o.key_separator);
-                dump(out, item, o, level + 1)
-            })?;
-        }
-        _ => return Err(not_serializable(value)),
-    }
-    Ok(())
+/// What [`PyJson`] and [`PyFormatter`] share while one value is written.
+struct Shared {
+    sort_keys: bool,
+    /// A NaN or infinite float on its way to [`PyFormatter::write_null`]:
+    /// serde_json writes non-finite floats as `null` without asking the
+    /// formatter, Python as `NaN`, `Infinity` and `-Infinity`.
+    non_finite: Cell<Option<f64>>,
+    /// The minijinja error behind a failed serialization, to be returned as
+    /// it is rather than as serde_json's text of it.
+    error: Cell<Option<Error>>,
 }
 
-/// Writes the items of a list or dict between `open` and `close`, as
-/// Python's encoder lays them out.
-fn container(
-    out: &mut String,
-    open: char,
-    close: char,
-    len: usize,
-    o: &Dumps,
-    level: usize,
-    mut item: impl FnMut(&mut String, usize) -> Result<(), Error>,
-) -> Result<(), Error> {
-    out.push(open);
-    if len == 0 {
-        out.push(close);
-        return Ok(());
-    }
-    let newline = |out: &mut String, level: usize| {
-        if let Some(indent) = &o.indent {
-            out.push('\n');
-            for _ in 0..level {
-                out.push_str(indent);
-            }
-        }
-    };
-    newline(out, level + 1);
-    for i in 0..len {
-        if i > 0 {
-            out.push_str(&o.item_separator);
-            newline(out, level + 1);
-        }
-        item(out, i)?;
-    }
-    newline(out, level);
-    out.push(close);
-    Ok(())
+/// A minijinja value as Python's `json.dumps` sees it, for serde: dict keys
+/// turned into strings as Python turns them (and sorted first with
+/// `sort_keys`), and what Python cannot serialize (undefined, functions,
+/// bytes, iterators, other objects) an error rather than minijinja's own
+/// `null` or string for it.
+struct PyJson<'a> {
+    value: &'a Value,
+    shared: &'a Shared,
 }
 
-/// A dict key as `json.dumps` writes it: strings as they are, numbers,
-/// booleans and None as their JSON text.
+impl PyJson<'_> {
+    fn fail<E: serde::ser::Error>(&self, error: Error) -> E {
+        let message = error.to_string();
+        self.shared.error.set(Some(error));
+        E::custom(message)
+    }
+
+    fn items(&self) -> Result<Vec<Value>, Error> {
+        Ok(self
+            .value
+            .try_iter()
+            .map_err(|_| not_serializable(self.value))?
+            .collect())
+    }
+
+    fn entries(&self) -> Result<Vec<(String, Value)>, Error> {
+        let mut entries = Vec::new();
+        for key in self.items()? {
+            let item = self.value.get_item(&key)?;
+            entries.push((key, item));
+        }
+        if self.shared.sort_keys {
+            // Python sorts the keys before turning them into strings, so
+            // numbers sort as numbers.
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        entries
+            .into_iter()
+            .map(|(key, item)| Ok((key_text(&key)?, item)))
+            .collect()
+    }
+}
+
+impl Serialize for PyJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let value = self.value;
+        match value.kind() {
+            ValueKind::None | ValueKind::Bool | ValueKind::String => value.serialize(serializer),
+            ValueKind::Number => match f64::try_from(value.clone()) {
+                Ok(f) if !value.is_integer() && !f.is_finite() => {
+                    self.shared.non_finite.set(Some(f));
+                    serializer.serialize_unit()
+                }
+                _ => value.serialize(serializer),
+            },
+            ValueKind::Seq => {
+                let items = self.items().map_err(|e| self.fail(e))?;
+                let mut seq = serializer.serialize_seq(Some(items.len()))?;
+                for value in &items {
+                    seq.serialize_element(&PyJson {
+                        value,
+                        shared: self.shared,
+                    })?;
+                }
+                seq.end()
+            }
+            ValueKind::Map => {
+                let entries = self.entries().map_err(|e| self.fail(e))?;
+                let mut map = serializer.serialize_map(Some(entries.len()))?;
+                for (key, value) in &entries {
+                    map.serialize_entry(
+                        key,
+                        &PyJson {
+                            value,
+                            shared: self.shared,
+                        },
+                    )?;
+                }
+                map.end()
+            }
+            _ => Err(self.fail(not_serializable(value))),
+        }
+    }
+}
+
+/// A dict key as `json.dumps` turns it into a string: strings as they are,
+/// numbers, booleans and None as their JSON text.
 fn key_text(key: &Value) -> Result<String, Error> {
     match key.kind() {
         ValueKind::String => Ok(key.as_str().unwrap_or_default().to_owned()),
         ValueKind::None => Ok("null".to_owned()),
         ValueKind::Bool => Ok(if key.is_true() { "true" } else { "false" }.to_owned()),
-        ValueKind::Number => number(key),
+        ValueKind::Number if key.is_integer() => Ok(key.to_string()),
+        ValueKind::Number => Ok(py_float(
+            f64::try_from(key.clone()).map_err(|_| not_serializable(key))?,
+        )),
         _ => Err(invalid(format!(
             "tojson: keys must be str, int, float, bool or None, not {}",
             key.kind()
@@ -237,13 +279,144 @@ fn key_text(key: &Value) -> Result<String, Error> {
     }
 }
 
-/// A number as Python's `json.dumps` writes it (`repr` for floats).
-fn number(value: &Value) -> Result<String, Error> {
-    if value.is_integer() {
-        return Ok(value.to_string());
+/// serde_json's layout made Python's `json.dumps` one: its separators (by
+/// default `", "` and `": "`, or `","` at line ends when indenting), its
+/// indentation (every item on a line of its own, `[]` and `{}` when empty),
+/// floats as Python's `repr` (`NaN` and `Infinity` included) and, with
+/// `ensure_ascii`, everything outside printable ASCII as `\uXXXX`.
+struct PyFormatter<'a> {
+    ensure_ascii: bool,
+    /// The indentation of one level; `None` writes everything on one line.
+    indent: Option<String>,
+    item_separator: String,
+    key_separator: String,
+    /// How many lists and dicts are open.
+    level: usize,
+    /// Whether the innermost open list or dict has had an item.
+    has_value: bool,
+    non_finite: &'a Cell<Option<f64>>,
+}
+
+impl PyFormatter<'_> {
+    fn newline<W: ?Sized + io::Write>(&self, writer: &mut W) -> io::Result<()> {
+        if let Some(indent) = &self.indent {
+            writer.write_all(b"\n")?;
+            for _ in 0..self.level {
+                writer.write_all(indent.as_bytes())?;
+            }
+        }
+        Ok(())
     }
-    let f = f64::try_from(value.clone()).map_err(|_| not_serializable(value))?;
-    Ok(py_float(f))
+
+    fn open<W: ?Sized + io::Write>(&mut self, writer: &mut W, bracket: &[u8]) -> io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        writer.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + io::Write>(&mut self, writer: &mut W, bracket: &[u8]) -> io::Result<()> {
+        self.level = self.level.saturating_sub(1);
+        if self.has_value {
+            self.newline(writer)?;
+        }
+        writer.write_all(bracket)
+    }
+
+    fn item<W: ?Sized + io::Write>(&mut self, writer: &mut W, first: bool) -> io::Result<()> {
+        if !first {
+            writer.write_all(self.item_separator.as_bytes())?;
+        }
+        self.newline(writer)
+    }
+}
+
+impl Formatter for PyFormatter<'_> {
+    fn write_null<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        match self.non_finite.take() {
+            Some(f) => writer.write_all(py_float(f).as_bytes()),
+            None => writer.write_all(b"null"),
+        }
+    }
+
+    fn write_f32<W: ?Sized + io::Write>(&mut self, writer: &mut W, value: f32) -> io::Result<()> {
+        writer.write_all(py_float(f64::from(value)).as_bytes())
+    }
+
+    fn write_f64<W: ?Sized + io::Write>(&mut self, writer: &mut W, value: f64) -> io::Result<()> {
+        writer.write_all(py_float(value).as_bytes())
+    }
+
+    /// serde_json escapes `"`, `\` and control characters as Python does;
+    /// `ensure_ascii` adds everything outside `' '..='~'`, as UTF-16 code
+    /// units.
+    fn write_string_fragment<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        fragment: &str,
+    ) -> io::Result<()> {
+        if !self.ensure_ascii {
+            return writer.write_all(fragment.as_bytes());
+        }
+        let mut start = 0;
+        for (i, c) in fragment.char_indices() {
+            if (' '..='~').contains(&c) {
+                continue;
+            }
+            writer.write_all(&fragment.as_bytes()[start..i])?;
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                write!(writer, "\\u{unit:04x}")?;
+            }
+            start = i + c.len_utf8();
+        }
+        writer.write_all(&fragment.as_bytes()[start..])
+    }
+
+    fn begin_array<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.open(writer, b"[")
+    }
+
+    fn end_array<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.close(writer, b"]")
+    }
+
+    fn begin_array_value<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.item(writer, first)
+    }
+
+    fn end_array_value<W: ?Sized + io::Write>(&mut self, _writer: &mut W) -> io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+
+    fn begin_object<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.open(writer, b"{")
+    }
+
+    fn end_object<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.close(writer, b"}")
+    }
+
+    fn begin_object_key<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.item(writer, first)
+    }
+
+    fn begin_object_value<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        writer.write_all(self.key_separator.as_bytes())
+    }
+
+    fn end_object_value<W: ?Sized + io::Write>(&mut self, _writer: &mut W) -> io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
 }
 
 /// Python's `repr(float)` (as `json.dumps` writes floats): the shortest
@@ -284,31 +457,6 @@ pub(crate) fn py_float(f: f64) -> String {
         let exp_sign = if exp < 0 { '-' } else { '+' };
         format!("{sign}{}{rest}e{exp_sign}{:02}", &digits[..1], exp.abs())
     }
-}
-
-/// A JSON string as Python's `json.dumps` writes it.
-fn string(out: &mut String, s: &str, ensure_ascii: bool) {
-    use std::fmt::Write;
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (ensure_ascii && !(' '..='~').contains(&c)) => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    let _ = write!(out, "\\u{unit:04x}");
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 #[cfg(test)]
@@ -353,6 +501,176 @@ mod tests {
         env.add_filter("tojson", tojson);
         assert!(env.render_str("{{ 1 | tojson(bogus=1) }}", ()).is_err());
         assert!(env.render_str("{{ x | tojson }}", ()).is_err(), "undefined");
+    }
+
+    /// A dict that keeps its keys in the order given (minijinja's own maps
+    /// are sorted without its `preserve_order` feature).
+    #[derive(Debug)]
+    struct Dict(Vec<(Value, Value)>);
+
+    impl minijinja::value::Object for Dict {
+        fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+            minijinja::value::ObjectRepr::Map
+        }
+
+        fn get_value(self: &std::sync::Arc<Self>, key: &Value) -> Option<Value> {
+            self.0
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.clone())
+        }
+
+        fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+            minijinja::value::Enumerator::Values(self.0.iter().map(|(k, _)| k.clone()).collect())
+        }
+    }
+
+    fn dict(entries: Vec<(Value, Value)>) -> Value {
+        Value::from_object(Dict(entries))
+    }
+
+    // The expected texts are what Python 3's `json.dumps` writes.
+    #[test]
+    fn tojson_lays_out_and_escapes_as_python() {
+        let nested = dict(vec![
+            (
+                "b".into(),
+                Value::from(vec![
+                    Value::from(1),
+                    dict(vec![
+                        ("c".into(), Value::from(Vec::<Value>::new())),
+                        ("d".into(), dict(vec![])),
+                    ]),
+                    Value::from(vec![Value::from(2), Value::from(vec![3])]),
+                ]),
+            ),
+            ("a".into(), Value::from(())),
+        ]);
+        let ctx = minijinja::context! {
+            nested => nested,
+            keys => dict(vec![
+                (Value::from(()), 1.into()),
+                (true.into(), 2.into()),
+                (1.5.into(), 3.into()),
+                (1e16.into(), 4.into()),
+            ]),
+            numbers => dict(vec![(10.into(), 1.into()), (9.into(), 2.into()), (1.5.into(), 3.into())]),
+            twice => dict(vec![(1.into(), "a".into()), ("1".into(), "b".into())]),
+            s => "é\u{7f}\u{1f}😀\"\\\n\u{8}\u{c}\r\t</script>",
+            scalars => vec![
+                Value::from(1e16),
+                Value::from(0.1),
+                Value::from(-0.0),
+                Value::from(1.0),
+                Value::from(f64::NAN),
+                Value::from(f64::INFINITY),
+                Value::from(f64::NEG_INFINITY),
+                Value::from(true),
+                Value::from(false),
+                Value::from(()),
+                Value::from(1u128 << 70),
+                Value::from(-(1i128 << 70)),
+                Value::from(u64::MAX),
+                Value::from(i64::MIN),
+            ],
+        };
+        // sort_keys=False keeps the dict's order.
+        assert_eq!(
+            render("{{ nested | tojson }}", ctx.clone()),
+            r#"{"b": [1, {"c": [], "d": {}}, [2, [3]]], "a": null}"#
+        );
+        assert_eq!(
+            render("{{ nested | tojson(indent=2) }}", ctx.clone()),
+            "{\n  \"b\": [\n    1,\n    {\n      \"c\": [],\n      \"d\": {}\n    },\n    [\n      2,\n      [\n        3\n      ]\n    ]\n  ],\n  \"a\": null\n}"
+        );
+        assert_eq!(
+            render("{{ nested | tojson(sort_keys=true) }}", ctx.clone()),
+            r#"{"a": null, "b": [1, {"c": [], "d": {}}, [2, [3]]]}"#
+        );
+        assert_eq!(
+            render(
+                "{{ [1, [2]] | tojson(indent='\t', separators=(', ', ' = ')) }}",
+                ctx.clone()
+            ),
+            "[\n\t1, \n\t[\n\t\t2\n\t]\n]"
+        );
+        assert_eq!(
+            render("{{ nested.b | tojson(false, 2) }}", ctx.clone()),
+            render("{{ nested.b | tojson(indent=2) }}", ctx.clone())
+        );
+        assert_eq!(
+            render("{{ [[], {}] | tojson(indent=0) }}", ctx.clone()),
+            "[\n[],\n{}\n]"
+        );
+        // Keys become strings as Python makes them; numbers sort as numbers;
+        // keys that end up equal are both written.
+        assert_eq!(
+            render("{{ keys | tojson(indent=0) }}", ctx.clone()),
+            "{\n\"null\": 1,\n\"true\": 2,\n\"1.5\": 3,\n\"1e+16\": 4\n}"
+        );
+        assert_eq!(
+            render("{{ numbers | tojson(sort_keys=true) }}", ctx.clone()),
+            r#"{"1.5": 3, "9": 2, "10": 1}"#
+        );
+        assert_eq!(
+            render("{{ twice | tojson }}", ctx.clone()),
+            r#"{"1": "a", "1": "b"}"#
+        );
+        // Escapes: controls always, everything outside ' '..='~' with
+        // ensure_ascii; never the HTML characters.
+        assert_eq!(
+            render("{{ s | tojson }}", ctx.clone()),
+            "\"é\u{7f}\\u001f😀\\\"\\\\\\n\\b\\f\\r\\t</script>\""
+        );
+        assert_eq!(
+            render("{{ s | tojson(true) }}", ctx.clone()),
+            r#""\u00e9\u007f\u001f\ud83d\ude00\"\\\n\b\f\r\t</script>""#
+        );
+        assert_eq!(
+            render("{{ {'é': 'ü'} | tojson(ensure_ascii=true) }}", ctx.clone()),
+            r#"{"\u00e9": "\u00fc"}"#
+        );
+        assert_eq!(
+            render("{{ scalars | tojson }}", ctx.clone()),
+            "[1e+16, 0.1, -0.0, 1.0, NaN, Infinity, -Infinity, true, false, null, \
+             1180591620717411303424, -1180591620717411303424, 18446744073709551615, \
+             -9223372036854775808]"
+        );
+        assert_eq!(render("{{ 2.5 | tojson }}", ctx.clone()), "2.5");
+        assert_eq!(render("{{ none | tojson }}", ctx), "null");
+    }
+
+    #[test]
+    fn tojson_refuses_what_python_cannot_serialize() {
+        let mut env = minijinja::Environment::new();
+        env.add_filter("tojson", tojson);
+        for (source, message) in [
+            (
+                "{{ x | tojson }}",
+                "type undefined is not JSON serializable",
+            ),
+            (
+                "{{ [1, x] | tojson }}",
+                "type undefined is not JSON serializable",
+            ),
+            (
+                "{{ {'a': x} | tojson }}",
+                "type undefined is not JSON serializable",
+            ),
+            ("{{ [range] | tojson }}", "is not JSON serializable"),
+            (
+                "{{ {'a': [1, range]} | tojson(indent=2) }}",
+                "is not JSON serializable",
+            ),
+            (
+                "{{ {(1, 2): 1} | tojson }}",
+                "keys must be str, int, float, bool or None",
+            ),
+        ] {
+            let err = env.render_str(source, ()).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidOperation, "{source}");
+            assert!(err.to_string().contains(message), "{source}: {err}");
+        }
     }
 
     #[test]
