@@ -31,6 +31,11 @@ pub struct KnobLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DatasetLabel {
+    pub dataset: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
     pub outcome: String,
 }
@@ -65,6 +70,10 @@ pub struct CoordinatorMetrics {
     pub weight_dissemination_seconds: GaugeF,
     pub state_persist_seconds: Histogram,
     pub state_bytes: Gauge,
+    /// Tasks loaded per data set.
+    pub dataset_tasks: Family<DatasetLabel, Gauge>,
+    /// Rows left out at load time as over `max_prompt_tokens`.
+    pub dataset_long_prompts_skipped: Family<DatasetLabel, Gauge>,
 }
 
 impl CoordinatorMetrics {
@@ -115,6 +124,16 @@ impl CoordinatorMetrics {
                 "tasks_returned",
                 "Leases handed back by draining workers",
                 Counter::default(),
+            )?,
+            dataset_tasks: m.register(
+                "dataset_tasks",
+                "Tasks loaded per data set",
+                Family::default(),
+            )?,
+            dataset_long_prompts_skipped: m.register(
+                "dataset_long_prompts_skipped",
+                "Rows of a data set left out at load time because their prompt is over max_prompt_tokens",
+                Family::default(),
             )?,
             completions_refused: m.register(
                 "completions_refused",

@@ -531,7 +531,7 @@ async fn a_changed_task_set_is_refused_at_restart_with_a_clear_error() {
     .expect("a bad tasks file must be refused");
     assert!(
         err.to_string()
-            .contains("arith.jsonl line 2: not valid JSON"),
+            .contains("arith.jsonl, line 2: not valid JSON"),
         "{err}"
     );
 }

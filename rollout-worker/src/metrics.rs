@@ -44,6 +44,9 @@ pub struct WorkerMetrics {
     /// failed sibling).
     pub sequences_cancelled: Counter,
     pub trajectories_published: Counter,
+    /// Published trajectories by why their completion ended (`stop`,
+    /// `length`, `stop_string`).
+    pub completions_finished: Family<ReasonLabels, Counter>,
     /// Durable publishes retried after a transient error.
     pub publish_retries: Counter,
     /// The weight version in use.
@@ -146,6 +149,11 @@ impl WorkerMetrics {
                 "worker_trajectories_published",
                 "Trajectories acked by the trajectory stream",
                 Counter::default,
+            )?,
+            completions_finished: m.get_or_register(
+                "worker_completions_finished",
+                "Published completions by why they ended (reason: stop, length, stop_string)",
+                Family::<ReasonLabels, Counter>::default,
             )?,
             publish_retries: m.get_or_register(
                 "worker_publish_retries",

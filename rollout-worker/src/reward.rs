@@ -140,26 +140,27 @@ impl Scorer {
         })))
     }
 
+    /// A task whose verifier is built in (`arith`, `reverse`, `math`) is
+    /// scored here; any other (`service`) by the reward service, or marked
+    /// failed when there is none.
     pub async fn score(&self, input: &ScoreInput) -> RewardOutcome {
         let start = Instant::now();
-        match self {
-            Scorer::Builtin => {
-                match asyncrl_tasks::score(&input.verifier, &input.completion, &input.answer) {
-                    Verdict::Reward(reward) => RewardOutcome::Scored {
-                        reward,
-                        latency: start.elapsed(),
-                    },
-                    Verdict::NoVerifier => RewardOutcome::Failed {
-                        reason: format!(
-                            "data set {:?} has no built-in verifier; configure a reward service",
-                            input.dataset
-                        ),
-                        attempts: 0,
-                        latency: start.elapsed(),
-                    },
-                }
-            }
-            Scorer::External(ext) => ext.score(input, start).await,
+        match asyncrl_tasks::score(&input.verifier, &input.completion, &input.answer) {
+            Verdict::Reward(reward) => RewardOutcome::Scored {
+                reward,
+                latency: start.elapsed(),
+            },
+            Verdict::NoVerifier => match self {
+                Scorer::External(ext) => ext.score(input, start).await,
+                Scorer::Builtin => RewardOutcome::Failed {
+                    reason: format!(
+                        "data set {:?} has verifier {:?}, which is no built-in one; configure a reward service (worker.reward.endpoint)",
+                        input.dataset, input.verifier
+                    ),
+                    attempts: 0,
+                    latency: start.elapsed(),
+                },
+            },
         }
     }
 }

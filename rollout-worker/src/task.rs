@@ -520,6 +520,18 @@ async fn run_completion(
         }
     }
     shared.metrics.trajectories_published.inc();
+    shared
+        .metrics
+        .completions_finished
+        .get_or_create(&reason(
+            match FinishReason::try_from(trajectory.finish_reason) {
+                Ok(FinishReason::Stop) => "stop",
+                Ok(FinishReason::Length) => "length",
+                Ok(FinishReason::StopString) => "stop_string",
+                _ => "other",
+            },
+        ))
+        .inc();
     bump(&shared.counters.trajectories_published);
     let announced = shared.announced_version.load(Ordering::Relaxed);
     let lag = (announced - trajectory.oldest_version()).max(0);

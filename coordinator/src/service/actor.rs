@@ -175,6 +175,17 @@ impl Actor {
         .map_err(CoordinatorError::Join)??;
         for (name, kept, skipped) in tasks.summary() {
             tracing::info!(dataset = %name, tasks = kept, skipped_long = skipped, "data set loaded");
+            let label = crate::metrics::DatasetLabel {
+                dataset: name.clone(),
+            };
+            metrics
+                .dataset_tasks
+                .get_or_create(&label)
+                .set(i64::try_from(*kept).unwrap_or(i64::MAX));
+            metrics
+                .dataset_long_prompts_skipped
+                .get_or_create(&label)
+                .set(i64::try_from(*skipped).unwrap_or(i64::MAX));
         }
         let tasks = Arc::new(tasks);
         let settings = Settings {
