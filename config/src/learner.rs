@@ -49,6 +49,12 @@ pub struct LearnerConfig {
     pub m2po_threshold: f64,
     /// Optimizer steps per batch (the batch is split into this many mini-batches).
     pub minibatches: usize,
+    /// Padded positions (rows × the longest prompt + completion among them)
+    /// of one forward pass at most: each mini-batch, and the recompute pass,
+    /// run micro-batch by micro-batch under this budget with gradient
+    /// accumulation, one optimizer step per mini-batch as without it. A row
+    /// longer than the budget is a micro-batch of its own. 0: no split.
+    pub max_tokens_per_microbatch: usize,
     /// Linear learning-rate warmup over this many steps.
     pub warmup_steps: u64,
     pub weight_decay: f64,
@@ -82,6 +88,7 @@ impl Default for LearnerConfig {
             loss_aggregation: LossAggregationName::Token,
             m2po_threshold: 0.04,
             minibatches: 1,
+            max_tokens_per_microbatch: 0,
             warmup_steps: 0,
             weight_decay: 0.0,
             beta1: 0.9,
@@ -98,10 +105,20 @@ impl Default for LearnerConfig {
     }
 }
 
+/// The largest `learner.max_tokens_per_microbatch` (2³² − 1): far above
+/// what any accelerator holds.
+const MAX_TOKENS_PER_MICROBATCH: usize = u32::MAX as usize;
+
 impl LearnerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_range("learner.m2po_threshold", self.m2po_threshold, 0.0, 100.0)?;
         check_range("learner.minibatches", self.minibatches, 1, 1024)?;
+        check_range(
+            "learner.max_tokens_per_microbatch",
+            self.max_tokens_per_microbatch,
+            0,
+            MAX_TOKENS_PER_MICROBATCH,
+        )?;
         check_range("learner.weight_decay", self.weight_decay, 0.0, 1.0)?;
         check_range("learner.beta1", self.beta1, 0.0, 0.999_999)?;
         check_range("learner.beta2", self.beta2, 0.0, 0.999_999_9)?;
@@ -128,5 +145,53 @@ impl LearnerConfig {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::test_check::check;
+
+    #[test]
+    fn max_tokens_per_microbatch_table() {
+        let cases: &[(&str, Option<&str>)] = &[
+            // Unset and 0: no split.
+            ("", None),
+            ("[learner]\nmax_tokens_per_microbatch = 0", None),
+            // Any budget, even below one row's length (rows then go alone).
+            ("[learner]\nmax_tokens_per_microbatch = 1", None),
+            ("[learner]\nmax_tokens_per_microbatch = 16384", None),
+            ("[learner]\nmax_tokens_per_microbatch = 4294967295", None),
+            (
+                "[learner]\nmax_tokens_per_microbatch = 4294967296",
+                Some(
+                    "`learner.max_tokens_per_microbatch` = 4294967296 is out of range [0, 4294967295]",
+                ),
+            ),
+            (
+                "[learner]\nmax_tokens_per_microbatch = -1",
+                Some("`learner.max_tokens_per_microbatch`"),
+            ),
+            (
+                "[learner]\nmax_tokens_per_microbatch = 1.5",
+                Some("`learner.max_tokens_per_microbatch`"),
+            ),
+            (
+                "[learner]\nmax_tokens_per_microbatch = \"8k\"",
+                Some("`learner.max_tokens_per_microbatch`"),
+            ),
+        ];
+        for (text, want) in cases {
+            check(text, *want);
+        }
+    }
+
+    #[test]
+    fn max_tokens_per_microbatch_defaults_to_no_split() {
+        let config = crate::Config::parse("", None).unwrap();
+        assert_eq!(config.learner.max_tokens_per_microbatch, 0);
+        let config =
+            crate::Config::parse("[learner]\nmax_tokens_per_microbatch = 8192", None).unwrap();
+        assert_eq!(config.learner.max_tokens_per_microbatch, 8192);
     }
 }

@@ -40,6 +40,9 @@ pub struct TrainBatch {
     pub advantages: Tensor,
     /// `[N, T]` bool: real completion tokens of trajectories with a reward.
     pub mask: Tensor,
+    /// Per row: prompt + completion tokens (the row's unpadded length in
+    /// `input_ids`).
+    pub lengths: Vec<i64>,
     /// Per row.
     pub uuids: Vec<String>,
     pub group_ids: Vec<String>,
@@ -203,6 +206,10 @@ pub fn assemble(
         versions: Tensor::from_slice(&versions).view(shape_t),
         advantages: Tensor::from_slice(&advantages).view(shape_t),
         mask: Tensor::from_slice(&mask).view(shape_t),
+        lengths: rows
+            .iter()
+            .map(|r| (r.prompt.len() + r.completion.len()) as i64)
+            .collect(),
         rewards: rows.iter().map(|r| r.reward).collect(),
         uuids: rows.iter().map(|r| r.uuid.clone()).collect(),
         group_ids: rows.into_iter().map(|r| r.group).collect(),
@@ -226,6 +233,7 @@ impl TrainBatch {
             versions: self.versions.to_device(device),
             advantages: self.advantages.to_device(device),
             mask: self.mask.to_device(device),
+            lengths: self.lengths.clone(),
             uuids: self.uuids.clone(),
             group_ids: self.group_ids.clone(),
             rewards: self.rewards.clone(),
@@ -249,6 +257,7 @@ impl TrainBatch {
             versions: pick(&self.versions),
             advantages: pick(&self.advantages),
             mask,
+            lengths: rows.iter().map(|r| self.lengths[*r as usize]).collect(),
             uuids: sel(&self.uuids),
             group_ids: sel(&self.group_ids),
             rewards: rows.iter().map(|r| self.rewards[*r as usize]).collect(),
@@ -257,6 +266,71 @@ impl TrainBatch {
             min_version: self.min_version,
         }
     }
+
+    /// The longest row (prompt + completion), at least 1.
+    pub fn longest(&self) -> i64 {
+        self.lengths.iter().copied().max().unwrap_or(1).max(1)
+    }
+
+    /// The same rows with `input_ids` cut to the longest row (at least two
+    /// positions, as the shifted log-prob matrix needs one). Padding is on
+    /// the right, so every `gather_index` stays valid: a completion token's
+    /// index `prompt_len − 1 + t` is below its row's length − 1, and padding
+    /// points at 0. With causal attention the result is the same as the
+    /// untrimmed batch's.
+    pub fn trimmed(mut self) -> TrainBatch {
+        let l = self.input_ids.size()[1];
+        let keep = self.longest().max(2).min(l);
+        if keep < l {
+            self.input_ids = self.input_ids.narrow(1, 0, keep).contiguous();
+        }
+        self
+    }
+
+    /// Splits the rows into micro-batches of at most `max_tokens` padded
+    /// positions each: rows × the longest row of the micro-batch. Returns
+    /// the row indices of each micro-batch (into this batch).
+    ///
+    /// `max_tokens == 0`, or all rows fitting (rows × their longest ≤
+    /// `max_tokens`), gives one micro-batch of all rows in their order.
+    /// Otherwise rows are sorted by length, longest first, and packed
+    /// greedily, so each micro-batch pads to its own longest row and rows
+    /// of similar length travel together. A row longer than `max_tokens`
+    /// on its own is its own micro-batch: the budget is then exceeded by
+    /// that one row, never refused.
+    pub fn microbatches(&self, max_tokens: usize) -> Vec<Vec<i64>> {
+        pack_microbatches(&self.lengths, max_tokens)
+    }
+}
+
+/// [`TrainBatch::microbatches`] over row lengths.
+pub fn pack_microbatches(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i64>> {
+    let n = lengths.len();
+    let longest = lengths.iter().copied().max().unwrap_or(0).max(1);
+    let budget = i64::try_from(max_tokens).unwrap_or(i64::MAX);
+    if max_tokens == 0 || n as i64 <= budget / longest {
+        return vec![(0..n as i64).collect()];
+    }
+    let mut order: Vec<i64> = (0..n as i64).collect();
+    // Stable: rows of equal length keep their order.
+    order.sort_by_key(|i| std::cmp::Reverse(lengths[*i as usize]));
+    let mut out: Vec<Vec<i64>> = Vec::new();
+    let mut current: Vec<i64> = Vec::new();
+    // Longest first: the first row of a micro-batch is its longest.
+    let mut width = 1i64;
+    for i in order {
+        if current.is_empty() {
+            width = lengths[i as usize].max(1);
+        } else if (current.len() as i64 + 1).saturating_mul(width) > budget {
+            out.push(std::mem::take(&mut current));
+            width = lengths[i as usize].max(1);
+        }
+        current.push(i);
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
 }
 
 /// Log-probs of the completion tokens, `[N, T]`, from logits `[N, L, V]` of
@@ -374,6 +448,67 @@ mod tests {
         let hot = completion_logprobs(&logits, &b, 2.0);
         let full2 = (&logits / 2.0).log_softmax(-1, Kind::Float);
         assert!((hot.double_value(&[0, 1]) - full2.double_value(&[0, 2, 1])).abs() < 1e-6);
+    }
+
+    #[test]
+    fn microbatches_pack_rows_under_the_budget() {
+        /// Row lengths, budget, the micro-batches expected.
+        type Case<'a> = (&'a [i64], usize, &'a [&'a [i64]]);
+        let cases: &[Case<'_>] = &[
+            // No budget, or everything fits: one micro-batch, rows in order.
+            (&[3, 5, 2], 0, &[&[0, 1, 2]]),
+            (&[3, 5, 2], 15, &[&[0, 1, 2]]),
+            // Longest first, each micro-batch padded to its first row.
+            (&[3, 5, 2], 14, &[&[1, 0], &[2]]),
+            (&[3, 5, 2, 5], 10, &[&[1, 3], &[0, 2]]),
+            (&[4, 4, 4, 4, 4], 8, &[&[0, 1], &[2, 3], &[4]]),
+            // A row over the budget goes alone; so does every row under a tiny one.
+            (&[9, 2, 2], 4, &[&[0], &[1, 2]]),
+            (&[3, 5, 2], 1, &[&[1], &[0], &[2]]),
+            (&[], 4, &[&[]]),
+        ];
+        for (lengths, budget, want) in cases {
+            let got = pack_microbatches(lengths, *budget);
+            let want: Vec<Vec<i64>> = want.iter().map(|m| m.to_vec()).collect();
+            assert_eq!(got, want, "lengths {lengths:?}, budget {budget}");
+            // Every row exactly once; under the budget unless alone.
+            let mut all: Vec<i64> = got.iter().flatten().copied().collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..lengths.len() as i64).collect::<Vec<_>>());
+            if *budget > 0 {
+                for m in &got {
+                    let width = m.iter().map(|i| lengths[*i as usize]).max().unwrap_or(0);
+                    assert!(m.len() == 1 || m.len() as i64 * width <= *budget as i64);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn trimmed_rows_keep_their_log_probs() {
+        let rb = asyncrl_protos::arrow_schema::to_record_batch(&[
+            traj(0, "g", vec![1, 2, 3, 4], vec![3, 1, 2], Some(1.0)),
+            traj(1, "g", vec![2], vec![0, 3], Some(0.0)),
+            traj(2, "h", vec![2, 1], vec![1], Some(0.0)),
+            traj(3, "h", vec![3], vec![], Some(1.0)),
+        ])
+        .unwrap();
+        let b = assemble(&[rb], 0, AdvantageNorm::Mean).unwrap();
+        assert_eq!(b.lengths, vec![7, 3, 3, 1]);
+        let v = 5;
+        let logits = Tensor::randn([4, 7, v], (Kind::Float, Device::Cpu));
+        let full = completion_logprobs(&logits, &b, 1.0);
+        for rows in [vec![1i64, 2], vec![3], vec![2, 3]] {
+            let part = b.rows(&rows).trimmed();
+            let l = part.input_ids.size()[1];
+            assert_eq!(l, part.longest().max(2));
+            let idx = Tensor::from_slice(&rows);
+            let part_logits = logits.index_select(0, &idx).narrow(1, 0, l);
+            let got =
+                completion_logprobs(&part_logits, &part, 1.0) * part.mask.to_kind(Kind::Float);
+            let want = full.index_select(0, &idx) * part.mask.to_kind(Kind::Float);
+            assert!(got.allclose(&want, 1e-6, 1e-6, false), "rows {rows:?}");
+        }
     }
 
     #[test]

@@ -25,6 +25,14 @@
 //! Masked tokens (weight cap, m2po) contribute nothing but stay in the
 //! denominator of the mean, so masking removes a token's gradient without
 //! rescaling the others.
+//!
+//! The loss is computed in two parts so that a mini-batch can run as several
+//! micro-batches with gradient accumulation: an [`ObjectivePlan`] holds what
+//! depends on the whole mini-batch (the aggregation's normalisers, the
+//! adaptive quantile, m2po's mask, `p` where known), and
+//! [`ObjectivePlan::loss`] is the loss of any subset of its rows, scaled so
+//! that the subsets' losses (and gradients) sum to the whole one.
+//! [`decoupled_ppo_loss`] is the plan and the loss of all rows.
 
 use serde::Deserialize;
 use tch::{Kind, Tensor};
@@ -135,6 +143,10 @@ pub enum ObjectiveError {
         got: Vec<i64>,
         want: Vec<i64>,
     },
+    #[error(
+        "clip mode `{0}` needs the proximal (or current) log-probs of the whole mini-batch to plan the objective"
+    )]
+    ProximalNeeded(ClipMode),
 }
 
 /// A-3PO's proximal approximation (detached): `p = b + α·(c − b)` with
@@ -242,128 +254,335 @@ fn m2po_keep(m2: &Tensor, valid: &Tensor, threshold: f64) -> Tensor {
         .to_device(valid.device())
 }
 
+fn check_shape(name: &'static str, t: &Tensor, want: &[i64]) -> Result<(), ObjectiveError> {
+    if t.size() != want {
+        return Err(ObjectiveError::Shape {
+            name,
+            got: t.size(),
+            want: want.to_vec(),
+        });
+    }
+    Ok(())
+}
+
 /// Computes the decoupled PPO loss at learner version `learner_version`
-/// (the version whose weights produce `current`).
+/// (the version whose weights produce `current`): the [`ObjectivePlan`] of
+/// all rows and its [`ObjectivePlan::loss`] over all of them.
 pub fn decoupled_ppo_loss(
     inputs: &TokenInputs<'_>,
     learner_version: i64,
     cfg: &ObjectiveConfig,
 ) -> Result<ObjectiveOutput, ObjectiveError> {
-    let shape = inputs.behaviour.size();
-    let check = |name: &'static str, t: &Tensor| -> Result<(), ObjectiveError> {
-        if t.size() != shape {
-            return Err(ObjectiveError::Shape {
-                name,
-                got: t.size(),
-                want: shape.clone(),
-            });
-        }
-        Ok(())
-    };
-    check("current", inputs.current)?;
-    check("advantages", inputs.advantages)?;
-    check("versions", inputs.versions)?;
-    check("mask", inputs.mask)?;
-    if let Some(p) = inputs.proximal {
-        check("proximal", p)?;
-    }
-    let kind = inputs.current.kind();
-    let b = inputs.behaviour.to_kind(kind).detach();
-    let c = inputs.current;
-    let a = inputs.advantages.to_kind(kind).detach();
-    let valid = inputs.mask.to_kind(Kind::Bool);
-    let valid_f = valid.to_kind(kind);
-    let n_valid = valid_f.sum(Kind::Double).double_value(&[]);
+    check_shape("current", inputs.current, &inputs.behaviour.size())?;
+    let plan = ObjectivePlan::new(
+        &PlanInputs {
+            behaviour: inputs.behaviour,
+            proximal: inputs.proximal,
+            current: Some(inputs.current),
+            advantages: inputs.advantages,
+            versions: inputs.versions,
+            mask: inputs.mask,
+        },
+        learner_version,
+        cfg,
+    )?;
+    let part = plan.loss(None, inputs.current)?;
+    let stats = plan.stats(&part.sums);
+    Ok(ObjectiveOutput {
+        loss: part.loss,
+        stats,
+    })
+}
 
-    let p = match inputs.proximal {
-        Some(p) => p.to_kind(kind).detach(),
-        None => approx_proximal(&b, c, inputs.versions, learner_version),
-    };
-    let log_w = (&p - &b).detach();
-    let w = log_w.exp();
-    let over_cap = w.gt(cfg.importance_weight_cap).logical_and(&valid);
-    let mut keep = valid.logical_and(&over_cap.logical_not());
-    let mut m2po_masked = 0.0;
-    if cfg.clip_mode == ClipMode::M2po {
-        let m2 = log_w.square();
-        let kept = m2po_keep(&m2, &keep, cfg.m2po_threshold);
-        m2po_masked = fraction(
-            &keep.logical_and(&kept.logical_not()).sum(Kind::Double),
+/// What an [`ObjectivePlan`] is built from: the detached per-token inputs
+/// of a whole mini-batch, all `[N, T]` on one device.
+pub struct PlanInputs<'a> {
+    /// Behaviour log-probs `b` (float).
+    pub behaviour: &'a Tensor,
+    /// Proximal log-probs `p` from a recompute pass; `None` ⇒ A-3PO approx.
+    pub proximal: Option<&'a Tensor>,
+    /// Current log-probs `c` of every row (used detached, for A-3PO's `p`).
+    /// Without `proximal`, the clip modes with batch statistics of `p`
+    /// (adaptive, m2po: [`ObjectivePlan::needs_proximal`]) need them; plain
+    /// PPO computes `p` token by token in [`ObjectivePlan::loss`].
+    pub current: Option<&'a Tensor>,
+    pub advantages: &'a Tensor,
+    /// Behaviour version `v_b` of each token (any numeric kind).
+    pub versions: &'a Tensor,
+    /// Valid tokens (bool).
+    pub mask: &'a Tensor,
+}
+
+/// The mini-batch-level part of the objective, computed once from detached
+/// inputs: the normalisers of the aggregation (valid tokens, sequences with
+/// a valid token), adaptive's quantile of `|p − b|` over the valid tokens,
+/// m2po's keep mask, the proximal log-probs when they are known, and the
+/// version-lag statistics. [`ObjectivePlan::loss`] then gives the loss of
+/// any subset of the rows (a micro-batch) from that subset's current
+/// log-probs, scaled so that the losses of micro-batches that partition the
+/// rows sum to the loss of the whole mini-batch, and so do the gradients:
+/// gradient accumulation over micro-batches is exact up to float rounding.
+#[derive(Debug)]
+pub struct ObjectivePlan {
+    cfg: ObjectiveConfig,
+    learner_version: i64,
+    behaviour: Tensor,
+    advantages: Tensor,
+    versions: Tensor,
+    /// Valid tokens (bool).
+    valid: Tensor,
+    /// `p` of every row (detached), when known before the loss: recompute,
+    /// or approx with the current log-probs given.
+    proximal: Option<Tensor>,
+    /// m2po: the tokens kept by the weight cap and m2po's mask (bool).
+    keep: Option<Tensor>,
+    /// adaptive: the quantile `q` of `|p − b|` over the valid tokens.
+    quantile: f64,
+    n_valid: f64,
+    n_seq: f64,
+    m2po_masked: f64,
+    lag_sum: f64,
+    max_version_lag: f64,
+}
+
+/// Token counts and sums of one [`ObjectivePlan::loss`] call; summed over
+/// micro-batches and divided by the mini-batch's valid tokens by
+/// [`ObjectivePlan::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ObjectiveSums {
+    pub clip_low: f64,
+    pub clip_high: f64,
+    pub weight_masked: f64,
+    /// Σ `0.5·(c − p)²` over valid tokens.
+    pub approx_kl: f64,
+    /// Σ `w` over valid tokens.
+    pub importance_weight: f64,
+}
+
+impl ObjectiveSums {
+    pub fn add(&mut self, other: &ObjectiveSums) {
+        self.clip_low += other.clip_low;
+        self.clip_high += other.clip_high;
+        self.weight_masked += other.weight_masked;
+        self.approx_kl += other.approx_kl;
+        self.importance_weight += other.importance_weight;
+    }
+}
+
+/// The loss of some rows of a plan (see [`ObjectivePlan::loss`]).
+#[derive(Debug)]
+pub struct PartialLoss {
+    pub loss: Tensor,
+    pub sums: ObjectiveSums,
+}
+
+impl ObjectivePlan {
+    /// Whether the plan needs `p` of every row up front (a recompute pass,
+    /// or [`PlanInputs::current`] for approx): adaptive's quantile and
+    /// m2po's mask are statistics of `p` over the whole mini-batch.
+    pub fn needs_proximal(cfg: &ObjectiveConfig) -> bool {
+        cfg.clip_mode != ClipMode::Ppo
+    }
+
+    /// Plans the objective of a mini-batch at learner version
+    /// `learner_version`.
+    pub fn new(
+        inputs: &PlanInputs<'_>,
+        learner_version: i64,
+        cfg: &ObjectiveConfig,
+    ) -> Result<Self, ObjectiveError> {
+        let shape = inputs.behaviour.size();
+        check_shape("advantages", inputs.advantages, &shape)?;
+        check_shape("versions", inputs.versions, &shape)?;
+        check_shape("mask", inputs.mask, &shape)?;
+        if let Some(p) = inputs.proximal {
+            check_shape("proximal", p, &shape)?;
+        }
+        if let Some(c) = inputs.current {
+            check_shape("current", c, &shape)?;
+        }
+        let kind = inputs
+            .current
+            .or(inputs.proximal)
+            .map_or(inputs.behaviour.kind(), Tensor::kind);
+        let _g = tch::no_grad_guard();
+        let b = inputs.behaviour.to_kind(kind).detach();
+        let valid = inputs.mask.to_kind(Kind::Bool);
+        let valid_f = valid.to_kind(kind);
+        let n_valid = valid_f.sum(Kind::Double).double_value(&[]);
+        let n_seq = valid_f
+            .sum_dim_intlist(-1, false, kind)
+            .gt(0.0)
+            .to_kind(kind)
+            .sum(Kind::Double)
+            .double_value(&[]);
+        let proximal = match (inputs.proximal, inputs.current) {
+            (Some(p), _) => Some(p.to_kind(kind).detach()),
+            (None, Some(c)) => Some(approx_proximal(&b, c, inputs.versions, learner_version)),
+            (None, None) => None,
+        };
+        let mut keep = None;
+        let mut m2po_masked = 0.0;
+        let mut quantile = 0.0;
+        if Self::needs_proximal(cfg) {
+            let p = proximal
+                .as_ref()
+                .ok_or(ObjectiveError::ProximalNeeded(cfg.clip_mode))?;
+            let log_w = (p - &b).detach();
+            match cfg.clip_mode {
+                ClipMode::M2po => {
+                    let over_cap = log_w
+                        .exp()
+                        .gt(cfg.importance_weight_cap)
+                        .logical_and(&valid);
+                    let unmasked = valid.logical_and(&over_cap.logical_not());
+                    let kept = m2po_keep(&log_w.square(), &unmasked, cfg.m2po_threshold);
+                    m2po_masked = fraction(
+                        &unmasked.logical_and(&kept.logical_not()).sum(Kind::Double),
+                        n_valid,
+                    );
+                    keep = Some(kept);
+                }
+                ClipMode::Adaptive => {
+                    if n_valid > 0.0 {
+                        quantile = log_w
+                            .abs()
+                            .masked_select(&valid)
+                            .to_kind(Kind::Double)
+                            .quantile_scalar(cfg.adaptive_quantile, None, false, "linear")
+                            .double_value(&[]);
+                    }
+                }
+                ClipMode::Ppo => {}
+            }
+        }
+        let lag = (-inputs.versions.to_kind(Kind::Double) + learner_version as f64)
+            * valid.to_kind(Kind::Double);
+        Ok(Self {
+            cfg: cfg.clone(),
+            learner_version,
+            behaviour: inputs.behaviour.detach(),
+            advantages: inputs.advantages.detach(),
+            versions: inputs.versions.detach(),
+            valid,
+            proximal,
+            keep,
+            quantile,
             n_valid,
-        );
-        keep = kept;
-    }
-    let keep_f = keep.to_kind(kind);
-
-    let u = (c - &p).exp();
-    let ones = u.ones_like().detach();
-    let (lo, hi) = match cfg.clip_mode {
-        ClipMode::Ppo | ClipMode::M2po => {
-            (&ones * (1.0 - cfg.eps_low), &ones * (1.0 + cfg.eps_high))
-        }
-        ClipMode::Adaptive => {
-            let d = log_w.abs();
-            let q = if n_valid > 0.0 {
-                d.masked_select(&valid)
-                    .to_kind(Kind::Double)
-                    .quantile_scalar(cfg.adaptive_quantile, None, false, "linear")
-                    .double_value(&[])
+            n_seq,
+            m2po_masked,
+            lag_sum: lag.sum(Kind::Double).double_value(&[]),
+            max_version_lag: if n_valid > 0.0 {
+                lag.max().double_value(&[])
             } else {
                 0.0
-            };
-            let kappa = ((&d - q).relu() / -cfg.adaptive_temperature.max(1e-12)).exp();
-            let hi_contracted = &kappa * cfg.eps_high + 1.0;
-            let lo_contracted = -(&kappa * cfg.eps_low) + 1.0;
-            let hi = hi_contracted.where_self(&a.gt(0.0), &(&ones * (1.0 + cfg.eps_high)));
-            let lo = lo_contracted.where_self(&a.lt(0.0), &(&ones * (1.0 - cfg.eps_low)));
-            (lo.detach(), hi.detach())
-        }
-    };
-    let clipped = u.clamp_tensor(Some(&lo), Some(&hi));
-    let surrogate = (&u * &a).minimum(&(&clipped * &a));
-    let per_token = &w * surrogate * &keep_f;
+            },
+        })
+    }
 
-    let objective = match cfg.aggregation {
-        LossAggregation::Token => per_token.sum(kind) / n_valid.max(1.0),
-        LossAggregation::Sequence => {
-            let per_seq_n = valid_f.sum_dim_intlist(-1, false, kind);
-            let has = per_seq_n.gt(0.0).to_kind(kind);
-            let per_seq = per_token.sum_dim_intlist(-1, false, kind) / per_seq_n.clamp_min(1.0);
-            let n_seq = has.sum(Kind::Double).double_value(&[]);
-            (per_seq * has).sum(kind) / n_seq.max(1.0)
-        }
-    };
-    let loss = -objective;
+    /// Valid tokens of the mini-batch.
+    pub fn tokens(&self) -> i64 {
+        self.n_valid as i64
+    }
 
-    let clip_high = keep
-        .logical_and(&a.gt(0.0))
-        .logical_and(&u.gt_tensor(&hi))
-        .sum(Kind::Double);
-    let clip_low = keep
-        .logical_and(&a.lt(0.0))
-        .logical_and(&u.lt_tensor(&lo))
-        .sum(Kind::Double);
-    let lag = (-inputs.versions.to_kind(Kind::Double) + learner_version as f64)
-        * valid.to_kind(Kind::Double);
-    let stats = ObjectiveStats {
-        tokens: n_valid as i64,
-        clip_low_fraction: fraction(&clip_low, n_valid),
-        clip_high_fraction: fraction(&clip_high, n_valid),
-        weight_masked_fraction: fraction(&over_cap.sum(Kind::Double), n_valid),
-        m2po_masked_fraction: m2po_masked,
-        approx_kl: fraction(
-            &((c.detach() - &p).square() * 0.5 * &valid_f).sum(Kind::Double),
-            n_valid,
-        ),
-        mean_importance_weight: fraction(&(&w * &valid_f).sum(Kind::Double), n_valid),
-        mean_version_lag: fraction(&lag.sum(Kind::Double), n_valid),
-        max_version_lag: if n_valid > 0.0 {
-            lag.max().double_value(&[])
-        } else {
-            0.0
-        },
-    };
-    Ok(ObjectiveOutput { loss, stats })
+    /// The loss of rows `rows` of the plan (a device tensor of indices;
+    /// `None`: all rows, in order) from their current log-probs `current`
+    /// (`[rows, T]`, with gradient), divided by the mini-batch's
+    /// normaliser: the losses of micro-batches that partition the rows sum
+    /// to the loss of the mini-batch.
+    pub fn loss(
+        &self,
+        rows: Option<&Tensor>,
+        current: &Tensor,
+    ) -> Result<PartialLoss, ObjectiveError> {
+        let pick = |t: &Tensor| match rows {
+            Some(r) => t.index_select(0, r),
+            None => t.shallow_clone(),
+        };
+        let cfg = &self.cfg;
+        let behaviour = pick(&self.behaviour);
+        check_shape("current", current, &behaviour.size())?;
+        let kind = current.kind();
+        let b = behaviour.to_kind(kind).detach();
+        let c = current;
+        let a = pick(&self.advantages).to_kind(kind).detach();
+        let valid = pick(&self.valid);
+        let valid_f = valid.to_kind(kind);
+
+        let p = match &self.proximal {
+            Some(p) => pick(p).to_kind(kind).detach(),
+            None => approx_proximal(&b, c, &pick(&self.versions), self.learner_version),
+        };
+        let log_w = (&p - &b).detach();
+        let w = log_w.exp();
+        let over_cap = w.gt(cfg.importance_weight_cap).logical_and(&valid);
+        let keep = match &self.keep {
+            Some(k) => pick(k),
+            None => valid.logical_and(&over_cap.logical_not()),
+        };
+        let keep_f = keep.to_kind(kind);
+
+        let u = (c - &p).exp();
+        let ones = u.ones_like().detach();
+        let (lo, hi) = match cfg.clip_mode {
+            ClipMode::Ppo | ClipMode::M2po => {
+                (&ones * (1.0 - cfg.eps_low), &ones * (1.0 + cfg.eps_high))
+            }
+            ClipMode::Adaptive => {
+                let d = log_w.abs();
+                let kappa =
+                    ((&d - self.quantile).relu() / -cfg.adaptive_temperature.max(1e-12)).exp();
+                let hi_contracted = &kappa * cfg.eps_high + 1.0;
+                let lo_contracted = -(&kappa * cfg.eps_low) + 1.0;
+                let hi = hi_contracted.where_self(&a.gt(0.0), &(&ones * (1.0 + cfg.eps_high)));
+                let lo = lo_contracted.where_self(&a.lt(0.0), &(&ones * (1.0 - cfg.eps_low)));
+                (lo.detach(), hi.detach())
+            }
+        };
+        let clipped = u.clamp_tensor(Some(&lo), Some(&hi));
+        let surrogate = (&u * &a).minimum(&(&clipped * &a));
+        let per_token = &w * surrogate * &keep_f;
+
+        let objective = match cfg.aggregation {
+            LossAggregation::Token => per_token.sum(kind) / self.n_valid.max(1.0),
+            LossAggregation::Sequence => {
+                let per_seq_n = valid_f.sum_dim_intlist(-1, false, kind);
+                let has = per_seq_n.gt(0.0).to_kind(kind);
+                let per_seq = per_token.sum_dim_intlist(-1, false, kind) / per_seq_n.clamp_min(1.0);
+                (per_seq * has).sum(kind) / self.n_seq.max(1.0)
+            }
+        };
+        let loss = -objective;
+
+        let _g = tch::no_grad_guard();
+        let count = |t: Tensor| t.sum(Kind::Double).double_value(&[]);
+        let sums = ObjectiveSums {
+            clip_low: count(keep.logical_and(&a.lt(0.0)).logical_and(&u.lt_tensor(&lo))),
+            clip_high: count(keep.logical_and(&a.gt(0.0)).logical_and(&u.gt_tensor(&hi))),
+            weight_masked: count(over_cap),
+            approx_kl: count((c.detach() - &p).square() * 0.5 * &valid_f),
+            importance_weight: count(&w * &valid_f),
+        };
+        Ok(PartialLoss { loss, sums })
+    }
+
+    /// The statistics of the mini-batch from the [`ObjectiveSums`] of the
+    /// losses of all its rows.
+    pub fn stats(&self, sums: &ObjectiveSums) -> ObjectiveStats {
+        let n = self.n_valid;
+        let f = |x: f64| if n > 0.0 { x / n } else { 0.0 };
+        ObjectiveStats {
+            tokens: n as i64,
+            clip_low_fraction: f(sums.clip_low),
+            clip_high_fraction: f(sums.clip_high),
+            weight_masked_fraction: f(sums.weight_masked),
+            m2po_masked_fraction: self.m2po_masked,
+            approx_kl: f(sums.approx_kl),
+            mean_importance_weight: f(sums.importance_weight),
+            mean_version_lag: f(self.lag_sum),
+            max_version_lag: self.max_version_lag,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -831,6 +1050,127 @@ mod tests {
             proptest::prop_assert_eq!(out.stats.clip_high_fraction, 0.0);
             proptest::prop_assert_eq!(out.stats.weight_masked_fraction, 0.0);
             proptest::prop_assert_eq!(out.stats.m2po_masked_fraction, 0.0);
+        }
+    }
+
+    proptest::proptest! {
+        /// The plan's losses over micro-batches that partition the rows sum
+        /// to the whole batch's loss, with the same gradient and statistics,
+        /// for every clip mode, aggregation and proximal source.
+        #[test]
+        fn microbatch_losses_sum_to_the_whole_loss(
+            rows in proptest::collection::vec(
+                proptest::collection::vec(
+                    (-4.0f64..0.0, -0.6f64..0.6, -0.6f64..0.6, -2.0f64..2.0, 0i64..4, proptest::bool::weighted(0.85)),
+                    0..6),
+                1..7),
+            part in proptest::collection::vec(0i64..3, 7),
+            mode in 0usize..3,
+            approx in proptest::bool::ANY,
+            sequence in proptest::bool::ANY,
+        ) {
+            let t = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+            let n = rows.len();
+            let mut b = vec![0f64; n * t];
+            let mut p = vec![0f64; n * t];
+            let mut c = vec![0f64; n * t];
+            let mut adv = vec![0f64; n * t];
+            let mut ver = vec![0i64; n * t];
+            let mut mask = vec![false; n * t];
+            for (i, row) in rows.iter().enumerate() {
+                for (j, (lb, dp, dc, a, v, m)) in row.iter().enumerate() {
+                    let k = i * t + j;
+                    (b[k], p[k], c[k], adv[k], ver[k], mask[k]) = (*lb, lb + dp, lb + dp + dc, *a, *v, *m);
+                }
+            }
+            let shape = [n as i64, t as i64];
+            let tensor = |x: &[f64]| Tensor::from_slice(x).view(shape);
+            let (b, p, a) = (tensor(&b), tensor(&p), tensor(&adv));
+            let v = Tensor::from_slice(&ver).view(shape);
+            let m = Tensor::from_slice(&mask).view(shape);
+            let cfg = ObjectiveConfig {
+                clip_mode: [ClipMode::Ppo, ClipMode::Adaptive, ClipMode::M2po][mode],
+                aggregation: if sequence { LossAggregation::Sequence } else { LossAggregation::Token },
+                importance_weight_cap: 1.5,
+                adaptive_temperature: 0.05,
+                m2po_threshold: 0.01,
+                ..Default::default()
+            };
+            let proximal = (!approx).then_some(&p);
+
+            let whole_c = tensor(&c).set_requires_grad(true);
+            let inputs = TokenInputs { behaviour: &b, current: &whole_c, proximal, advantages: &a, versions: &v, mask: &m };
+            let whole = decoupled_ppo_loss(&inputs, 3, &cfg).unwrap();
+            whole.loss.backward();
+
+            let split_c = tensor(&c).set_requires_grad(true);
+            let detached = split_c.detach();
+            let plan = ObjectivePlan::new(&PlanInputs {
+                behaviour: &b,
+                proximal,
+                current: ObjectivePlan::needs_proximal(&cfg).then_some(&detached),
+                advantages: &a,
+                versions: &v,
+                mask: &m,
+            }, 3, &cfg).unwrap();
+            let mut loss = 0.0;
+            let mut sums = ObjectiveSums::default();
+            for k in 0..3 {
+                let idx: Vec<i64> = (0..n as i64).filter(|i| part[*i as usize] == k).collect();
+                if idx.is_empty() {
+                    continue;
+                }
+                let idx = Tensor::from_slice(&idx);
+                let out = plan.loss(Some(&idx), &split_c.index_select(0, &idx)).unwrap();
+                out.loss.backward();
+                loss += out.loss.double_value(&[]);
+                sums.add(&out.sums);
+            }
+            let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * (1.0 + y.abs());
+            proptest::prop_assert!(close(loss, whole.loss.double_value(&[])), "{loss} vs {:?}", whole.loss);
+            let grad = |c: &Tensor| if c.grad().defined() { c.grad() } else { c.zeros_like() };
+            let diff = (grad(&split_c) - grad(&whole_c)).abs().max().double_value(&[]);
+            proptest::prop_assert!(diff <= 1e-9, "max gradient difference {diff}");
+            let (got, want) = (plan.stats(&sums), &whole.stats);
+            proptest::prop_assert_eq!(got.tokens, want.tokens);
+            for (name, g, w) in [
+                ("clip_low", got.clip_low_fraction, want.clip_low_fraction),
+                ("clip_high", got.clip_high_fraction, want.clip_high_fraction),
+                ("weight_masked", got.weight_masked_fraction, want.weight_masked_fraction),
+                ("m2po_masked", got.m2po_masked_fraction, want.m2po_masked_fraction),
+                ("approx_kl", got.approx_kl, want.approx_kl),
+                ("importance", got.mean_importance_weight, want.mean_importance_weight),
+                ("lag", got.mean_version_lag, want.mean_version_lag),
+                ("max_lag", got.max_version_lag, want.max_version_lag),
+            ] {
+                proptest::prop_assert!(close(g, w), "{name}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_plan_without_proximal_log_probs_is_an_error_for_batch_statistics() {
+        let z = Tensor::zeros([1, 2], (Kind::Float, tch::Device::Cpu));
+        let m = Tensor::ones([1, 2], (Kind::Bool, tch::Device::Cpu));
+        let inputs = PlanInputs {
+            behaviour: &z,
+            proximal: None,
+            current: None,
+            advantages: &z,
+            versions: &z,
+            mask: &m,
+        };
+        for clip_mode in ClipMode::ALL {
+            let cfg = ObjectiveConfig {
+                clip_mode,
+                ..Default::default()
+            };
+            let got = ObjectivePlan::new(&inputs, 0, &cfg).map(|_| ());
+            if clip_mode == ClipMode::Ppo {
+                assert_eq!(got, Ok(()));
+            } else {
+                assert_eq!(got, Err(ObjectiveError::ProximalNeeded(clip_mode)));
+            }
         }
     }
 

@@ -5,6 +5,19 @@
 //! the batch into mini-batches and takes one AdamW step per mini-batch on
 //! the decoupled PPO loss, then bumps the policy version: step `s` produces
 //! version `s`.
+//!
+//! Memory: with `max_tokens_per_microbatch` set, every forward pass (the
+//! recompute pass, and each mini-batch's forward + backward) runs on
+//! micro-batches of at most that many padded positions (rows × the longest
+//! row of the micro-batch; see [`TrainBatch::microbatches`]), since the
+//! logits of a whole batch at a real vocabulary are the memory peak. The
+//! gradients of a mini-batch's micro-batches accumulate and the mini-batch
+//! still takes one clip and one optimizer step. The objective's
+//! mini-batch-level statistics (normalisers, adaptive's quantile, m2po's
+//! mask, A-3PO's proximal log-probs) come from an [`ObjectivePlan`] over the
+//! whole mini-batch, so the accumulated gradient is the un-split one up to
+//! float rounding. A mini-batch that fits in one micro-batch takes exactly
+//! the un-split path.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,8 +33,8 @@ use crate::advantages::AdvantageNorm;
 use crate::batch::{TrainBatch, assemble, completion_logprobs};
 use crate::checkpoint::{self, CheckpointMeta, LoadedCheckpoint};
 use crate::objective::{
-    LogprobGap, ObjectiveConfig, ObjectiveStats, ProximalMode, TokenInputs, decoupled_ppo_loss,
-    logprob_gap,
+    LogprobGap, ObjectiveConfig, ObjectivePlan, ObjectiveStats, ObjectiveSums, PlanInputs,
+    ProximalMode, TokenInputs, decoupled_ppo_loss, logprob_gap,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +68,11 @@ pub struct TrainerOptions {
     pub proximal: ProximalMode,
     pub seed: u64,
     pub weight_dtype: WeightDtype,
+    /// Padded positions (rows × longest row) of one forward pass at most:
+    /// mini-batches and the recompute pass are split into micro-batches of
+    /// this size, with gradient accumulation (0: no split). A row longer
+    /// than this is a micro-batch of its own.
+    pub max_tokens_per_microbatch: usize,
 }
 
 impl Default for TrainerOptions {
@@ -69,6 +87,7 @@ impl Default for TrainerOptions {
             proximal: ProximalMode::Approx,
             seed: 0,
             weight_dtype: WeightDtype::F32,
+            max_tokens_per_microbatch: 0,
         }
     }
 }
@@ -100,6 +119,9 @@ pub struct StepStats {
     /// backward passes compute (what the step's cost follows; long-tailed
     /// batches pad every row to their longest sequence).
     pub padded_tokens: i64,
+    /// Forward + backward passes of the step: one per mini-batch, more when
+    /// `max_tokens_per_microbatch` splits mini-batches into micro-batches.
+    pub microbatches: usize,
     /// Mean reward of the scored trajectories.
     pub reward_mean: f64,
     pub reward_failed: usize,
@@ -174,15 +196,13 @@ impl Trainer {
         let device = self.policy.device();
         let batch = host.to_device(device);
         let version_before = self.policy.version();
-        let temperature = self.opts.temperature;
         let params = self.policy.named_parameters();
+        let budget = self.opts.max_tokens_per_microbatch;
 
+        // The recompute pass runs under the budget too: at a real vocabulary
+        // the logits of the whole batch would be the step's memory peak.
         let proximal = match self.opts.proximal {
-            ProximalMode::Recompute => {
-                let _g = tch::no_grad_guard();
-                let logits = self.policy.forward(&batch.input_ids, None)?;
-                Some(completion_logprobs(&logits, &batch, temperature).detach())
-            }
+            ProximalMode::Recompute => Some(self.detached_logprobs(&batch, budget)?),
             ProximalMode::Approx => None,
         };
 
@@ -221,31 +241,25 @@ impl Trainer {
                 .as_ref()
                 .map(|p| p.index_select(0, &Tensor::from_slice(chunk).to_device(device)));
             AdamW::zero_grad(&params);
-            let logits = self.policy.forward(&mb.input_ids, None)?;
-            let current = completion_logprobs(&logits, &mb, temperature);
-            if i == 0 && proximal.is_none() {
-                stats.logprob_gap = logprob_gap(
-                    &mb.behaviour,
-                    &current,
-                    &mb.versions,
-                    &mb.mask,
-                    i64::from(version_before),
-                );
-            }
-            let inputs = TokenInputs {
-                behaviour: &mb.behaviour,
-                current: &current,
-                proximal: mb_prox.as_ref(),
-                advantages: &mb.advantages,
-                versions: &mb.versions,
-                mask: &mb.mask,
+            let micro = mb.microbatches(budget);
+            let gap_wanted = i == 0 && proximal.is_none();
+            let (loss, objective, entropy, gap) = if micro.len() <= 1 {
+                stats.microbatches += 1;
+                self.whole_minibatch(&mb, mb_prox.as_ref(), version_before, knobs, gap_wanted)?
+            } else {
+                stats.microbatches += micro.len();
+                self.accumulate_microbatches(
+                    &mb,
+                    mb_prox.as_ref(),
+                    &micro,
+                    version_before,
+                    knobs,
+                    gap_wanted,
+                )?
             };
-            let out = decoupled_ppo_loss(&inputs, i64::from(version_before), &knobs.objective)?;
-            let loss = out.loss.double_value(&[]);
-            if !loss.is_finite() {
-                return Err(TrainError::NonFiniteLoss(loss));
+            if let Some(gap) = gap {
+                stats.logprob_gap = gap;
             }
-            out.loss.backward();
             stats.grad_norm = stats
                 .grad_norm
                 .max(AdamW::clip_grad_norm(&params, self.opts.grad_clip));
@@ -253,8 +267,8 @@ impl Trainer {
             let w = mb.tokens as f64;
             total_tokens += w;
             loss_sum += loss * w;
-            entropy_sum += masked_entropy(&logits, &mb, temperature) * w;
-            let s = &out.stats;
+            entropy_sum += entropy * w;
+            let s = &objective;
             weighted.clip_low_fraction += s.clip_low_fraction * w;
             weighted.clip_high_fraction += s.clip_high_fraction * w;
             weighted.weight_masked_fraction += s.weight_masked_fraction * w;
@@ -320,6 +334,148 @@ impl Trainer {
 
     fn pad_id(&self) -> i64 {
         self.policy.config().pad_token_id.unwrap_or(0)
+    }
+
+    /// The completion log-probs of every row of `batch` under the current
+    /// weights, without gradient, `[N, T]`: one forward pass over the batch,
+    /// or one per micro-batch of at most `budget` padded positions.
+    fn detached_logprobs(&self, batch: &TrainBatch, budget: usize) -> Result<Tensor, TrainError> {
+        let _g = tch::no_grad_guard();
+        let temperature = self.opts.temperature;
+        let micro = batch.microbatches(budget);
+        if micro.len() <= 1 {
+            let logits = self.policy.forward(&batch.input_ids, None)?;
+            return Ok(completion_logprobs(&logits, batch, temperature).detach());
+        }
+        let mut out = Tensor::zeros(batch.mask.size(), (Kind::Float, batch.mask.device()));
+        for rows in &micro {
+            let part = batch.rows(rows).trimmed();
+            let logits = self.policy.forward(&part.input_ids, None)?;
+            let lp = completion_logprobs(&logits, &part, temperature);
+            let idx = Tensor::from_slice(rows).to_device(out.device());
+            let _ = out.f_index_copy_(0, &idx, &lp.to_kind(Kind::Float))?;
+        }
+        Ok(out)
+    }
+
+    /// Forward + backward of mini-batch `mb` in one pass (the un-split
+    /// path): its loss, objective statistics, entropy and, when
+    /// `gap_wanted`, the logprob gap of its rows.
+    fn whole_minibatch(
+        &self,
+        mb: &TrainBatch,
+        mb_prox: Option<&Tensor>,
+        version_before: i32,
+        knobs: &StepSettings,
+        gap_wanted: bool,
+    ) -> Result<MinibatchOutcome, TrainError> {
+        let temperature = self.opts.temperature;
+        let logits = self.policy.forward(&mb.input_ids, None)?;
+        let current = completion_logprobs(&logits, mb, temperature);
+        let gap = gap_wanted.then(|| {
+            logprob_gap(
+                &mb.behaviour,
+                &current,
+                &mb.versions,
+                &mb.mask,
+                i64::from(version_before),
+            )
+        });
+        let inputs = TokenInputs {
+            behaviour: &mb.behaviour,
+            current: &current,
+            proximal: mb_prox,
+            advantages: &mb.advantages,
+            versions: &mb.versions,
+            mask: &mb.mask,
+        };
+        let out = decoupled_ppo_loss(&inputs, i64::from(version_before), &knobs.objective)?;
+        let loss = out.loss.double_value(&[]);
+        if !loss.is_finite() {
+            return Err(TrainError::NonFiniteLoss(loss));
+        }
+        out.loss.backward();
+        let entropy = masked_entropy(&logits, mb, temperature);
+        Ok((loss, out.stats, entropy, gap))
+    }
+
+    /// Forward + backward of mini-batch `mb` micro-batch by micro-batch
+    /// (`micro`: row indices into `mb`), gradients accumulating in the
+    /// parameters. The objective is planned over the whole mini-batch first;
+    /// in approx mode a clip mode with batch statistics of `p` (adaptive,
+    /// m2po) first takes a no-grad pass over the micro-batches for A-3PO's
+    /// proximal log-probs. Returns what [`Trainer::whole_minibatch`] does,
+    /// with the same values up to float rounding.
+    fn accumulate_microbatches(
+        &self,
+        mb: &TrainBatch,
+        mb_prox: Option<&Tensor>,
+        micro: &[Vec<i64>],
+        version_before: i32,
+        knobs: &StepSettings,
+        gap_wanted: bool,
+    ) -> Result<MinibatchOutcome, TrainError> {
+        let temperature = self.opts.temperature;
+        let budget = self.opts.max_tokens_per_microbatch;
+        let version = i64::from(version_before);
+        let device = mb.mask.device();
+        let pre_pass = if mb_prox.is_none() && ObjectivePlan::needs_proximal(&knobs.objective) {
+            Some(self.detached_logprobs(mb, budget)?)
+        } else {
+            None
+        };
+        let plan = ObjectivePlan::new(
+            &PlanInputs {
+                behaviour: &mb.behaviour,
+                proximal: mb_prox,
+                current: pre_pass.as_ref(),
+                advantages: &mb.advantages,
+                versions: &mb.versions,
+                mask: &mb.mask,
+            },
+            version,
+            &knobs.objective,
+        )?;
+        // The current log-probs of every row, for the logprob gap (the
+        // pre-pass has them already).
+        let mut gap_current = match (&pre_pass, gap_wanted) {
+            (None, true) => Some(Tensor::zeros(mb.mask.size(), (Kind::Float, device))),
+            _ => None,
+        };
+        let mut loss = 0.0;
+        let mut sums = ObjectiveSums::default();
+        let mut entropy_sum = 0.0;
+        for rows in micro {
+            let part = mb.rows(rows).trimmed();
+            let idx = Tensor::from_slice(rows).to_device(device);
+            let logits = self.policy.forward(&part.input_ids, None)?;
+            let current = completion_logprobs(&logits, &part, temperature);
+            if let Some(all) = gap_current.as_mut() {
+                let _g = tch::no_grad_guard();
+                let _ = all.f_index_copy_(0, &idx, &current.detach().to_kind(Kind::Float))?;
+            }
+            let out = plan.loss(Some(&idx), &current)?;
+            let value = out.loss.double_value(&[]);
+            if !value.is_finite() {
+                return Err(TrainError::NonFiniteLoss(value));
+            }
+            out.loss.backward();
+            loss += value;
+            sums.add(&out.sums);
+            entropy_sum += masked_entropy(&logits, &part, temperature) * part.tokens as f64;
+        }
+        let gap = gap_wanted.then(|| {
+            let current = gap_current.as_ref().or(pre_pass.as_ref());
+            current.map_or_else(LogprobGap::default, |c| {
+                logprob_gap(&mb.behaviour, c, &mb.versions, &mb.mask, version)
+            })
+        });
+        let entropy = if mb.tokens > 0 {
+            entropy_sum / mb.tokens as f64
+        } else {
+            0.0
+        };
+        Ok((loss, plan.stats(&sums), entropy, gap))
     }
 
     /// The current weights as safetensors bytes (for the object store).
@@ -393,6 +549,10 @@ impl Trainer {
         Ok(())
     }
 }
+
+/// What a mini-batch's forward + backward reports: its loss, objective
+/// statistics, mean entropy, and the logprob gap when asked for.
+type MinibatchOutcome = (f64, ObjectiveStats, f64, Option<LogprobGap>);
 
 /// Mean entropy (at temperature τ) of the next-token distributions that
 /// produced the valid completion tokens.

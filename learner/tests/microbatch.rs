@@ -1,0 +1,326 @@
+//! Micro-batches under a token budget (`max_tokens_per_microbatch`) with
+//! gradient accumulation: one step with a budget that splits every
+//! mini-batch gives the weights, loss and statistics of the same step
+//! without one, for every clip mode, proximal mode and aggregation.
+
+use arrow::array::RecordBatch;
+use asyncrl_learner::advantages::AdvantageNorm;
+use asyncrl_learner::batch::{assemble, completion_logprobs};
+use asyncrl_learner::checkpoint::{self, LoadedCheckpoint};
+use asyncrl_learner::objective::{ClipMode, LossAggregation, ObjectiveConfig, ProximalMode};
+use asyncrl_learner::trainer::{StepSettings, StepStats, Trainer, TrainerOptions};
+use asyncrl_policy::{DeviceOptions, Policy, TinyModelSpec};
+use asyncrl_protos::v1::{FinishReason, RewardStatus, Timings, Trajectory};
+use asyncrl_tasks::SplitMix64;
+
+/// Rows of the test batch and mini-batches per step.
+const ROWS: usize = 16;
+const MINIBATCHES: usize = 2;
+/// The learner version the step starts from (token versions are 1..=4,
+/// so version lags 0..=3: A-3PO's α is not trivial).
+const START_VERSION: i32 = 4;
+
+fn tiny_policy() -> Policy {
+    let spec = TinyModelSpec {
+        hidden_size: 32,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        intermediate_size: 64,
+        init_std: 0.1,
+        ..Default::default()
+    };
+    Policy::builtin_tiny(&spec, 5, DeviceOptions::cpu()).unwrap()
+}
+
+fn uniform(rng: &mut SplitMix64) -> f64 {
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn below(rng: &mut SplitMix64, n: u64) -> u64 {
+    rng.next_u64() % n
+}
+
+/// Four groups of four rows of random tokens: prompts of 1–10 tokens,
+/// completions of 0–12 (so padded lengths vary), mixed rewards, one
+/// reward-failed row, token versions 1–4, and behaviour log-probs that are
+/// the model's own plus noise (off-policy weights ≠ 1).
+fn random_batch(policy: &Policy) -> RecordBatch {
+    let mut rng = SplitMix64::new(0xBA7C);
+    let vocab = policy.config().vocab_size as u64;
+    let mut trajs = Vec::new();
+    for row in 0..ROWS {
+        let (g, i) = (row / 4, row % 4);
+        let prompt: Vec<i32> = (0..1 + below(&mut rng, 10))
+            .map(|_| 1 + below(&mut rng, vocab - 1) as i32)
+            .collect();
+        let completion: Vec<i32> = (0..below(&mut rng, 13))
+            .map(|_| 1 + below(&mut rng, vocab - 1) as i32)
+            .collect();
+        let n = completion.len();
+        let failed = row == 6;
+        trajs.push(Trajectory {
+            uuid: uuid::Uuid::from_u128(row as u128 + 1).to_string(),
+            task_id: format!("task-{g}"),
+            group_id: format!("lease-{g}"),
+            prompt_token_ids: prompt,
+            completion_token_ids: completion,
+            behaviour_logprobs: vec![0.0; n],
+            policy_versions: (0..n).map(|_| 1 + below(&mut rng, 4) as i32).collect(),
+            reward: if failed {
+                f32::NAN
+            } else {
+                [0.0, 0.3, 1.0][below(&mut rng, 3) as usize]
+            },
+            reward_status: if failed {
+                RewardStatus::Failed
+            } else {
+                RewardStatus::Ok
+            } as i32,
+            finish_reason: FinishReason::Stop as i32,
+            worker_id: "test".into(),
+            timings: Some(Timings::default()),
+            group_size: 4,
+            index_in_group: i as u32,
+            admission_version: 1,
+        });
+    }
+    let rb = asyncrl_protos::arrow_schema::to_record_batch(&trajs).unwrap();
+    let b = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
+    let lp =
+        tch::no_grad(|| completion_logprobs(&policy.forward(&b.input_ids, None).unwrap(), &b, 1.0));
+    for (row, t) in trajs.iter_mut().enumerate() {
+        for k in 0..t.completion_token_ids.len() {
+            let noise = 0.6 * (uniform(&mut rng) - 0.5);
+            t.behaviour_logprobs[k] = (lp.double_value(&[row as i64, k as i64]) + noise) as f32;
+        }
+    }
+    asyncrl_protos::arrow_schema::to_record_batch(&trajs).unwrap()
+}
+
+fn options(proximal: ProximalMode, max_tokens_per_microbatch: usize) -> TrainerOptions {
+    TrainerOptions {
+        proximal,
+        minibatches: MINIBATCHES,
+        advantage_norm: AdvantageNorm::Mean,
+        max_tokens_per_microbatch,
+        ..Default::default()
+    }
+}
+
+fn knobs(clip_mode: ClipMode, aggregation: LossAggregation) -> StepSettings {
+    StepSettings {
+        objective: ObjectiveConfig {
+            clip_mode,
+            aggregation,
+            eps_low: 0.1,
+            eps_high: 0.1,
+            // Tight enough that the weight cap, adaptive's contraction and
+            // m2po's mask all act on this batch.
+            importance_weight_cap: 1.3,
+            adaptive_quantile: 0.5,
+            adaptive_temperature: 0.05,
+            m2po_threshold: 0.01,
+        },
+        learning_rate: 5e-3,
+    }
+}
+
+/// A checkpoint of a trainer at version [`START_VERSION`] + 1 with
+/// optimizer state (one step taken), the state every compared step starts
+/// from; and the batch.
+fn starting_point(dir: &std::path::Path) -> (LoadedCheckpoint, RecordBatch) {
+    let policy = tiny_policy();
+    let rb = random_batch(&policy);
+    let mut t = Trainer::new(policy, options(ProximalMode::Approx, 0));
+    let weights = t.weights_bytes().unwrap();
+    t.adopt_published(&weights, START_VERSION).unwrap();
+    t.train_step(
+        std::slice::from_ref(&rb),
+        &knobs(ClipMode::Ppo, LossAggregation::Token),
+    )
+    .unwrap();
+    t.write_checkpoint(dir).unwrap();
+    (checkpoint::load_latest(dir).unwrap().unwrap(), rb)
+}
+
+/// One step from the checkpoint: the stats and the parameters after it.
+fn step_from(
+    ckpt: &LoadedCheckpoint,
+    rb: &RecordBatch,
+    opts: TrainerOptions,
+    knobs: &StepSettings,
+) -> (StepStats, Vec<(String, tch::Tensor)>) {
+    let mut t = Trainer::new(tiny_policy(), opts);
+    t.restore(ckpt).unwrap();
+    let stats = t.train_step(std::slice::from_ref(rb), knobs).unwrap();
+    (stats, params(&t))
+}
+
+/// A copy of the trainer's parameters.
+fn params(t: &Trainer) -> Vec<(String, tch::Tensor)> {
+    t.policy()
+        .named_parameters()
+        .into_iter()
+        .map(|(n, p)| (n, p.detach().copy()))
+        .collect()
+}
+
+fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta - tb).abs().max().double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Asserts that two steps' loss and statistics agree to `tol` (relative to
+/// the larger magnitude, or absolute below 1).
+fn assert_same_stats(what: &str, got: &StepStats, want: &StepStats, tol: f64) {
+    let close = |name: &str, g: f64, w: f64| {
+        assert!(
+            (g - w).abs() <= tol * g.abs().max(w.abs()).max(1.0),
+            "{what}: {name} {g} vs {w}"
+        );
+    };
+    close("loss", got.loss, want.loss);
+    close("entropy", got.entropy, want.entropy);
+    close("grad_norm", got.grad_norm, want.grad_norm);
+    let (g, w) = (&got.objective, &want.objective);
+    assert_eq!(g.tokens, w.tokens, "{what}: tokens");
+    close(
+        "clip_low_fraction",
+        g.clip_low_fraction,
+        w.clip_low_fraction,
+    );
+    close(
+        "clip_high_fraction",
+        g.clip_high_fraction,
+        w.clip_high_fraction,
+    );
+    close(
+        "weight_masked_fraction",
+        g.weight_masked_fraction,
+        w.weight_masked_fraction,
+    );
+    close(
+        "m2po_masked_fraction",
+        g.m2po_masked_fraction,
+        w.m2po_masked_fraction,
+    );
+    close("approx_kl", g.approx_kl, w.approx_kl);
+    close(
+        "mean_importance_weight",
+        g.mean_importance_weight,
+        w.mean_importance_weight,
+    );
+    close("mean_version_lag", g.mean_version_lag, w.mean_version_lag);
+    close("max_version_lag", g.max_version_lag, w.max_version_lag);
+    let (g, w) = (&got.logprob_gap, &want.logprob_gap);
+    assert_eq!(g.tokens, w.tokens, "{what}: logprob_gap.tokens");
+    close("logprob_gap.mean_abs", g.mean_abs, w.mean_abs);
+    close("logprob_gap.max_abs", g.max_abs, w.max_abs);
+    close("logprob_gap.kl", g.kl, w.kl);
+    assert_eq!(
+        (got.tokens, got.version, got.version_lags.len()),
+        (want.tokens, want.version, want.version_lags.len()),
+        "{what}"
+    );
+}
+
+/// Padded positions that force several micro-batches per mini-batch (rows
+/// are up to 22 tokens long, mini-batches 8 rows).
+const SPLITTING_BUDGET: usize = 40;
+
+#[test]
+fn microbatched_steps_match_the_unsplit_step() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, rb) = starting_point(dir.path());
+    let mut worst: f64 = 0.0;
+    for clip_mode in [ClipMode::Ppo, ClipMode::Adaptive, ClipMode::M2po] {
+        for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
+            for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
+                let what = format!("{clip_mode} / {proximal:?} / {aggregation:?}");
+                let k = knobs(clip_mode, aggregation);
+                let (want, before) = step_from(&ckpt, &rb, options(proximal, 0), &k);
+                let (got, after) = step_from(&ckpt, &rb, options(proximal, SPLITTING_BUDGET), &k);
+                assert_eq!(want.microbatches, MINIBATCHES, "{what}");
+                assert!(
+                    got.microbatches >= 3 * MINIBATCHES,
+                    "{what}: only {} micro-batches",
+                    got.microbatches
+                );
+                assert_same_stats(&what, &got, &want, 1e-5);
+                let diff = max_abs_diff(&after, &before);
+                println!(
+                    "{what}: {} micro-batches, max |Δparam| {diff:.3e}",
+                    got.microbatches
+                );
+                assert!(diff <= 1e-5, "{what}: parameters differ by {diff}");
+                worst = worst.max(diff);
+            }
+        }
+    }
+    println!("worst max |Δparam| over all cases: {worst:.3e}");
+    // The step itself moves the weights far more than the tolerance.
+    let mut t = Trainer::new(tiny_policy(), options(ProximalMode::Approx, 0));
+    t.restore(&ckpt).unwrap();
+    let start = params(&t);
+    let k = knobs(ClipMode::Ppo, LossAggregation::Token);
+    let (_, after) = step_from(&ckpt, &rb, options(ProximalMode::Approx, 0), &k);
+    assert!(max_abs_diff(&after, &start) > 1e-3);
+}
+
+#[test]
+fn a_budget_below_one_row_trains_each_row_alone() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, rb) = starting_point(dir.path());
+    for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
+        let k = knobs(ClipMode::Adaptive, LossAggregation::Token);
+        let (want, before) = step_from(&ckpt, &rb, options(proximal, 0), &k);
+        let (got, after) = step_from(&ckpt, &rb, options(proximal, 1), &k);
+        assert_eq!(
+            got.microbatches, ROWS,
+            "{proximal:?}: one row per micro-batch"
+        );
+        assert!(got.loss.is_finite());
+        assert_same_stats(&format!("{proximal:?}"), &got, &want, 1e-5);
+        let diff = max_abs_diff(&after, &before);
+        println!("budget 1, {proximal:?}: max |Δparam| {diff:.3e}");
+        assert!(diff <= 1e-5, "{proximal:?}: parameters differ by {diff}");
+    }
+}
+
+#[test]
+fn a_budget_every_minibatch_fits_in_changes_nothing() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, rb) = starting_point(dir.path());
+    let batch = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
+    // The whole batch at its padded length fits: no split anywhere.
+    let fits = batch.input_ids.numel();
+    for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
+        for clip_mode in [ClipMode::Adaptive, ClipMode::M2po] {
+            let k = knobs(clip_mode, LossAggregation::Sequence);
+            let run = |budget: usize| {
+                let mut t = Trainer::new(tiny_policy(), options(proximal, budget));
+                t.restore(&ckpt).unwrap();
+                let mut s = t.train_step(std::slice::from_ref(&rb), &k).unwrap();
+                s.compute_seconds = 0.0;
+                (s, t.weights_bytes().unwrap())
+            };
+            let (want, want_weights) = run(0);
+            let (got, got_weights) = run(fits);
+            assert_eq!(got, want, "{proximal:?} / {clip_mode}");
+            assert!(
+                got_weights == want_weights,
+                "{proximal:?} / {clip_mode}: weights differ"
+            );
+        }
+    }
+}
