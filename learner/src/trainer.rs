@@ -167,6 +167,12 @@ impl Trainer {
         &self.opts
     }
 
+    /// Changes the micro-batch token budget (0 = no split) for the next
+    /// steps (the memory bench measures several on one trainer).
+    pub fn set_max_tokens_per_microbatch(&mut self, tokens: usize) {
+        self.opts.max_tokens_per_microbatch = tokens;
+    }
+
     /// Learner steps completed.
     pub fn step(&self) -> u64 {
         self.step

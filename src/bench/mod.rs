@@ -163,7 +163,7 @@ pub(crate) struct MemoryBenchArgs {
     #[arg(long, default_value_t = 512)]
     completion_tokens: usize,
     /// Learner micro-batch budgets to measure (tokens; 0 = no split).
-    #[arg(long, value_delimiter = ',', default_value = "1152")]
+    #[arg(long, value_delimiter = ',', default_value = "2304,1152,576")]
     microbatch_tokens: Vec<usize>,
     #[arg(long, default_value_t = 2)]
     threads: i32,
