@@ -93,23 +93,11 @@ pub fn check_tasks(config: &Config) -> anyhow::Result<CheckReport> {
         architecture,
         chat_template: text.chat_template().is_some(),
         eos_token_ids: text.eos_token_ids().to_vec(),
-        stop_strings: stop_strings(config, &text),
+        stop_strings: text.stop_strings_with(&config.model.stop_strings),
         max_seq_len: config.model.max_seq_len,
         max_new_tokens: config.model.max_new_tokens,
         datasets,
     })
-}
-
-/// The stop strings completions end at: `model.stop_strings`, then the
-/// model's `generation_config.json` ones.
-pub fn stop_strings(config: &Config, text: &ModelText) -> Vec<String> {
-    let mut out = config.model.stop_strings.clone();
-    for s in text.stop_strings() {
-        if !out.contains(s) {
-            out.push(s.clone());
-        }
-    }
-    out
 }
 
 fn encode(text: &ModelText, item: &TaskItem) -> anyhow::Result<usize> {

@@ -4,7 +4,7 @@
 //! exactly as the rollout worker encodes them
 //! (`asyncrl_text::ModelText::encode`).
 
-use asyncrl_policy::from_config::decode_completion;
+use asyncrl_policy::ModelText;
 use asyncrl_policy::{DecodeBatchOptions, Policy, SamplingParams, SequenceRequest};
 use asyncrl_tasks::{SplitMix64, TaskItem, Verdict};
 use tch::{Kind, Tensor};
@@ -54,27 +54,24 @@ pub struct SftReport {
 
 /// Token ids of a task's prompt, as the rollout worker makes them.
 fn encode_task_prompt(
-    policy: &Policy,
+    text: &ModelText,
     prompt: &asyncrl_tasks::Prompt,
 ) -> Result<Vec<i64>, TrainError> {
-    let text = policy.text()?;
     Ok(text
         .encode(prompt)
         .map_err(asyncrl_policy::PolicyError::from)?)
 }
 
 fn encode_example(
-    policy: &Policy,
+    text: &ModelText,
     item: &TaskItem,
     eos: i64,
 ) -> Result<(Vec<i64>, usize), TrainError> {
-    let mut ids = encode_task_prompt(policy, &item.prompt)?;
+    let mut ids = encode_task_prompt(text, &item.prompt)?;
     let prompt_len = ids.len();
-    let tok = policy.tokenizer().ok_or_else(|| {
-        asyncrl_policy::PolicyError::InvalidRequest("the model has no tokenizer".into())
-    })?;
     ids.extend(
-        tok.encode(&item.answer, false)
+        text.tokenizer()
+            .encode(&item.answer, false)
             .map_err(asyncrl_policy::PolicyError::from)?,
     );
     ids.push(eos);
@@ -84,6 +81,7 @@ fn encode_example(
 /// One cross-entropy step on `items`; returns the loss.
 fn sft_step(
     policy: &Policy,
+    text: &ModelText,
     opt: &mut AdamW,
     items: &[&TaskItem],
     opts: &SftOptions,
@@ -92,7 +90,7 @@ fn sft_step(
     let pad = policy.config().pad_token_id.unwrap_or(0);
     let examples: Vec<(Vec<i64>, usize)> = items
         .iter()
-        .map(|it| encode_example(policy, it, eos))
+        .map(|it| encode_example(text, it, eos))
         .collect::<Result<_, _>>()?;
     let l = examples.iter().map(|(ids, _)| ids.len()).max().unwrap_or(2);
     let n = examples.len();
@@ -127,24 +125,24 @@ fn sft_step(
     Ok(loss.double_value(&[]))
 }
 
-/// Mean reward on `items` with the built-in verifier of `dataset`.
+/// Mean reward on `items` with their built-in verifiers.
 pub fn evaluate(
     policy: &Policy,
     items: &[TaskItem],
-    dataset: &str,
     temperature: f64,
     max_new_tokens: usize,
     seed: u64,
 ) -> Result<Accuracy, TrainError> {
     let _g = tch::no_grad_guard();
     let eos = policy.eos_token_ids();
+    let text = policy.text()?;
     let run = |temp: f64| -> Result<f64, TrainError> {
         let requests: Vec<SequenceRequest> = items
             .iter()
             .enumerate()
             .map(|(i, it)| {
                 Ok(SequenceRequest {
-                    prompt: encode_task_prompt(policy, &it.prompt)?,
+                    prompt: encode_task_prompt(&text, &it.prompt)?,
                     params: SamplingParams {
                         temperature: temp,
                         top_p: 1.0,
@@ -167,8 +165,11 @@ pub fn evaluate(
         )?;
         let mut total = 0.0;
         for (it, out) in items.iter().zip(&outs) {
-            let text = decode_completion(policy, &out.tokens, &eos)?;
-            if let Verdict::Reward(r) = asyncrl_tasks::score(dataset, &text, &it.answer) {
+            let completion = text
+                .decode_completion(&out.tokens, &eos)
+                .map_err(asyncrl_policy::PolicyError::from)?;
+            if let Verdict::Reward(r) = asyncrl_tasks::score(&it.verifier, &completion, &it.answer)
+            {
                 total += f64::from(r);
             }
         }
@@ -189,29 +190,22 @@ pub fn warm_start(
     policy: &mut Policy,
     train: &[TaskItem],
     eval: &[TaskItem],
-    dataset: &str,
     max_new_tokens: usize,
     opts: &SftOptions,
 ) -> Result<SftReport, TrainError> {
     let start = std::time::Instant::now();
     let mut report = SftReport {
-        before: evaluate(
-            policy,
-            eval,
-            dataset,
-            opts.temperature,
-            max_new_tokens,
-            opts.seed,
-        )?,
+        before: evaluate(policy, eval, opts.temperature, max_new_tokens, opts.seed)?,
         ..Default::default()
     };
     let mut rng = SplitMix64::new(opts.seed ^ 0x5F7);
     let mut opt = AdamW::new(AdamWConfig::default());
+    let text = policy.text()?;
     for step in 0..opts.steps {
         let batch: Vec<&TaskItem> = (0..opts.batch_size.max(1))
             .map(|_| &train[rng.below(train.len() as u64) as usize])
             .collect();
-        let loss = sft_step(policy, &mut opt, &batch, opts)?;
+        let loss = sft_step(policy, &text, &mut opt, &batch, opts)?;
         if !loss.is_finite() {
             return Err(TrainError::NonFiniteLoss(loss));
         }
@@ -221,14 +215,7 @@ pub fn warm_start(
         }
     }
     policy.mark_weights_changed();
-    report.after = evaluate(
-        policy,
-        eval,
-        dataset,
-        opts.temperature,
-        max_new_tokens,
-        opts.seed,
-    )?;
+    report.after = evaluate(policy, eval, opts.temperature, max_new_tokens, opts.seed)?;
     report.seconds = start.elapsed().as_secs_f64();
     Ok(report)
 }
@@ -274,14 +261,7 @@ pub fn run_warm_start(
     let mut section = config.model.clone();
     section.path = None;
     let mut policy = asyncrl_policy::from_config::load_policy(&section, config.run.seed)?;
-    let report = warm_start(
-        &mut policy,
-        train,
-        eval,
-        &dataset.name,
-        config.model.max_new_tokens,
-        opts,
-    )?;
+    let report = warm_start(&mut policy, train, eval, config.model.max_new_tokens, opts)?;
     policy.set_version(0);
     policy.save_pretrained(out, None)?;
     let json = format!(

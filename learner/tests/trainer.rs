@@ -327,8 +327,7 @@ fn warm_start_teaches_the_task_format() {
         learning_rate: 3e-3,
         ..Default::default()
     };
-    let report =
-        asyncrl_learner::sft::warm_start(&mut policy, train, eval, "arith", 4, &opts).unwrap();
+    let report = asyncrl_learner::sft::warm_start(&mut policy, train, eval, 4, &opts).unwrap();
     let first = report.losses.first().copied().unwrap();
     let last = report.losses.last().copied().unwrap();
     assert!(

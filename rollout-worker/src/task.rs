@@ -144,8 +144,15 @@ async fn run_task_inner(
             "stopped while waiting for the weights of its admission version".into(),
         );
     }
-    let prompt = match shared.text.encode(&prompt_of(task)) {
-        Ok(ids) => ids,
+    // Rendered once per task: the token ids to generate from, and the text
+    // a reward service is sent.
+    let task_prompt = prompt_of(task);
+    let (prompt_text, prompt) = match shared
+        .text
+        .render(&task_prompt)
+        .and_then(|text| Ok((text, shared.text.encode(&task_prompt)?)))
+    {
+        Ok(both) => both,
         Err(e) => {
             return TaskEnd::Unfinished(format!("cannot encode the prompt: {e}"));
         }
@@ -179,6 +186,7 @@ async fn run_task_inner(
                 index as u32,
                 g as u32,
                 request.clone(),
+                &prompt_text,
                 guard,
                 stops,
             )
@@ -397,12 +405,14 @@ fn clamp_ms(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_completion(
     shared: &Arc<Shared>,
     task: &Task,
     index: u32,
     group_size: u32,
     request: SequenceRequest,
+    prompt_text: &str,
     guard: SeqGuard,
     stops: &Stops,
 ) -> Result<(), CompletionError> {
@@ -444,10 +454,7 @@ async fn run_completion(
                 task_id: task.task_id.clone(),
                 dataset: task.dataset.clone(),
                 verifier: verifier_of(task).to_owned(),
-                prompt: shared
-                    .text
-                    .render(&prompt_of(task))
-                    .unwrap_or_else(|_| task.prompt.clone()),
+                prompt: prompt_text.to_owned(),
                 completion,
                 completion_token_ids: out.tokens.iter().map(|&t| t as i32).collect(),
                 answer: task.answer.clone(),

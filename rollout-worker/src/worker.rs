@@ -166,19 +166,9 @@ impl Worker {
             settings,
             bus: self.bus,
             engine: engine.clone(),
-            stop_strings: {
-                let mut s = self.config.model.stop_strings.clone();
-                s.extend(
-                    built
-                        .text
-                        .stop_strings()
-                        .iter()
-                        .filter(|x| !s.contains(x))
-                        .cloned()
-                        .collect::<Vec<_>>(),
-                );
-                s
-            },
+            stop_strings: built
+                .text
+                .stop_strings_with(&self.config.model.stop_strings),
             text: built.text,
             params,
             scorer,

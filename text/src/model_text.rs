@@ -251,6 +251,18 @@ impl ModelText {
         &self.stop_strings
     }
 
+    /// The stop strings completions end at: `configured` (`model.stop_strings`)
+    /// first, then the model's own, without repeats.
+    pub fn stop_strings_with(&self, configured: &[String]) -> Vec<String> {
+        let mut out = configured.to_vec();
+        for s in &self.stop_strings {
+            if !out.contains(s) {
+                out.push(s.clone());
+            }
+        }
+        out
+    }
+
     /// Whether the LM head shares the embedding's weights (`config.json`).
     pub fn tie_word_embeddings(&self) -> bool {
         self.tie_word_embeddings
