@@ -154,6 +154,64 @@ impl DatasetConfig {
         }
     }
 
+    /// Checks the entry; `prefix` is its key (`coordinator.datasets[0]`,
+    /// `eval.dataset`) in errors.
+    pub fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
+        let field = |f: &str| format!("{prefix}.{f}");
+        if !valid_name(&self.name) {
+            return Err(ConfigError::invalid(
+                field("name"),
+                format!(
+                    "= {:?} must be 1-64 characters of [A-Za-z0-9_-] (it prefixes task ids)",
+                    self.name
+                ),
+            ));
+        }
+        if self.path.as_os_str().is_empty() {
+            return Err(ConfigError::invalid(field("path"), "is empty"));
+        }
+        for (f, v) in [
+            ("prompt_field", &self.prompt_field),
+            ("answer_field", &self.answer_field),
+            ("id_field", &self.id_field),
+        ] {
+            if v.is_empty() {
+                return Err(ConfigError::invalid(field(f), "is empty"));
+            }
+        }
+        if self.prompt_field == self.answer_field {
+            return Err(ConfigError::invalid(
+                field("answer_field"),
+                format!("= {:?} is also the prompt_field", self.answer_field),
+            ));
+        }
+        if let Some(v) = &self.verifier
+            && v != "service"
+            && !BUILTIN_VERIFIERS.contains(&v.as_str())
+        {
+            return Err(ConfigError::invalid(
+                field("verifier"),
+                format!(
+                    "= {v:?} is not a built-in verifier ({}) nor \"service\"",
+                    BUILTIN_VERIFIERS.join(", ")
+                ),
+            ));
+        }
+        if self.max_prompt_tokens == Some(0) {
+            return Err(ConfigError::invalid(
+                field("max_prompt_tokens"),
+                "must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        if self.system_prompt.as_deref() == Some("") {
+            return Err(ConfigError::invalid(
+                field("system_prompt"),
+                "is empty (leave it out for none)",
+            ));
+        }
+        Ok(())
+    }
+
     /// The verifier that scores this data set's completions.
     pub fn verifier_name(&self) -> &str {
         match &self.verifier {
@@ -359,66 +417,12 @@ impl CoordinatorConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut names = std::collections::HashSet::new();
         for (i, d) in self.datasets.iter().enumerate() {
-            let key = format!("coordinator.datasets[{i}].name");
-            if !valid_name(&d.name) {
-                return Err(ConfigError::invalid(
-                    key,
-                    format!(
-                        "= {:?} must be 1-64 characters of [A-Za-z0-9_-] (it prefixes task ids)",
-                        d.name
-                    ),
-                ));
-            }
+            let prefix = format!("coordinator.datasets[{i}]");
+            d.validate(&prefix)?;
             if !names.insert(d.name.as_str()) {
                 return Err(ConfigError::invalid(
-                    key,
+                    format!("{prefix}.name"),
                     format!("= {:?} names two data sets", d.name),
-                ));
-            }
-            if d.path.as_os_str().is_empty() {
-                return Err(ConfigError::invalid(
-                    format!("coordinator.datasets[{i}].path"),
-                    "is empty",
-                ));
-            }
-            let field = |f: &str| format!("coordinator.datasets[{i}].{f}");
-            for (f, v) in [
-                ("prompt_field", &d.prompt_field),
-                ("answer_field", &d.answer_field),
-                ("id_field", &d.id_field),
-            ] {
-                if v.is_empty() {
-                    return Err(ConfigError::invalid(field(f), "is empty"));
-                }
-            }
-            if d.prompt_field == d.answer_field {
-                return Err(ConfigError::invalid(
-                    field("answer_field"),
-                    format!("= {:?} is also the prompt_field", d.answer_field),
-                ));
-            }
-            if let Some(v) = &d.verifier
-                && v != "service"
-                && !BUILTIN_VERIFIERS.contains(&v.as_str())
-            {
-                return Err(ConfigError::invalid(
-                    field("verifier"),
-                    format!(
-                        "= {v:?} is not a built-in verifier ({}) nor \"service\"",
-                        BUILTIN_VERIFIERS.join(", ")
-                    ),
-                ));
-            }
-            if d.max_prompt_tokens == Some(0) {
-                return Err(ConfigError::invalid(
-                    field("max_prompt_tokens"),
-                    "must be at least 1 (leave it out for no limit)",
-                ));
-            }
-            if d.system_prompt.as_deref() == Some("") {
-                return Err(ConfigError::invalid(
-                    field("system_prompt"),
-                    "is empty (leave it out for none)",
                 ));
             }
         }

@@ -7,6 +7,7 @@
 mod buffer;
 mod bus;
 mod coordinator;
+mod eval;
 mod learner;
 mod model;
 mod run;
@@ -26,6 +27,7 @@ pub use coordinator::{
     AdminTlsConfig, BUILTIN_VERIFIERS, ClipModeName, CoordinatorConfig, DatasetConfig,
     DatasetFormat, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode, knob_ranges,
 };
+pub use eval::{EvalConfig, MAX_EVAL_SAMPLES};
 pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, ProximalName};
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};
@@ -74,6 +76,7 @@ pub struct Config {
     pub buffer: BufferConfig,
     pub learner: LearnerConfig,
     pub worker: WorkerConfig,
+    pub eval: EvalConfig,
 }
 
 impl Config {
@@ -117,6 +120,7 @@ impl Config {
         self.buffer.validate()?;
         self.learner.validate()?;
         self.worker.validate()?;
+        self.eval.validate()?;
         Ok(())
     }
 }
