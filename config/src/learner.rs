@@ -17,6 +17,20 @@ pub enum ProximalName {
     /// A-3PO interpolation from each token's version lag (no extra pass).
     #[default]
     Approx,
+    /// No decoupling (naive PPO): the behaviour log-probs are the proximal
+    /// ones. For comparisons: stale tokens are clipped against the policy
+    /// that sampled them, not the current one.
+    Behaviour,
+}
+
+impl ProximalName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProximalName::Recompute => "recompute",
+            ProximalName::Approx => "approx",
+            ProximalName::Behaviour => "behaviour",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]

@@ -48,6 +48,10 @@ pub enum ProximalMode {
     /// A-3PO interpolation from the token's version lag; no extra pass.
     #[default]
     Approx,
+    /// No decoupling (naive PPO): the behaviour log-probs are the proximal
+    /// ones, so `w = 1` and the ratio is `exp(c − b)`. What a system
+    /// without decoupled PPO trains with; for comparisons.
+    Behaviour,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

@@ -209,8 +209,11 @@ impl Trainer {
         // the logits of the whole batch would be the step's memory peak.
         let proximal = match self.opts.proximal {
             ProximalMode::Recompute => Some(self.detached_logprobs(&batch, budget)?),
+            // Naive PPO: the behaviour policy is the trust region's centre.
+            ProximalMode::Behaviour => Some(batch.behaviour.detach()),
             ProximalMode::Approx => None,
         };
+        let recomputed = self.opts.proximal == ProximalMode::Recompute;
 
         let n = batch.input_ids.size()[0];
         let mut order: Vec<i64> = (0..n).collect();
@@ -232,7 +235,7 @@ impl Trainer {
         // The engine/trainer mismatch: the recompute pass covers the whole
         // batch; without it, the first mini-batch's forward (still at the
         // step's starting weights) covers its rows.
-        if let Some(p) = &proximal {
+        if let Some(p) = proximal.as_ref().filter(|_| recomputed) {
             stats.logprob_gap = logprob_gap(
                 &batch.behaviour,
                 p,
@@ -248,7 +251,7 @@ impl Trainer {
                 .map(|p| p.index_select(0, &Tensor::from_slice(chunk).to_device(device)));
             AdamW::zero_grad(&params);
             let micro = mb.microbatches(budget);
-            let gap_wanted = i == 0 && proximal.is_none();
+            let gap_wanted = i == 0 && !recomputed;
             let (loss, objective, entropy, gap) = if micro.len() <= 1 {
                 stats.microbatches += 1;
                 self.whole_minibatch(&mb, mb_prox.as_ref(), version_before, knobs, gap_wanted)?

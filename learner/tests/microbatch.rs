@@ -242,7 +242,11 @@ fn microbatched_steps_match_the_unsplit_step() {
     let (ckpt, rb) = starting_point(dir.path());
     let mut worst: f64 = 0.0;
     for clip_mode in [ClipMode::Ppo, ClipMode::Adaptive, ClipMode::M2po] {
-        for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
+        for proximal in [
+            ProximalMode::Recompute,
+            ProximalMode::Approx,
+            ProximalMode::Behaviour,
+        ] {
             for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
                 let what = format!("{clip_mode} / {proximal:?} / {aggregation:?}");
                 let k = knobs(clip_mode, aggregation);

@@ -122,7 +122,11 @@ fn options(proximal: ProximalMode) -> TrainerOptions {
 
 #[test]
 fn overfits_a_fixed_batch_towards_the_rewarded_completions() {
-    for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
+    for proximal in [
+        ProximalMode::Recompute,
+        ProximalMode::Approx,
+        ProximalMode::Behaviour,
+    ] {
         let policy = tiny_policy(1);
         let (rb, positive) = fixed_batch(&policy);
         let mut trainer = Trainer::new(policy, options(proximal));
@@ -169,6 +173,37 @@ fn overfits_a_fixed_batch_towards_the_rewarded_completions() {
         assert_eq!(trainer.step(), 8);
         assert_eq!(trainer.version(), 8);
     }
+}
+
+/// Naive PPO (`Behaviour`) centres the trust region on the policy that
+/// sampled each token: once the weights have moved away from it, its
+/// off-policy weight stays exactly 1, where decoupled PPO (`Recompute`)
+/// weighs the stale tokens by π_prox / π_behav.
+#[test]
+fn naive_ppo_does_not_reweigh_stale_tokens() {
+    let mut weights = Vec::new();
+    for proximal in [ProximalMode::Behaviour, ProximalMode::Recompute] {
+        let policy = tiny_policy(1);
+        let (rb, _) = fixed_batch(&policy);
+        let mut trainer = Trainer::new(policy, options(proximal));
+        let mut last = None;
+        for _ in 0..4 {
+            last = Some(
+                trainer
+                    .train_step(std::slice::from_ref(&rb), &knobs(2e-3))
+                    .unwrap(),
+            );
+        }
+        let stats = last.unwrap();
+        // The batch was sampled at version 0 and is 3 versions old now.
+        assert_eq!(stats.objective.max_version_lag, 3.0, "{proximal:?}");
+        weights.push(stats.objective.mean_importance_weight);
+    }
+    assert_eq!(weights[0], 1.0, "naive PPO reweighed: {weights:?}");
+    assert!(
+        (weights[1] - 1.0).abs() > 1e-3,
+        "decoupled PPO kept weight 1 on stale tokens: {weights:?}"
+    );
 }
 
 #[test]
@@ -336,4 +371,31 @@ fn warm_start_teaches_the_task_format() {
         report.losses
     );
     assert!(report.after.greedy >= report.before.greedy);
+}
+
+/// The same seed gives the same warm-started weights, bit for bit (and so
+/// the same accuracy); another seed gives other weights.
+#[test]
+fn warm_start_is_reproducible_from_its_seed() {
+    tch::set_num_threads(1);
+    let items = asyncrl_tasks::generate(asyncrl_tasks::BuiltinTask::Arith, 200, 1);
+    let (train, eval) = items.split_at(180);
+    let run = |seed: u64| {
+        let mut policy = tiny_policy(11);
+        let opts = asyncrl_learner::sft::SftOptions {
+            steps: 20,
+            batch_size: 8,
+            seed,
+            ..Default::default()
+        };
+        let report = asyncrl_learner::sft::warm_start(&mut policy, train, eval, 4, &opts).unwrap();
+        let weights = policy
+            .weights_to_safetensors(asyncrl_policy::WeightDtype::F32)
+            .unwrap();
+        (weights, report.after, report.losses)
+    };
+    let (a, b) = (run(3), run(3));
+    assert!(a.0 == b.0, "same seed, different weights");
+    assert_eq!((a.1, &a.2), (b.1, &b.2));
+    assert!(run(4).0 != a.0, "another seed gave the same weights");
 }
