@@ -150,6 +150,11 @@ fn read_dir_checked(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
     })
 }
 
+/// Reads one checkpoint directory (`step-NNNNNNNN`), checking its sha256s.
+pub fn read(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
+    read_dir_checked(dir)
+}
+
 /// Complete checkpoint directories under `root`, newest first.
 fn complete_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     let entries = match fs::read_dir(root) {

@@ -7,6 +7,7 @@
 //! - [`trainer`]: one step on the thread that owns the model ([`actor`]),
 //!   with [`adamw`] (checkpointable state) and [`checkpoint`]s.
 //! - [`service`]: the role: knobs, batches, weight publication, resume.
+//! - [`eval`]: held-out evaluation (`[eval]`, `asyncrl eval`).
 //! - [`sft`]: the supervised warm start of the built-in model.
 //! - [`device_report`]: what libtorch the process linked and what it sees.
 
@@ -15,6 +16,7 @@ pub mod adamw;
 pub mod advantages;
 pub mod batch;
 pub mod checkpoint;
+pub mod eval;
 pub mod metrics;
 pub mod objective;
 pub mod service;

@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use crate::actor::TrainerActor;
 use crate::advantages::AdvantageNorm;
 use crate::checkpoint;
+use crate::eval::{EvalRow, Evaluator};
 use crate::metrics::LearnerMetrics;
 use crate::objective::{LossAggregation, ObjectiveConfig, ProximalMode};
 use crate::trainer::{StepSettings, StepStats, TrainError, Trainer, TrainerOptions};
@@ -50,6 +51,15 @@ pub struct LearnerSummary {
     pub last: Option<StepStats>,
     pub metrics_csv: PathBuf,
     pub checkpoint_dir: PathBuf,
+    /// `eval.csv` when `[eval]` is on.
+    pub eval_csv: Option<PathBuf>,
+}
+
+/// What the learner tells a progress display (the one-process `asyncrl train`).
+#[derive(Debug, Clone)]
+pub enum LearnerEvent {
+    Step(Box<StepStats>),
+    Eval(EvalRow),
 }
 
 pub fn trainer_options(config: &Config) -> TrainerOptions {
@@ -72,6 +82,7 @@ pub fn trainer_options(config: &Config) -> TrainerOptions {
         proximal: match l.proximal {
             asyncrl_config::ProximalName::Recompute => ProximalMode::Recompute,
             asyncrl_config::ProximalName::Approx => ProximalMode::Approx,
+            asyncrl_config::ProximalName::Behaviour => ProximalMode::Behaviour,
         },
         seed: config.run.seed,
         weight_dtype: asyncrl_policy::from_config::weight_dtype(config.model.weight_dtype),
@@ -120,7 +131,8 @@ struct Ctx {
     start_version: i32,
     ckpt_dir: PathBuf,
     shutdown: CancellationToken,
-    progress: Option<tokio::sync::mpsc::UnboundedSender<StepStats>>,
+    progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
+    evaluator: Option<Evaluator>,
 }
 
 /// Runs the learner until `run.max_steps` (0: until shutdown).
@@ -140,9 +152,8 @@ pub async fn run_with_progress(
     bus: Arc<dyn Bus>,
     metrics: Metrics,
     shutdown: CancellationToken,
-    progress: Option<tokio::sync::mpsc::UnboundedSender<StepStats>>,
+    progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
 ) -> anyhow::Result<LearnerSummary> {
-    let metrics = LearnerMetrics::register(&metrics)?;
     let ckpt_dir = checkpoint_dir(&config);
     let latest = {
         let dir = ckpt_dir.clone();
@@ -168,6 +179,21 @@ pub async fn run_with_progress(
     })
     .await??;
 
+    // Evaluation rows reach the progress display through the same channel.
+    let eval_progress = progress.as_ref().map(|tx| {
+        let (etx, mut erx) = tokio::sync::mpsc::unbounded_channel::<EvalRow>();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while let Some(row) = erx.recv().await {
+                let _ = tx.send(LearnerEvent::Eval(row));
+            }
+        });
+        etx
+    });
+    let evaluator = Evaluator::start(&config, &metrics, eval_progress)
+        .await
+        .context("cannot start the held-out evaluation ([eval])")?;
+    let metrics = LearnerMetrics::register(&metrics)?;
     let (weights, kv) = asyncrl_control::weights::open(bus.as_ref()).await?;
     let mut ctx = Ctx {
         session: uuid::Uuid::new_v4().to_string(),
@@ -182,6 +208,7 @@ pub async fn run_with_progress(
         ckpt_dir,
         shutdown,
         progress,
+        evaluator,
     };
     ctx.reconcile_with_published().await?;
     ctx.start_version = ctx.actor.call(|t| t.version()).await?;
@@ -224,7 +251,8 @@ impl Ctx {
         Ok(())
     }
 
-    async fn publish(&self, version: i32, step: u64) -> anyhow::Result<()> {
+    /// Publishes the trainer's weights as `version`; returns the bytes.
+    async fn publish(&self, version: i32, step: u64) -> anyhow::Result<Bytes> {
         let bytes = self.actor.call(|t| t.weights_bytes()).await??;
         let bytes = Bytes::from(bytes);
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
@@ -256,7 +284,7 @@ impl Ctx {
         {
             tracing::warn!(version, error = %e, "cannot delete the weights of old versions");
         }
-        Ok(())
+        Ok(bytes)
     }
 
     async fn write_status(&self, train_s: f64, wait_s: f64) {
@@ -413,6 +441,15 @@ impl Ctx {
         };
         let max_steps = self.config.run.max_steps;
         let run_start = Instant::now();
+        // The weights the run starts from (the warm start, or a resumed
+        // checkpoint's) are evaluated first, so every curve has its origin.
+        let (step0, version0) = self.actor.call(|t| (t.step(), t.version())).await?;
+        if let Some(ev) = self.evaluator.as_mut()
+            && ev.wants(version0, step0, true)
+        {
+            let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
+            ev.submit(version0, step0, 0.0, bytes);
+        }
         loop {
             let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
             summary.steps = step;
@@ -446,12 +483,19 @@ impl Ctx {
             self.metrics.observe_step(&stats);
 
             let publish_start = Instant::now();
-            self.publish(stats.version, stats.step).await?;
+            let published = self.publish(stats.version, stats.step).await?;
             let publish_s = publish_start.elapsed().as_secs_f64();
+            let wall = run_start.elapsed().as_secs_f64();
+            let last = max_steps > 0 && stats.step >= max_steps;
+            if let Some(ev) = self.evaluator.as_mut()
+                && ev.wants(stats.version, stats.step, last)
+            {
+                ev.submit(stats.version, stats.step, wall, published);
+            }
             self.metrics.phase("publish", publish_s);
             self.write_status(stats.compute_seconds + publish_s, wait_s)
                 .await;
-            csv.append(&stats, run_start.elapsed().as_secs_f64(), wait_s, publish_s)?;
+            csv.append(&stats, wall, wait_s, publish_s)?;
             tracing::info!(
                 step = stats.step,
                 version = stats.version,
@@ -468,7 +512,7 @@ impl Ctx {
                 self.checkpoint().await?;
             }
             if let Some(tx) = &self.progress {
-                let _ = tx.send(stats.clone());
+                let _ = tx.send(LearnerEvent::Step(Box::new(stats.clone())));
             }
             summary.last = Some(stats);
         }
@@ -486,6 +530,17 @@ impl Ctx {
         let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
         summary.steps = step;
         summary.version = version;
+        if let Some(ev) = self.evaluator.take() {
+            // The end of the run is evaluated unless it already was (a
+            // step count that is not a multiple of `every_steps` ends after
+            // the loop's last step); a shutdown does not wait for one more.
+            let mut ev = ev;
+            if !self.shutdown.is_cancelled() && ev.wants(version, step, true) {
+                let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
+                ev.submit(version, step, run_start.elapsed().as_secs_f64(), bytes);
+            }
+            summary.eval_csv = Some(ev.finish().await?);
+        }
         Ok(summary)
     }
 }

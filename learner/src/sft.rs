@@ -5,8 +5,8 @@
 //! (`asyncrl_text::ModelText::encode`).
 
 use asyncrl_policy::ModelText;
-use asyncrl_policy::{DecodeBatchOptions, Policy, SamplingParams, SequenceRequest};
-use asyncrl_tasks::{SplitMix64, TaskItem, Verdict};
+use asyncrl_policy::Policy;
+use asyncrl_tasks::{SplitMix64, TaskItem};
 use tch::{Kind, Tensor};
 
 use crate::adamw::{AdamW, AdamWConfig};
@@ -125,7 +125,7 @@ fn sft_step(
     Ok(loss.double_value(&[]))
 }
 
-/// Mean reward on `items` with their built-in verifiers.
+/// Greedy and sampled (one completion per problem) mean reward on `items`.
 pub fn evaluate(
     policy: &Policy,
     items: &[TaskItem],
@@ -133,55 +133,18 @@ pub fn evaluate(
     max_new_tokens: usize,
     seed: u64,
 ) -> Result<Accuracy, TrainError> {
-    let _g = tch::no_grad_guard();
-    let eos = policy.eos_token_ids();
-    let text = policy.text()?;
-    let run = |temp: f64| -> Result<f64, TrainError> {
-        let requests: Vec<SequenceRequest> = items
-            .iter()
-            .enumerate()
-            .map(|(i, it)| {
-                Ok(SequenceRequest {
-                    prompt: encode_task_prompt(&text, &it.prompt)?,
-                    params: SamplingParams {
-                        temperature: temp,
-                        top_p: 1.0,
-                        top_k: 0,
-                        max_new_tokens,
-                        stop_token_ids: eos.clone(),
-                        seed: Some(seed.wrapping_add(i as u64)),
-                    },
-                })
-            })
-            .collect::<Result<_, TrainError>>()?;
-        let max_prompt = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(1);
-        let outs = asyncrl_policy::generate(
-            policy,
-            requests,
-            DecodeBatchOptions {
-                max_slots: 64,
-                max_seq_len: max_prompt + max_new_tokens + 1,
-            },
-        )?;
-        let mut total = 0.0;
-        for (it, out) in items.iter().zip(&outs) {
-            let completion = text
-                .decode_completion(&out.tokens, &eos)
-                .map_err(asyncrl_policy::PolicyError::from)?;
-            if let Verdict::Reward(r) = asyncrl_tasks::score(&it.verifier, &completion, &it.answer)
-            {
-                total += f64::from(r);
-            }
-        }
-        Ok(if items.is_empty() {
-            0.0
-        } else {
-            total / items.len() as f64
-        })
+    let spec = crate::eval::EvalSpec {
+        greedy: true,
+        samples: 1,
+        temperature,
+        max_new_tokens,
+        seed,
+        stop_strings: Vec::new(),
     };
+    let scores = crate::eval::evaluate(policy, &policy.text()?, items, &spec)?;
     Ok(Accuracy {
-        greedy: run(0.0)?,
-        sampled: run(temperature)?,
+        greedy: scores.greedy.unwrap_or_default(),
+        sampled: scores.sampled.unwrap_or_default(),
     })
 }
 

@@ -332,19 +332,6 @@ fn cut_at_stop_string(shared: &Shared, mut out: SequenceOutput) -> SequenceOutpu
     out
 }
 
-/// The text verifiers see: up to (not including) the first stop string, as
-/// vLLM returns it.
-fn text_before_stop_string(mut text: String, stop_strings: &[String]) -> String {
-    if let Some(cut) = stop_strings
-        .iter()
-        .filter_map(|s| text.find(s.as_str()))
-        .min()
-    {
-        text.truncate(cut);
-    }
-    text
-}
-
 fn finish_reason(r: SeqFinish) -> FinishReason {
     match r {
         SeqFinish::Stop => FinishReason::Stop,
@@ -445,7 +432,7 @@ async fn run_completion(
     let decoded = shared
         .text
         .decode_completion(&out.tokens, &shared.params.stop_token_ids)
-        .map(|text| text_before_stop_string(text, &shared.stop_strings));
+        .map(|text| asyncrl_text::text_before_stop_string(text, &shared.stop_strings));
     let uuid = uuid::Uuid::new_v4().to_string();
     let reward = match decoded {
         Ok(completion) => {
@@ -592,11 +579,6 @@ mod tests {
             prompt_of(&t),
             Prompt::Messages(vec![asyncrl_text::Message::new("user", "1+1=")])
         );
-        let stops = ["</a>".to_owned(), "\n\n".to_owned()];
-        assert_eq!(text_before_stop_string("42</a> x".into(), &stops), "42");
-        assert_eq!(text_before_stop_string("4\n\n2</a>".into(), &stops), "4");
-        assert_eq!(text_before_stop_string("42".into(), &stops), "42");
-        assert_eq!(text_before_stop_string("42</a>".into(), &[]), "42</a>");
     }
 
     fn output(reason: SeqFinish) -> SequenceOutput {

@@ -148,6 +148,27 @@ pub fn generate_with(
         .collect()
 }
 
+/// Every `arith` problem with operands below `max_operand`, once:
+/// `a+b=` and `a-b=` for each pair, `2·max_operand²` in all (800 for 20):
+/// the held-out set that measures the whole task, not a sample of it.
+pub fn arith_all(max_operand: u64) -> Vec<TaskItem> {
+    let mut items = Vec::new();
+    for a in 0..max_operand as i64 {
+        for b in 0..max_operand as i64 {
+            for (op, answer) in [('+', a + b), ('-', a - b)] {
+                items.push(TaskItem {
+                    id: format!("arith-all-{:06}", items.len()),
+                    dataset: "arith".to_owned(),
+                    prompt: Prompt::Text(format!("{a}{op}{b}=")),
+                    answer: answer.to_string(),
+                    verifier: "arith".to_owned(),
+                });
+            }
+        }
+    }
+    items
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +186,29 @@ mod tests {
         assert_eq!(rng.next_u64(), 6457827717110365317);
         let mut copy = SplitMix64::new(rng.state());
         assert_eq!(copy.next_u64(), rng.next_u64());
+    }
+
+    #[test]
+    fn arith_all_lists_every_problem_once() {
+        let all = arith_all(20);
+        assert_eq!(all.len(), 800);
+        let prompts: std::collections::HashSet<&str> =
+            all.iter().map(TaskItem::prompt_text).collect();
+        assert_eq!(prompts.len(), 800);
+        assert!(prompts.contains("19-19=") && prompts.contains("0+0="));
+        let sampled = generate_with(
+            BuiltinTask::Arith,
+            2000,
+            1,
+            GenerateOptions { max_operand: 20 },
+        );
+        assert!(sampled.iter().all(|t| prompts.contains(t.prompt_text())));
+        for t in &all {
+            assert_eq!(
+                crate::score("arith", &t.answer, &t.answer),
+                crate::Verdict::Reward(1.0)
+            );
+        }
     }
 
     #[test]

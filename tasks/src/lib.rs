@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 
 pub use asyncrl_text::{Message, Prompt};
 pub use generate::{
-    BuiltinTask, GenerateOptions, REVERSE_MAX_LEN, SplitMix64, generate, generate_with,
+    BuiltinTask, GenerateOptions, REVERSE_MAX_LEN, SplitMix64, arith_all, generate, generate_with,
 };
-pub use load::{LoadedDataset, load_dataset, load_datasets, valid_task_id};
+pub use load::{LoadedDataset, load_dataset, load_datasets, load_eval_problems, valid_task_id};
 pub use math::{MathAnswer, extract_final_answer, math_reward};
 pub use verify::{Verdict, score};
 
@@ -104,6 +104,35 @@ pub enum TaskError {
         "data set `{dataset}` sets max_prompt_tokens, which needs the model's tokenizer (model.path, or the built-in model)"
     )]
     NoTokenizer { dataset: String },
+    #[error("`eval.dataset` is not set: name the held-out data set")]
+    NoEvalDataset,
+    #[error(
+        "eval data set `{dataset}` ({path}): row {row} has an empty answer (field `{field}`); evaluation needs a reference answer for every problem"
+    )]
+    NoAnswer {
+        dataset: String,
+        path: PathBuf,
+        row: usize,
+        field: String,
+    },
+    #[error(
+        "eval data set `{dataset}` ({path}) has {problems} problems, more than eval.max_problems = {max} (evaluate the first ones with eval.problems, or raise eval.max_problems)"
+    )]
+    TooManyProblems {
+        dataset: String,
+        path: PathBuf,
+        problems: usize,
+        max: usize,
+    },
+    #[error(
+        "eval.problems = {wanted} but the eval data set `{dataset}` ({path}) has only {problems} problems"
+    )]
+    FewerProblems {
+        dataset: String,
+        path: PathBuf,
+        wanted: usize,
+        problems: usize,
+    },
     #[error("cannot write task file {path}: {source}")]
     Write {
         path: PathBuf,

@@ -43,6 +43,48 @@ pub struct LoadedDataset {
     pub longest_prompt: Option<usize>,
 }
 
+/// The held-out problems of `[eval]`: every row must have a reference
+/// answer, and more problems than `eval.max_problems` are refused, not cut
+/// (`eval.problems` takes the first N).
+pub fn load_eval_problems(
+    eval: &asyncrl_config::EvalConfig,
+    text: Option<&ModelText>,
+) -> Result<Vec<TaskItem>, TaskError> {
+    let d = eval.dataset.as_ref().ok_or(TaskError::NoEvalDataset)?;
+    let mut items = load_dataset(d, text)?.items;
+    if let Some(row) = items.iter().position(|it| it.answer.trim().is_empty()) {
+        return Err(TaskError::NoAnswer {
+            dataset: d.name.clone(),
+            path: d.path.clone(),
+            row,
+            field: d.answer_field.clone(),
+        });
+    }
+    let wanted = if eval.problems == 0 {
+        items.len()
+    } else {
+        eval.problems
+    };
+    if wanted > items.len() {
+        return Err(TaskError::FewerProblems {
+            dataset: d.name.clone(),
+            path: d.path.clone(),
+            wanted,
+            problems: items.len(),
+        });
+    }
+    if wanted > eval.max_problems {
+        return Err(TaskError::TooManyProblems {
+            dataset: d.name.clone(),
+            path: d.path.clone(),
+            problems: items.len(),
+            max: eval.max_problems,
+        });
+    }
+    items.truncate(wanted);
+    Ok(items)
+}
+
 /// A task id is used as a NATS subject token (`trajectories.<task id>`).
 pub fn valid_task_id(id: &str) -> bool {
     !id.is_empty()

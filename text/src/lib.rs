@@ -20,7 +20,10 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message, Prompt, ROLES, SpecialTokens};
 pub use error::{Result, TextError};
-pub use model_text::{ModelFacts, ModelText, TEXT_FILES, builtin_tokenizer_config, eos_token_ids};
+pub use model_text::{
+    ModelFacts, ModelText, TEXT_FILES, builtin_tokenizer_config, eos_token_ids,
+    text_before_stop_string,
+};
 pub use tokenizer::{
     BUILTIN_BOS, BUILTIN_CHARS, BUILTIN_EOS, BUILTIN_PAD, BUILTIN_UNK, PolicyTokenizer,
 };

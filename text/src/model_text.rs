@@ -375,6 +375,19 @@ impl ModelText {
     }
 }
 
+/// The text verifiers see: up to (not including) the first stop string, as
+/// vLLM returns it.
+pub fn text_before_stop_string(mut text: String, stop_strings: &[String]) -> String {
+    if let Some(cut) = stop_strings
+        .iter()
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+    {
+        text.truncate(cut);
+    }
+    text
+}
+
 /// `tokenizer_config.json` of the built-in tokenizer, so that transformers'
 /// `AutoTokenizer` opens a saved built-in model folder.
 pub fn builtin_tokenizer_config() -> Vec<u8> {
@@ -427,6 +440,16 @@ fn template_source(value: &Value) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn text_ends_before_the_first_stop_string() {
+        let stops = ["</a>".to_owned(), "\n\n".to_owned()];
+        assert_eq!(text_before_stop_string("42</a> x".into(), &stops), "42");
+        assert_eq!(text_before_stop_string("4\n\n2</a>".into(), &stops), "4");
+        assert_eq!(text_before_stop_string("42".into(), &stops), "42");
+        assert_eq!(text_before_stop_string("42</a>".into(), &[]), "42</a>");
+    }
+
     use super::*;
     use crate::chat::Message;
 

@@ -1,0 +1,516 @@
+//! Held-out evaluation: greedy accuracy, mean sampled accuracy and pass@k
+//! of a policy on problems with reference answers, scored by the built-in
+//! verifiers.
+//!
+//! [`evaluate`] scores one policy (`asyncrl eval`, the warm start's report).
+//! [`Evaluator`] is the learner's `[eval]`: a thread with its own copy of the
+//! model that evaluates the weights of the versions the learner hands it,
+//! off the learner's critical path (the learner only clones the bytes it
+//! publishes anyway), and writes `eval.csv` (one row per version), the
+//! `asyncrl_eval_*` metrics and, for `asyncrl train`, the progress line.
+//!
+//! Architecture invariant: an evaluation row names the version whose
+//! weights were scored; the learner hands over the bytes it published for
+//! that version, never the weights of a later step.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use asyncrl_config::Config;
+use asyncrl_policy::{DecodeBatchOptions, ModelText, Policy, SamplingParams, SequenceRequest};
+use asyncrl_tasks::{TaskItem, Verdict};
+use asyncrl_telemetry::{Metrics, TelemetryError};
+use bytes::Bytes;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+
+use crate::trainer::TrainError;
+
+/// How to evaluate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalSpec {
+    /// Greedy accuracy (one completion per problem at temperature 0).
+    pub greedy: bool,
+    /// Completions sampled per problem (0: none).
+    pub samples: usize,
+    pub temperature: f64,
+    pub max_new_tokens: usize,
+    /// Seed of sample `j` of problem `i`: `seed + i·samples + j`.
+    pub seed: u64,
+    /// Stop strings (the text a verifier sees ends before the first).
+    pub stop_strings: Vec<String>,
+}
+
+impl EvalSpec {
+    /// `[eval]` with the defaults it takes from `[model]`.
+    pub fn from_config(config: &Config) -> Self {
+        let e = &config.eval;
+        Self {
+            greedy: e.greedy,
+            samples: e.samples,
+            temperature: e.temperature.unwrap_or(config.model.temperature),
+            max_new_tokens: e.max_new_tokens.unwrap_or(config.model.max_new_tokens),
+            seed: e.seed,
+            stop_strings: config.model.stop_strings.clone(),
+        }
+    }
+}
+
+/// The scores of one evaluation. Accuracies are mean rewards (1 = every
+/// completion right); a completion is "right" for pass@k at reward 1.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EvalScores {
+    pub problems: usize,
+    pub greedy: Option<f64>,
+    pub sampled: Option<f64>,
+    /// Fraction of problems with at least one right completion among `k`.
+    pub pass_at_k: Option<f64>,
+    pub k: usize,
+    pub seconds: f64,
+}
+
+impl std::fmt::Display for EvalScores {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} problems:", self.problems)?;
+        if let Some(g) = self.greedy {
+            write!(f, " greedy accuracy {g:.4}")?;
+        }
+        if let Some(s) = self.sampled {
+            write!(f, " sampled accuracy {s:.4}")?;
+        }
+        if let Some(p) = self.pass_at_k {
+            write!(f, " pass@{} {p:.4}", self.k)?;
+        }
+        write!(f, " ({:.1}s)", self.seconds)
+    }
+}
+
+/// Scores `policy` on `items` (blocking; run it on the model's thread).
+pub fn evaluate(
+    policy: &Policy,
+    text: &ModelText,
+    items: &[TaskItem],
+    spec: &EvalSpec,
+) -> Result<EvalScores, TrainError> {
+    let start = Instant::now();
+    let _g = tch::no_grad_guard();
+    let eos = policy.eos_token_ids();
+    let prompts: Vec<Vec<i64>> = items
+        .iter()
+        .map(|it| text.encode(&it.prompt))
+        .collect::<Result<_, _>>()
+        .map_err(asyncrl_policy::PolicyError::from)?;
+    // Rewards of `per_item` completions of every item, item-major.
+    let run = |temperature: f64, per_item: usize| -> Result<Vec<f64>, TrainError> {
+        let mut requests = Vec::with_capacity(items.len() * per_item);
+        for (i, prompt) in prompts.iter().enumerate() {
+            for j in 0..per_item {
+                requests.push(SequenceRequest {
+                    prompt: prompt.clone(),
+                    params: SamplingParams {
+                        temperature,
+                        top_p: 1.0,
+                        top_k: 0,
+                        max_new_tokens: spec.max_new_tokens,
+                        stop_token_ids: eos.clone(),
+                        seed: Some(spec.seed.wrapping_add((i * per_item + j) as u64)),
+                    },
+                });
+            }
+        }
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+        let outs = asyncrl_policy::generate(
+            policy,
+            requests,
+            DecodeBatchOptions {
+                max_slots: 64,
+                max_seq_len: longest + spec.max_new_tokens + 1,
+            },
+        )?;
+        outs.iter()
+            .enumerate()
+            .map(|(n, out)| {
+                let item = &items[n / per_item];
+                let completion = asyncrl_policy::text::text_before_stop_string(
+                    text.decode_completion(&out.tokens, &eos)
+                        .map_err(asyncrl_policy::PolicyError::from)?,
+                    &spec.stop_strings,
+                );
+                Ok(
+                    match asyncrl_tasks::score(&item.verifier, &completion, &item.answer) {
+                        Verdict::Reward(r) => f64::from(r),
+                        _ => 0.0,
+                    },
+                )
+            })
+            .collect()
+    };
+    let mean = |v: &[f64]| {
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    let mut scores = EvalScores {
+        problems: items.len(),
+        k: spec.samples,
+        ..Default::default()
+    };
+    if spec.greedy {
+        scores.greedy = Some(mean(&run(0.0, 1)?));
+    }
+    if spec.samples > 0 {
+        let rewards = run(spec.temperature, spec.samples)?;
+        scores.sampled = Some(mean(&rewards));
+        let solved = rewards
+            .chunks(spec.samples)
+            .filter(|c| c.iter().any(|r| *r >= 1.0))
+            .count();
+        scores.pass_at_k = Some(if items.is_empty() {
+            0.0
+        } else {
+            solved as f64 / items.len() as f64
+        });
+    }
+    scores.seconds = start.elapsed().as_secs_f64();
+    Ok(scores)
+}
+
+type F64Gauge = Gauge<f64, AtomicU64>;
+
+/// `asyncrl_eval_*`.
+#[derive(Clone)]
+pub struct EvalMetrics {
+    pub version: Gauge,
+    pub greedy_accuracy: F64Gauge,
+    pub sampled_accuracy: F64Gauge,
+    pub pass_at_k: F64Gauge,
+    pub problems: Gauge,
+    pub evaluations: Counter,
+    pub skipped: Counter,
+    pub failures: Counter,
+    pub seconds: Histogram,
+}
+
+impl EvalMetrics {
+    pub fn register(m: &Metrics) -> Result<Self, TelemetryError> {
+        Ok(Self {
+            version: m.register(
+                "eval_policy_version",
+                "Policy version of the last held-out evaluation",
+                Gauge::default(),
+            )?,
+            greedy_accuracy: m.register(
+                "eval_greedy_accuracy",
+                "Held-out greedy accuracy of the last evaluated version",
+                F64Gauge::default(),
+            )?,
+            sampled_accuracy: m.register(
+                "eval_sampled_accuracy",
+                "Held-out mean accuracy of the sampled completions of the last evaluated version",
+                F64Gauge::default(),
+            )?,
+            pass_at_k: m.register(
+                "eval_pass_at_k",
+                "Held-out pass@k (k = eval.samples) of the last evaluated version",
+                F64Gauge::default(),
+            )?,
+            problems: m.register(
+                "eval_problems",
+                "Problems of one held-out evaluation",
+                Gauge::default(),
+            )?,
+            evaluations: m.register(
+                "eval_evaluations",
+                "Held-out evaluations completed",
+                Counter::default(),
+            )?,
+            skipped: m.register(
+                "eval_skipped",
+                "Versions handed to the evaluator but skipped because more than 4 were waiting",
+                Counter::default(),
+            )?,
+            failures: m.register(
+                "eval_failures",
+                "Held-out evaluations that failed (logged; training goes on)",
+                Counter::default(),
+            )?,
+            seconds: m.register_with_unit(
+                "eval_duration",
+                "Time of one held-out evaluation",
+                prometheus_client::registry::Unit::Seconds,
+                Histogram::new([0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0]),
+            )?,
+        })
+    }
+
+    fn observe(&self, row: &EvalRow) {
+        let s = &row.scores;
+        self.version.set(i64::from(row.version));
+        if let Some(g) = s.greedy {
+            self.greedy_accuracy.set(g);
+        }
+        if let Some(x) = s.sampled {
+            self.sampled_accuracy.set(x);
+        }
+        if let Some(p) = s.pass_at_k {
+            self.pass_at_k.set(p);
+        }
+        self.problems.set(s.problems as i64);
+        self.evaluations.inc();
+        self.seconds.observe(s.seconds);
+    }
+}
+
+/// One evaluated version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalRow {
+    pub version: i32,
+    /// The learner step that produced the version.
+    pub step: u64,
+    /// Seconds since the learner started when the version was published.
+    pub wall_seconds: f64,
+    pub scores: EvalScores,
+}
+
+/// `eval.csv`: one row per evaluated version.
+pub const EVAL_CSV_HEADER: &str =
+    "version,step,wall_seconds,problems,greedy_accuracy,sampled_accuracy,pass_at_k,k,eval_seconds";
+
+fn csv_row(r: &EvalRow) -> String {
+    let opt = |v: Option<f64>| v.map(|x| format!("{x:.6}")).unwrap_or_default();
+    let s = &r.scores;
+    format!(
+        "{},{},{:.3},{},{},{},{},{},{:.3}",
+        r.version,
+        r.step,
+        r.wall_seconds,
+        s.problems,
+        opt(s.greedy),
+        opt(s.sampled),
+        opt(s.pass_at_k),
+        s.k,
+        s.seconds
+    )
+}
+
+/// The versions already in an `eval.csv` (a resumed learner appends).
+fn evaluated_versions(path: &Path) -> anyhow::Result<BTreeSet<i32>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(text
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split(',').next()?.parse().ok())
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeSet::new()),
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+}
+
+/// Versions waiting for the evaluator at most; older ones are skipped.
+pub const MAX_WAITING: usize = 4;
+
+/// A version for the evaluator: its weights as the learner published them.
+struct EvalJob {
+    version: i32,
+    step: u64,
+    wall_seconds: f64,
+    weights: Bytes,
+}
+
+/// The learner's evaluation thread (see the module docs).
+pub struct Evaluator {
+    every: u64,
+    tx: Option<mpsc::Sender<EvalJob>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Versions evaluated (in `eval.csv`) or handed over already.
+    done: BTreeSet<i32>,
+    csv: PathBuf,
+}
+
+impl Evaluator {
+    /// Loads the held-out problems and a copy of the model on a new thread.
+    /// `None` when `[eval]` is off. Errors (a missing data set, rows without
+    /// answers, too many problems, a model that does not load) stop the
+    /// learner before it trains.
+    pub async fn start(
+        config: &Config,
+        metrics: &Metrics,
+        progress: Option<tokio::sync::mpsc::UnboundedSender<EvalRow>>,
+    ) -> anyhow::Result<Option<Self>> {
+        if !config.eval.enabled() {
+            return Ok(None);
+        }
+        let metrics = EvalMetrics::register(metrics)?;
+        let csv = config.run.output_dir.join("eval.csv");
+        let done = evaluated_versions(&csv)?;
+        let every = config.eval.every_steps;
+        let (tx, rx) = mpsc::channel::<EvalJob>();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
+        let config = config.clone();
+        let path = csv.clone();
+        let thread = std::thread::Builder::new()
+            .name("asyncrl-eval".into())
+            .spawn(move || {
+                let setup = || -> anyhow::Result<_> {
+                    let policy =
+                        asyncrl_policy::from_config::load_policy(&config.model, config.run.seed)
+                            .context("the evaluator cannot load the model")?;
+                    let text = policy.text().context("the evaluator's model text")?;
+                    let items = asyncrl_tasks::load_eval_problems(&config.eval, Some(&text))?;
+                    let file = open_csv(&path)?;
+                    Ok((policy, text, items, file))
+                };
+                match setup() {
+                    Ok((policy, text, items, file)) => {
+                        let _ = ready_tx.send(Ok(()));
+                        let spec = EvalSpec::from_config(&config);
+                        eval_loop(
+                            policy, &text, &items, &spec, rx, file, &path, &metrics, progress,
+                        );
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .context("cannot start the evaluator thread")?;
+        ready_rx
+            .await
+            .context("the evaluator thread stopped while starting")??;
+        Ok(Some(Self {
+            every,
+            tx: Some(tx),
+            thread: Some(thread),
+            done,
+            csv,
+        }))
+    }
+
+    /// Whether the version a step produced is evaluated: every
+    /// `every_steps`-th, the first of a run and the last (`last`).
+    pub fn wants(&self, version: i32, step: u64, last: bool) -> bool {
+        !self.done.contains(&version) && (last || step.is_multiple_of(self.every))
+    }
+
+    /// Hands a version's published weights to the evaluator (never blocks).
+    pub fn submit(&mut self, version: i32, step: u64, wall_seconds: f64, weights: Bytes) {
+        if !self.done.insert(version) {
+            return;
+        }
+        if let Some(tx) = &self.tx
+            && tx
+                .send(EvalJob {
+                    version,
+                    step,
+                    wall_seconds,
+                    weights,
+                })
+                .is_err()
+        {
+            tracing::warn!(
+                version,
+                "the evaluator thread has stopped; version not evaluated"
+            );
+        }
+    }
+
+    /// Evaluates what was handed over and stops the thread.
+    pub async fn finish(mut self) -> anyhow::Result<PathBuf> {
+        self.tx = None;
+        if let Some(thread) = self.thread.take() {
+            tokio::task::spawn_blocking(move || thread.join())
+                .await
+                .context("joining the evaluator thread")?
+                .map_err(|_| anyhow::anyhow!("the evaluator thread panicked"))?;
+        }
+        Ok(self.csv.clone())
+    }
+}
+
+fn open_csv(path: &Path) -> anyhow::Result<std::fs::File> {
+    let new = !path.exists();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    if new {
+        writeln!(file, "{EVAL_CSV_HEADER}")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(file)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn eval_loop(
+    mut policy: Policy,
+    text: &ModelText,
+    items: &[TaskItem],
+    spec: &EvalSpec,
+    rx: mpsc::Receiver<EvalJob>,
+    mut file: std::fs::File,
+    path: &Path,
+    metrics: &EvalMetrics,
+    progress: Option<tokio::sync::mpsc::UnboundedSender<EvalRow>>,
+) {
+    let mut queue: VecDeque<EvalJob> = VecDeque::new();
+    loop {
+        if queue.is_empty() {
+            match rx.recv() {
+                Ok(job) => queue.push_back(job),
+                Err(_) => return,
+            }
+        }
+        queue.extend(rx.try_iter());
+        // Far behind the learner: the oldest waiting versions are skipped
+        // (each holds a copy of the weights). The last version of a run is
+        // the newest, so it is never skipped.
+        while queue.len() > MAX_WAITING {
+            if let Some(old) = queue.pop_front() {
+                tracing::info!(
+                    version = old.version,
+                    "evaluation skipped: the evaluator is behind"
+                );
+                metrics.skipped.inc();
+            }
+        }
+        let Some(job) = queue.pop_front() else {
+            continue;
+        };
+        let scored = policy
+            .load_weights_from_bytes(&job.weights, job.version)
+            .map_err(TrainError::from)
+            .and_then(|()| evaluate(&policy, text, items, spec));
+        let scores = match scored {
+            Ok(s) => s,
+            Err(e) => {
+                metrics.failures.inc();
+                tracing::warn!(version = job.version, error = %e, "evaluation failed");
+                continue;
+            }
+        };
+        let row = EvalRow {
+            version: job.version,
+            step: job.step,
+            wall_seconds: job.wall_seconds,
+            scores,
+        };
+        tracing::info!(version = row.version, step = row.step, scores = %row.scores, "evaluated");
+        metrics.observe(&row);
+        if let Err(e) = writeln!(file, "{}", csv_row(&row)).and_then(|()| file.flush()) {
+            metrics.failures.inc();
+            tracing::warn!(path = %path.display(), error = %e, "cannot write the evaluation row");
+        }
+        if let Some(tx) = &progress {
+            let _ = tx.send(row);
+        }
+    }
+}
