@@ -26,6 +26,8 @@ pub struct CheckReport {
     pub max_seq_len: usize,
     pub max_new_tokens: usize,
     pub datasets: Vec<DatasetCheck>,
+    /// `[eval]`: (data set, path, problems evaluated, every N steps).
+    pub eval: Option<(String, String, usize, u64)>,
 }
 
 #[derive(Debug)]
@@ -88,7 +90,25 @@ pub fn check_tasks(config: &Config) -> anyhow::Result<CheckReport> {
             first_tokens,
         });
     }
+    let eval = match (&config.eval.dataset, config.eval.enabled()) {
+        (Some(d), true) => {
+            let items = asyncrl_tasks::load_eval_problems(&config.eval, Some(&text))?;
+            for item in &items {
+                encode(&text, item).with_context(|| {
+                    format!("eval data set `{}` ({})", d.name, d.path.display())
+                })?;
+            }
+            Some((
+                d.name.clone(),
+                d.path.display().to_string(),
+                items.len(),
+                config.eval.every_steps,
+            ))
+        }
+        _ => None,
+    };
     Ok(CheckReport {
+        eval,
         model,
         architecture,
         chat_template: text.chat_template().is_some(),
@@ -188,6 +208,12 @@ impl fmt::Display for CheckReport {
                 d.first_id,
                 d.first_tokens,
                 indent(&d.first_rendered)
+            )?;
+        }
+        if let Some((name, path, problems, every)) = &self.eval {
+            writeln!(
+                f,
+                "held-out evaluation: data set `{name}` ({path}), {problems} problems, every {every} steps"
             )?;
         }
         Ok(())

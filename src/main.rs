@@ -7,6 +7,8 @@ mod bench;
 mod check;
 mod ctl_cli;
 #[cfg(feature = "torch")]
+mod eval_cli;
+#[cfg(feature = "torch")]
 mod metrics_csv;
 #[cfg(feature = "torch")]
 mod plot;
@@ -47,6 +49,9 @@ enum Command {
     Learner(RoleArgs),
     /// Talk to a running coordinator's admin API.
     Ctl(ctl_cli::CtlCliArgs),
+    /// Held-out accuracy of a model folder or a learner checkpoint.
+    #[cfg(feature = "torch")]
+    Eval(eval_cli::EvalArgs),
     /// Supervised warm start of the model on the run's data set.
     Warmstart(WarmstartArgs),
     /// Data sets of the built-in tasks.
@@ -160,6 +165,10 @@ enum DataCommand {
         /// arith: operands are drawn below this bound.
         #[arg(long, default_value_t = 100)]
         max_operand: u64,
+        /// arith: every problem once (2 × max_operand² of them) instead of
+        /// --n random ones: a held-out set that covers the whole task.
+        #[arg(long, conflicts_with_all = ["n", "seed"])]
+        all: bool,
         #[arg(long)]
         out: PathBuf,
     },
@@ -268,6 +277,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Warmstart(args) => warmstart(args),
+        #[cfg(feature = "torch")]
+        Command::Eval(args) => eval_cli::eval_command(args),
         Command::Data {
             command:
                 DataCommand::Generate {
@@ -275,18 +286,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     n,
                     seed,
                     max_operand,
+                    all,
                     out,
                 },
         } => {
             let task = asyncrl_tasks::BuiltinTask::from_name(&task).with_context(|| {
                 format!("--task {task:?} is not a built-in task (arith, reverse)")
             })?;
-            let items = asyncrl_tasks::generate_with(
-                task,
-                n,
-                seed,
-                asyncrl_tasks::GenerateOptions { max_operand },
-            );
+            let items = match (all, task) {
+                (true, asyncrl_tasks::BuiltinTask::Arith) => asyncrl_tasks::arith_all(max_operand),
+                (true, _) => anyhow::bail!("--all lists every problem of arith only"),
+                (false, _) => asyncrl_tasks::generate_with(
+                    task,
+                    n,
+                    seed,
+                    asyncrl_tasks::GenerateOptions { max_operand },
+                ),
+            };
             asyncrl_tasks::write_jsonl(&out, &items)?;
             println!(
                 "wrote {} {} tasks to {}",

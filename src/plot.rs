@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use anyhow::Context as _;
 use plotters::prelude::*;
 
 /// One line of a chart; `band` (same length as `points`) draws a shaded
@@ -15,6 +16,48 @@ pub struct Series {
 /// Draws `series` into a PNG at `path`.
 pub fn line_chart(
     path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series],
+) -> anyhow::Result<()> {
+    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+    draw_chart(&root, title, x_label, y_label, series)
+        .with_context(|| format!("nothing to plot for {}", path.display()))?;
+    root.present()
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    Ok(())
+}
+
+/// One PNG of several charts side by side (two per row), each `(title,
+/// series)`; all share the axes' labels.
+pub fn panel_chart(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    panels: &[(String, Vec<Series>)],
+) -> anyhow::Result<()> {
+    let rows = panels.len().div_ceil(2).max(1);
+    let cols = panels.len().clamp(1, 2);
+    let root =
+        BitMapBackend::new(path, (720 * cols as u32, 480 * rows as u32 + 40)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let body = root
+        .titled(title, ("sans-serif", 28))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    for (area, (name, series)) in body.split_evenly((rows, cols)).iter().zip(panels) {
+        draw_chart(area, name, x_label, y_label, series)
+            .with_context(|| format!("panel {name} of {}", path.display()))?;
+    }
+    root.present()
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    Ok(())
+}
+
+fn draw_chart<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
     x_label: &str,
     y_label: &str,
@@ -34,12 +77,10 @@ pub fn line_chart(
         (a.min(y), b.max(y))
     });
     if !x0.is_finite() || !y0.is_finite() {
-        anyhow::bail!("nothing to plot for {}", path.display());
+        anyhow::bail!("no finite point");
     }
     let pad = ((y1 - y0) * 0.05).max(1e-3);
-    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut chart = ChartBuilder::on(&root)
+    let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 24))
         .margin(16)
         .x_label_area_size(44)
@@ -83,8 +124,6 @@ pub fn line_chart(
         .position(SeriesLabelPosition::LowerRight)
         .draw()
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    root.present()
-        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     Ok(())
 }
 
@@ -124,8 +163,21 @@ mod tests {
             points: vec![(0.0, 0.1), (1.0, 0.4)],
             band: Some(vec![(0.0, 0.2), (0.3, 0.5)]),
         };
-        line_chart(&path, "t", "x", "y", &[s]).unwrap();
+        line_chart(&path, "t", "x", "y", std::slice::from_ref(&s)).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
+        let panels = path.with_file_name("p.png");
+        let three: Vec<(String, Vec<Series>)> = (0..3)
+            .map(|i| {
+                let s = Series {
+                    name: "a".into(),
+                    points: s.points.clone(),
+                    band: s.band.clone(),
+                };
+                (format!("panel {i}"), vec![s])
+            })
+            .collect();
+        panel_chart(&panels, "t", "x", "y", &three).unwrap();
+        assert_eq!(&std::fs::read(&panels).unwrap()[1..4], b"PNG");
     }
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use asyncrl_config::{BusKind, Config};
-use asyncrl_learner::trainer::StepStats;
+use asyncrl_learner::eval::EvalRow;
+use asyncrl_learner::service::LearnerEvent;
 use asyncrl_rollout_worker::{CompletionLengths, Worker};
 use asyncrl_transport::Bus;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -45,6 +46,17 @@ pub struct TrainSummary {
     pub checkpoints: PathBuf,
     pub curves: Vec<PathBuf>,
     pub telemetry: Option<std::net::SocketAddr>,
+    /// `eval.csv` and its first and last rows, when `[eval]` is on.
+    pub eval: Option<EvalSummary>,
+}
+
+/// The held-out evaluation of a run: where it started and ended.
+#[derive(Debug, Clone)]
+pub struct EvalSummary {
+    pub csv: PathBuf,
+    pub first: EvalRow,
+    pub last: EvalRow,
+    pub rows: usize,
 }
 
 impl std::fmt::Display for TrainSummary {
@@ -59,6 +71,19 @@ impl std::fmt::Display for TrainSummary {
             "mean reward of the training batches: {:.3} (first 5 steps) -> {:.3} (last 5 steps)",
             self.reward_first, self.reward_last
         )?;
+        if let Some(e) = &self.eval {
+            writeln!(
+                f,
+                "held-out evaluation ({} problems, {} versions): {} (v{}) -> {} (v{})",
+                e.last.scores.problems,
+                e.rows,
+                eval_scores_text(&e.first),
+                e.first.version,
+                eval_scores_text(&e.last),
+                e.last.version
+            )?;
+            writeln!(f, "evaluation:  {}", e.csv.display())?;
+        }
         writeln!(f, "metrics:     {}", self.metrics_csv.display())?;
         if let Some(addr) = self.telemetry {
             writeln!(
@@ -129,7 +154,7 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
         opts.completion_lengths,
     );
 
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<StepStats>();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<LearnerEvent>();
     let learner_stop = process.shutdown.clone();
     let learner = {
         let (config, bus, metrics) = (config.clone(), bus.clone(), process.metrics.clone());
@@ -147,19 +172,29 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     let bar = progress_bar(&config, opts.progress);
     let start = Instant::now();
     let mut learner = learner;
+    let mut last_eval = String::new();
     let outcome = loop {
         tokio::select! {
-            Some(stats) = rx.recv() => {
-                bar.set_position(stats.step);
-                bar.set_message(format!(
-                    "v{} reward {:.3} lag {:.2} ({} max) {:.0} tok/s",
-                    stats.version,
-                    stats.reward_mean,
-                    stats.objective.mean_version_lag,
-                    stats.objective.max_version_lag,
-                    stats.tokens as f64 / (stats.compute_seconds.max(1e-9)),
-                ));
-            }
+            Some(event) = rx.recv() => match event {
+                LearnerEvent::Step(stats) => {
+                    bar.set_position(stats.step);
+                    bar.set_message(format!(
+                        "v{} reward {:.3} lag {:.2} ({} max) {:.0} tok/s{last_eval}",
+                        stats.version,
+                        stats.reward_mean,
+                        stats.objective.mean_version_lag,
+                        stats.objective.max_version_lag,
+                        stats.tokens as f64 / (stats.compute_seconds.max(1e-9)),
+                    ));
+                }
+                LearnerEvent::Eval(row) => {
+                    last_eval = format!(" | eval v{}: {}", row.version, eval_scores_text(&row));
+                    bar.println(format!(
+                        "held-out evaluation of version {} (step {}): {}",
+                        row.version, row.step, row.scores
+                    ));
+                }
+            },
             r = &mut learner => break r.context("the learner task failed")?.context("learner"),
             Some(done) = tasks.join_next() => role_ended(done, &process.shutdown, &mut learner).await?,
             Some(done) = workers.join_next() => role_ended(done, &process.shutdown, &mut learner).await?,
@@ -176,7 +211,27 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     process.shutdown.cancel();
     let summary = outcome?;
     let seconds = start.elapsed().as_secs_f64();
-    let curves = write_curves(&summary.metrics_csv, &config.run.output_dir)?;
+    let mut curves = write_curves(&summary.metrics_csv, &config.run.output_dir)?;
+    let eval = match &summary.eval_csv {
+        Some(csv) => {
+            let rows = read_eval_csv(csv)?;
+            if rows.len() >= 2 {
+                let png = config.run.output_dir.join("eval_accuracy.png");
+                plot_eval(&rows, &png)?;
+                curves.push(png);
+            }
+            match (rows.first(), rows.last()) {
+                (Some(first), Some(last)) => Some(EvalSummary {
+                    csv: csv.clone(),
+                    first: first.clone(),
+                    last: last.clone(),
+                    rows: rows.len(),
+                }),
+                _ => None,
+            }
+        }
+        None => None,
+    };
     let (first, last) = reward_ends(&summary.metrics_csv)?;
     Ok(TrainSummary {
         steps: summary.steps,
@@ -188,6 +243,7 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
         checkpoints: summary.checkpoint_dir,
         curves,
         telemetry: process.telemetry_addr,
+        eval,
     })
 }
 
@@ -205,6 +261,7 @@ fn previous_run_state(config: &Config) -> Vec<PathBuf> {
         asyncrl_learner::service::checkpoint_dir(config),
         config.buffer.data_dir_in(out),
         out.join("learner_metrics.csv"),
+        out.join("eval.csv"),
         out.join("trained.jsonl"),
         journal,
     ]
@@ -447,4 +504,84 @@ fn write_curves(csv: &Path, out: &Path) -> anyhow::Result<Vec<PathBuf>> {
         }],
     )?;
     Ok(vec![step_png, time_png])
+}
+
+/// The scores of an evaluation row, short: `greedy 0.735 sampled 0.610 pass@8 0.910`.
+pub fn eval_scores_text(row: &EvalRow) -> String {
+    let s = &row.scores;
+    let mut parts = Vec::new();
+    if let Some(g) = s.greedy {
+        parts.push(format!("greedy {g:.3}"));
+    }
+    if let Some(x) = s.sampled {
+        parts.push(format!("sampled {x:.3}"));
+    }
+    if let Some(p) = s.pass_at_k {
+        parts.push(format!("pass@{} {p:.3}", s.k));
+    }
+    parts.join(" ")
+}
+
+/// The rows of an `eval.csv` (see [`asyncrl_learner::eval::EVAL_CSV_HEADER`]).
+pub fn read_eval_csv(csv: &Path) -> anyhow::Result<Vec<EvalRow>> {
+    let cols = [
+        "version",
+        "step",
+        "wall_seconds",
+        "problems",
+        "greedy_accuracy",
+        "sampled_accuracy",
+        "pass_at_k",
+        "k",
+        "eval_seconds",
+    ];
+    let opt = |v: f64| v.is_finite().then_some(v);
+    Ok(read_columns(csv, &cols)?
+        .into_iter()
+        .map(|r| EvalRow {
+            version: r[0] as i32,
+            step: r[1] as u64,
+            wall_seconds: r[2],
+            scores: asyncrl_learner::eval::EvalScores {
+                problems: r[3] as usize,
+                greedy: opt(r[4]),
+                sampled: opt(r[5]),
+                pass_at_k: opt(r[6]),
+                k: r[7] as usize,
+                seconds: r[8],
+            },
+        })
+        .collect())
+}
+
+/// Held-out accuracy vs learner step: one line per score the run measured.
+fn plot_eval(rows: &[EvalRow], png: &Path) -> anyhow::Result<()> {
+    type Pick = fn(&EvalRow) -> Option<f64>;
+    let k = rows.last().map_or(0, |r| r.scores.k);
+    let picks: [(String, Pick); 3] = [
+        ("greedy".into(), |r| r.scores.greedy),
+        ("sampled".into(), |r| r.scores.sampled),
+        (format!("pass@{k}"), |r| r.scores.pass_at_k),
+    ];
+    let series: Vec<Series> = picks
+        .into_iter()
+        .filter_map(|(name, pick)| {
+            let points: Vec<(f64, f64)> = rows
+                .iter()
+                .filter_map(|r| pick(r).map(|v| (r.step as f64, v)))
+                .collect();
+            (!points.is_empty()).then_some(Series {
+                name,
+                points,
+                band: None,
+            })
+        })
+        .collect();
+    line_chart(
+        png,
+        "Held-out accuracy",
+        "learner step",
+        "accuracy",
+        &series,
+    )
 }

@@ -139,7 +139,7 @@ fn speedup_bench_reports_both_modes_and_the_bound() {
 }
 
 #[test]
-fn staleness_bench_writes_curves_and_a_table_per_setting() {
+fn staleness_bench_writes_curves_and_a_report_per_setting() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("arith.jsonl");
     let args = [
@@ -153,6 +153,19 @@ fn staleness_bench_writes_curves_and_a_table_per_setting() {
         "20",
         "--out",
         data.to_str().expect("utf-8"),
+    ];
+    succeeded(&args, &asyncrl(&args));
+    let held_out = dir.path().join("arith-all.jsonl");
+    let args = [
+        "data",
+        "generate",
+        "--task",
+        "arith",
+        "--all",
+        "--max-operand",
+        "4",
+        "--out",
+        held_out.to_str().expect("utf-8"),
     ];
     succeeded(&args, &asyncrl(&args));
     let config = dir.path().join("bench.toml");
@@ -183,8 +196,12 @@ intermediate_size = 64
 
 [coordinator]
 datasets = [{{ name = "arith", path = "{}" }}]
+
+[eval]
+dataset = {{ name = "arith", path = "{}" }}
 "#,
-            data.display()
+            data.display(),
+            held_out.display()
         ),
     )
     .expect("config");
@@ -195,27 +212,69 @@ datasets = [{{ name = "arith", path = "{}" }}]
         config.to_str().expect("utf-8"),
         "--etas",
         "0,2",
-        "--clips",
-        "adaptive",
+        "--objectives",
+        "naive,adaptive",
         "--seeds",
         "0",
         "--steps",
         "4",
+        "--eval-every",
+        "2",
+        "--target",
+        "0.0",
         "--out",
         out.to_str().expect("utf-8"),
     ];
     let output = asyncrl(&args);
     succeeded(&args, &output);
     let rows = csv_rows(&out.join("staleness.csv"));
-    assert_eq!(rows.len(), 2 * 4, "two settings × 4 steps");
+    assert_eq!(rows.len(), 4 * 4, "four settings × 4 steps");
     for r in &rows {
         let eta = num(r, "eta");
-        assert!(num(r, "version_lag_mean") <= eta, "{r:?}");
+        assert!(num(r, "version_lag_max") <= eta, "{r:?}");
         assert!((0.0..=1.0).contains(&num(r, "reward_mean")), "{r:?}");
+        assert!(
+            ["naive", "adaptive"].contains(&r["objective"].as_str()),
+            "{r:?}"
+        );
     }
-    let table = std::fs::read_to_string(out.join("staleness.md")).expect("table");
-    assert!(table.contains("| 0 | adaptive |"), "{table}");
-    assert!(table.contains("| 2 | adaptive |"), "{table}");
-    non_empty_png(&out.join("reward_vs_samples.png"));
-    non_empty_png(&out.join("reward_vs_wallclock.png"));
+    // Each run is evaluated at versions 0, 2 and 4 on all 32 problems.
+    let evals = csv_rows(&out.join("staleness_eval.csv"));
+    assert_eq!(evals.len(), 4 * 3, "four settings × 3 evaluations");
+    let steps: Vec<f64> = evals.iter().map(|r| num(r, "step")).collect();
+    assert_eq!(&steps[..3], &[0.0, 2.0, 4.0]);
+    for r in &evals {
+        assert!((0.0..=1.0).contains(&num(r, "greedy_accuracy")), "{r:?}");
+        assert_eq!(num(r, "trained_samples"), num(r, "step") * 8.0, "{r:?}");
+    }
+    let table = std::fs::read_to_string(out.join("staleness.md")).expect("report");
+    for line in [
+        "| 0 | naive |",
+        "| 2 | naive |",
+        "| 0 | adaptive |",
+        "| 2 | adaptive |",
+    ] {
+        assert!(table.contains(line), "{line}: {table}");
+    }
+    assert!(table.contains("Cost of staleness"), "{table}");
+    // A target of 0 is reached at the first evaluation by every run.
+    assert!(table.contains("ratio sync / async"), "{table}");
+    non_empty_png(&out.join("accuracy_vs_samples.png"));
+    non_empty_png(&out.join("accuracy_vs_wallclock.png"));
+
+    // Without held-out problems the bench refuses to start.
+    let bare = dir.path().join("bare.toml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&bare, &text[..text.find("[eval]").expect("eval")]).expect("bare config");
+    let args = [
+        "bench",
+        "staleness",
+        bare.to_str().expect("utf-8"),
+        "--steps",
+        "1",
+    ];
+    let output = asyncrl(&args);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("[eval] dataset"), "{stderr}");
 }

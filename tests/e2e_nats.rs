@@ -4,16 +4,38 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{Cluster, Expect, Spec};
 
 #[test]
 fn a_multi_process_run_trains_every_trajectory_once_within_eta() {
     let mut cluster = Cluster::start(Spec {
         max_steps: 20,
+        eval_every: 5,
         ..Spec::default()
     });
+    // The learner's held-out evaluation reaches Prometheus while it runs.
+    cluster.wait_metric(
+        "learner",
+        "asyncrl_eval_evaluations_total",
+        Duration::from_secs(60),
+        |v| v >= 1.0,
+    );
+    let m = cluster.metrics("learner").expect("learner metrics");
+    assert_eq!(m.sum("asyncrl_eval_problems"), 16.0);
+    let accuracy = m.sum("asyncrl_eval_greedy_accuracy");
+    assert!((0.0..=1.0).contains(&accuracy), "{accuracy}");
     let report = cluster.finish(&Expect::default());
     assert_eq!(report.steps, 20);
+    // ... and eval.csv has a row for the start and every 5th version.
+    let eval = std::fs::read_to_string(cluster.out.join("eval.csv")).expect("eval.csv");
+    let versions: Vec<&str> = eval
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').next().unwrap_or_default())
+        .collect();
+    assert_eq!(versions, ["0", "5", "10", "15", "20"], "{eval}");
     assert_eq!(report.retrained_steps, 0);
     // Every trajectory in the stream that was never trained is accounted
     // for: without faults there are no partial attempts, and a second

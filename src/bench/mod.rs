@@ -79,8 +79,9 @@ pub(crate) enum BenchCommand {
     /// Generated tokens/s with continuous batching against static batching
     /// on the long-tailed reverse task, as a ratio.
     Worker,
-    /// Reward under η × clip mode × seeds from the same start: CSV, PNG
-    /// curves and a markdown table.
+    /// Held-out accuracy under η × objective (naive, decoupled, adaptive,
+    /// m2po) × seeds from the same start: CSV, PNG panels and a markdown
+    /// report (cost of staleness, sync vs async time to a target).
     Staleness(StalenessArgs),
     /// Learner forward+backward+AdamW tokens/s of the built-in model against
     /// the same model in PyTorch eager (same shapes, same threads), as a ratio.
@@ -187,20 +188,29 @@ pub(crate) struct LearnerBenchArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct StalenessArgs {
-    /// The base config (task, model, batch sizes); η, clip mode, seed,
-    /// steps and output directory are set per run.
+    /// The base config (task, model, batch sizes, learning rate, `[eval]`
+    /// data set); η, objective, seed, steps and output directory are set
+    /// per run.
     config: PathBuf,
-    #[arg(long, value_delimiter = ',', default_value = "0,1,4,8")]
+    #[arg(long, value_delimiter = ',', default_value = "0,2,8,32")]
     etas: Vec<u32>,
-    #[arg(long, value_delimiter = ',', default_value = "ppo,adaptive,m2po")]
-    clips: Vec<String>,
-    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    /// naive (PPO around the behaviour policy), decoupled, adaptive, m2po.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "naive,decoupled,adaptive,m2po"
+    )]
+    objectives: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
     seeds: Vec<u64>,
     /// Learner steps per run.
-    #[arg(long, default_value_t = 150)]
+    #[arg(long, default_value_t = 200)]
     steps: u64,
-    /// Reward whose first crossing the table reports.
-    #[arg(long, default_value_t = 0.4)]
+    /// Held-out evaluation every this many steps.
+    #[arg(long, default_value_t = 25)]
+    eval_every: u64,
+    /// Held-out greedy accuracy whose first crossing the table reports.
+    #[arg(long, default_value_t = 0.5)]
     target: f64,
     #[arg(long, default_value = "docs/results/staleness")]
     out: PathBuf,
@@ -263,17 +273,18 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
         #[cfg(feature = "torch")]
         BenchCommand::Staleness(args) => {
             let config = crate::load(&args.config, None)?;
-            let clips = args
-                .clips
+            let objectives = args
+                .objectives
                 .iter()
-                .map(|c| c.parse::<asyncrl_config::ClipModeName>())
-                .collect::<Result<Vec<_>, _>>()
-                .context("--clips")?;
+                .map(|o| staleness::Objective::parse(o))
+                .collect::<anyhow::Result<Vec<_>>>()
+                .context("--objectives")?;
             let spec = staleness::StalenessBench {
                 etas: args.etas,
-                clips,
+                objectives,
                 seeds: args.seeds,
                 steps: args.steps,
+                eval_every: args.eval_every,
                 target: args.target,
                 out: args.out,
             };

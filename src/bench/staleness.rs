@@ -1,270 +1,576 @@
-//! `asyncrl bench staleness`: the same task and budget under η ∈ {…} ×
-//! clip ∈ {…} × seeds, each a full one-process run from the same starting
-//! model; writes a CSV of every step, PNG curves (reward vs trained samples
-//! and vs wall-clock, one line per setting with the seed spread) and a
-//! markdown table (final reward, time to a target reward, mean staleness).
+//! `asyncrl bench staleness`: the same task, model and budget under
+//! η ∈ {…} × objective ∈ {…} × seeds, each a full one-process run from the
+//! same starting model with held-out evaluation (`[eval]` of the base
+//! config) every few steps. Writes:
+//! - `staleness.csv`: every learner step of every run (training reward,
+//!   version lag);
+//! - `staleness_eval.csv`: every held-out evaluation of every run;
+//! - `accuracy_vs_samples.png`, `accuracy_vs_wallclock.png`: held-out
+//!   greedy accuracy, one panel per objective, one line per η (seed mean,
+//!   min..max over seeds as a band);
+//! - `staleness.md`: final accuracy ± spread, samples and time to a target
+//!   accuracy, staleness per setting; what staleness costs per objective;
+//!   sync (η = 0) against the best asynchronous setting in time to target.
+//!
+//! Every setting runs with the same hyperparameters; only η, the objective
+//! and the seed change.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use asyncrl_config::{ClipModeName, Config};
+use asyncrl_config::{ClipModeName, Config, ProximalName};
 
 use crate::metrics_csv::read_columns;
-use crate::plot::{Series, line_chart, smooth};
-use crate::train::{TrainOptions, train};
+use crate::plot::{Series, panel_chart};
+use crate::train::{TrainOptions, read_eval_csv, train};
+
+/// The objectives the study compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Objective {
+    /// PPO clipping around the behaviour policy, no off-policy weight: what
+    /// a system without decoupled PPO trains with.
+    Naive,
+    /// Decoupled PPO: PPO clipping around the proximal policy (recomputed
+    /// with the weights before the step), behaviour tokens weighted by
+    /// π_prox / π_behav (capped).
+    Decoupled,
+    /// Decoupled PPO with staleness-adaptive clipping.
+    Adaptive,
+    /// Decoupled PPO with M2PO's second-moment masking.
+    M2po,
+}
+
+impl Objective {
+    pub const ALL: [Objective; 4] = [
+        Objective::Naive,
+        Objective::Decoupled,
+        Objective::Adaptive,
+        Objective::M2po,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Objective::Naive => "naive",
+            Objective::Decoupled => "decoupled",
+            Objective::Adaptive => "adaptive",
+            Objective::M2po => "m2po",
+        }
+    }
+
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|o| o.as_str() == s)
+            .with_context(|| format!("unknown objective {s:?} (naive, decoupled, adaptive, m2po)"))
+    }
+
+    /// The clip mode and the proximal policy of this objective.
+    pub fn settings(self) -> (ClipModeName, ProximalName) {
+        match self {
+            Objective::Naive => (ClipModeName::Ppo, ProximalName::Behaviour),
+            Objective::Decoupled => (ClipModeName::Ppo, ProximalName::Recompute),
+            Objective::Adaptive => (ClipModeName::Adaptive, ProximalName::Recompute),
+            Objective::M2po => (ClipModeName::M2po, ProximalName::Recompute),
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct StalenessBench {
     pub etas: Vec<u32>,
-    pub clips: Vec<ClipModeName>,
+    pub objectives: Vec<Objective>,
     pub seeds: Vec<u64>,
     pub steps: u64,
-    /// Reward the "time to target" column measures.
+    /// Evaluate every this many learner steps.
+    pub eval_every: u64,
+    /// Held-out greedy accuracy the "to target" columns measure.
     pub target: f64,
     pub out: PathBuf,
 }
 
-/// One step of one run.
+/// One learner step of one run.
 #[derive(Debug, Clone)]
-struct Row {
-    eta: u32,
-    clip: ClipModeName,
-    seed: u64,
+struct StepRow {
     step: u64,
-    samples: u64,
     wall: f64,
     reward: f64,
     lag: f64,
+    lag_max: f64,
 }
 
-fn read_run(
-    csv: &Path,
+/// One held-out evaluation of one run.
+#[derive(Debug, Clone, Copy)]
+struct EvalPoint {
+    step: u64,
+    samples: u64,
+    wall: f64,
+    accuracy: f64,
+}
+
+/// Everything one run produced.
+#[derive(Debug, Clone)]
+struct Run {
     eta: u32,
-    clip: ClipModeName,
+    objective: Objective,
     seed: u64,
-    samples_per_step: u64,
-) -> anyhow::Result<Vec<Row>> {
+    steps: Vec<StepRow>,
+    evals: Vec<EvalPoint>,
+}
+
+impl Run {
+    fn final_accuracy(&self) -> f64 {
+        self.evals.last().map_or(f64::NAN, |e| e.accuracy)
+    }
+
+    /// The first evaluation at or above `target`.
+    fn reached(&self, target: f64) -> Option<EvalPoint> {
+        self.evals.iter().copied().find(|e| e.accuracy >= target)
+    }
+
+    fn mean_lag(&self) -> f64 {
+        mean(self.steps.iter().map(|s| s.lag))
+    }
+
+    fn max_lag(&self) -> f64 {
+        self.steps.iter().map(|s| s.lag_max).fold(0.0, f64::max)
+    }
+
+    fn wall(&self) -> f64 {
+        self.steps.last().map_or(0.0, |s| s.wall)
+    }
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> f64 {
+    let (n, sum) = v.fold((0usize, 0.0), |(n, s), x| (n + 1, s + x));
+    if n == 0 { f64::NAN } else { sum / n as f64 }
+}
+
+fn read_steps(csv: &Path) -> anyhow::Result<Vec<StepRow>> {
     let rows = read_columns(
         csv,
-        &["step", "wall_seconds", "reward_mean", "version_lag_mean"],
+        &[
+            "step",
+            "wall_seconds",
+            "reward_mean",
+            "version_lag_mean",
+            "version_lag_max",
+        ],
     )?;
     Ok(rows
         .into_iter()
-        .map(|r| {
-            let step = r[0] as u64;
-            Row {
-                eta,
-                clip,
-                seed,
-                step,
-                samples: step * samples_per_step,
-                wall: r[1],
-                reward: r[2],
-                lag: r[3],
-            }
+        .map(|r| StepRow {
+            step: r[0] as u64,
+            wall: r[1],
+            reward: r[2],
+            lag: r[3],
+            lag_max: r[4],
         })
         .collect())
 }
 
+/// The config of one run: the base with η, the objective, the seed, the
+/// step budget and the evaluation cadence set.
+fn run_config(
+    base: &Config,
+    bench: &StalenessBench,
+    eta: u32,
+    objective: Objective,
+    seed: u64,
+) -> anyhow::Result<Config> {
+    let name = format!("eta{eta}-{}-seed{seed}", objective.as_str());
+    let mut c = base.clone();
+    c.staleness.eta = eta;
+    let (clip, proximal) = objective.settings();
+    c.coordinator.initial_knobs.clip_mode = clip;
+    c.learner.proximal = proximal;
+    c.run.seed = seed;
+    c.run.max_steps = bench.steps;
+    c.run.name = name.clone();
+    c.run.output_dir = bench.out.join("runs").join(&name);
+    c.telemetry.listen = String::new();
+    c.coordinator.admin_listen = "127.0.0.1:0".into();
+    c.eval.every_steps = bench.eval_every;
+    c.validate()?;
+    Ok(c)
+}
+
 /// Runs every setting and writes the report into `bench.out`.
 pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<String> {
+    if base.eval.dataset.is_none() {
+        anyhow::bail!(
+            "bench staleness measures held-out accuracy: the base config needs [eval] dataset = {{ name, path }} (e.g. the output of `asyncrl data generate --task arith --all`)"
+        );
+    }
+    if bench.eval_every == 0 {
+        anyhow::bail!("--eval-every must be at least 1");
+    }
     std::fs::create_dir_all(&bench.out)
         .with_context(|| format!("cannot create {}", bench.out.display()))?;
     let samples_per_step =
         u64::from(base.staleness.groups_per_step) * u64::from(base.staleness.group_size);
-    let mut all: Vec<Row> = Vec::new();
+    let mut runs: Vec<Run> = Vec::new();
     let started = std::time::Instant::now();
-    for &eta in &bench.etas {
-        for &clip in &bench.clips {
-            for &seed in &bench.seeds {
-                let name = format!("eta{eta}-{}-seed{seed}", clip.as_str());
-                let mut c = base.clone();
-                c.staleness.eta = eta;
-                c.coordinator.initial_knobs.clip_mode = clip;
-                c.run.seed = seed;
-                c.run.max_steps = bench.steps;
-                c.run.name = name.clone();
-                c.run.output_dir = bench.out.join("runs").join(&name);
-                c.telemetry.listen = String::new();
-                c.coordinator.admin_listen = "127.0.0.1:0".into();
-                c.validate()?;
-                if c.run.output_dir.exists() {
-                    std::fs::remove_dir_all(&c.run.output_dir)
-                        .with_context(|| format!("cannot clear {}", c.run.output_dir.display()))?;
-                }
+    // Seeds outermost: a run cut short still leaves whole seeds of every
+    // setting, and slow drifts of the machine spread over all settings.
+    for &seed in &bench.seeds {
+        for &eta in &bench.etas {
+            for &objective in &bench.objectives {
+                let c = run_config(&base, &bench, eta, objective, seed)?;
+                let name = c.run.name.clone();
                 eprintln!("bench staleness: {name} ...");
                 let summary = train(
                     c,
                     TrainOptions {
                         workers: 1,
+                        fresh: true,
                         ..Default::default()
                     },
                 )
                 .await
                 .with_context(|| format!("run {name}"))?;
-                eprintln!(
-                    "bench staleness: {name}: {} steps in {:.1}s, reward {:.3} -> {:.3}",
-                    summary.steps, summary.seconds, summary.reward_first, summary.reward_last
-                );
-                all.extend(read_run(
-                    &summary.metrics_csv,
+                let evals: Vec<EvalPoint> = summary
+                    .eval
+                    .as_ref()
+                    .map(|e| read_eval_csv(&e.csv))
+                    .transpose()?
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|r| EvalPoint {
+                        step: r.step,
+                        samples: r.step * samples_per_step,
+                        wall: r.wall_seconds,
+                        accuracy: r.scores.greedy.unwrap_or(f64::NAN),
+                    })
+                    .collect();
+                let run = Run {
                     eta,
-                    clip,
+                    objective,
                     seed,
-                    samples_per_step,
-                )?);
+                    steps: read_steps(&summary.metrics_csv)?,
+                    evals,
+                };
+                eprintln!(
+                    "bench staleness: {name}: {} steps in {:.1}s, held-out accuracy {:.3} -> {:.3}, mean lag {:.2}",
+                    summary.steps,
+                    summary.seconds,
+                    run.evals.first().map_or(f64::NAN, |e| e.accuracy),
+                    run.final_accuracy(),
+                    run.mean_lag()
+                );
+                runs.push(run);
             }
         }
     }
-    let mut csv = String::from(
-        "eta,clip,seed,step,trained_samples,wall_seconds,reward_mean,version_lag_mean\n",
-    );
-    for r in &all {
-        let _ = writeln!(
-            csv,
-            "{},{},{},{},{},{:.3},{:.6},{:.4}",
-            r.eta,
-            r.clip.as_str(),
-            r.seed,
-            r.step,
-            r.samples,
-            r.wall,
-            r.reward,
-            r.lag
-        );
-    }
-    let csv_path = bench.out.join("staleness.csv");
-    std::fs::write(&csv_path, csv)
-        .with_context(|| format!("cannot write {}", csv_path.display()))?;
-
-    // One line per (eta, clip): the seed mean of the smoothed reward, with
-    // the min..max over seeds as a band.
-    let window = (bench.steps as usize / 10).max(1);
-    let mut by_samples = Vec::new();
-    let mut by_time = Vec::new();
-    let mut table = String::new();
+    let files = write_report(&bench, &runs, samples_per_step)?;
+    let mut report = std::fs::read_to_string(&files[0])
+        .with_context(|| format!("cannot read {}", files[0].display()))?;
     let _ = writeln!(
-        table,
-        "| η | clip | final reward (mean ± spread over {} seeds) | time to reward {:.2} (s) | mean staleness (versions) | wall time (s) |",
-        bench.seeds.len(),
-        bench.target
+        report,
+        "\n{} runs of {} steps in {:.0}s\nwrote {}",
+        runs.len(),
+        bench.steps,
+        started.elapsed().as_secs_f64(),
+        files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
-    let _ = writeln!(table, "|---|---|---|---|---|---|");
-    for &eta in &bench.etas {
-        for &clip in &bench.clips {
-            let runs: Vec<Vec<&Row>> = bench
-                .seeds
-                .iter()
-                .map(|s| {
-                    all.iter()
-                        .filter(|r| r.eta == eta && r.clip == clip && r.seed == *s)
-                        .collect()
-                })
-                .collect();
-            let n = runs.iter().map(Vec::len).min().unwrap_or(0);
-            if n == 0 {
-                continue;
-            }
-            let smoothed: Vec<Vec<(f64, f64)>> = runs
-                .iter()
-                .map(|rows| {
-                    smooth(
-                        &rows
-                            .iter()
-                            .map(|r| (r.samples as f64, r.reward))
-                            .collect::<Vec<_>>(),
-                        window,
-                    )
-                })
-                .collect();
-            let mean_at =
-                |i: usize| smoothed.iter().map(|s| s[i].1).sum::<f64>() / smoothed.len() as f64;
-            let points: Vec<(f64, f64)> = (0..n).map(|i| (smoothed[0][i].0, mean_at(i))).collect();
-            let band: Vec<(f64, f64)> = (0..n)
-                .map(|i| {
-                    let v = smoothed.iter().map(|s| s[i].1);
-                    (
-                        v.clone().fold(f64::INFINITY, f64::min),
-                        v.fold(f64::NEG_INFINITY, f64::max),
-                    )
-                })
-                .collect();
-            let label = format!("η={eta} {}", clip.as_str());
-            by_samples.push(Series {
-                name: label.clone(),
-                points,
-                band: Some(band),
-            });
-            let wall: Vec<(f64, f64)> = (0..n)
-                .map(|i| {
-                    (
-                        runs.iter().map(|r| r[i].wall).sum::<f64>() / runs.len() as f64,
-                        mean_at(i),
-                    )
-                })
-                .collect();
-            by_time.push(Series {
-                name: label,
-                points: wall.clone(),
-                band: None,
-            });
+    Ok(report)
+}
 
-            let tail = (n / 10).max(1);
-            let finals: Vec<f64> = runs
-                .iter()
-                .map(|r| r[n - tail..n].iter().map(|x| x.reward).sum::<f64>() / tail as f64)
-                .collect();
-            let fmean = finals.iter().sum::<f64>() / finals.len() as f64;
-            let spread = finals.iter().fold(0.0f64, |m, f| m.max((f - fmean).abs()));
-            let time_to = wall
-                .iter()
-                .find(|(_, r)| *r >= bench.target)
-                .map(|(t, _)| format!("{t:.1}"))
-                .unwrap_or("not reached".into());
-            let lag = runs.iter().flatten().map(|r| r.lag).sum::<f64>()
-                / runs.iter().map(Vec::len).sum::<usize>() as f64;
-            let total_wall = runs.iter().map(|r| r[n - 1].wall).sum::<f64>() / runs.len() as f64;
+/// The seed mean of the accuracy at each evaluation (and its min..max),
+/// over the evaluations every seed has.
+struct Curve {
+    samples: Vec<f64>,
+    wall: Vec<f64>,
+    mean: Vec<f64>,
+    band: Vec<(f64, f64)>,
+}
+
+fn curve(runs: &[&Run]) -> Curve {
+    let n = runs.iter().map(|r| r.evals.len()).min().unwrap_or(0);
+    let at = |i: usize| runs.iter().map(move |r| r.evals[i]);
+    Curve {
+        samples: (0..n)
+            .map(|i| at(i).next().map_or(0.0, |e| e.samples as f64))
+            .collect(),
+        wall: (0..n).map(|i| mean(at(i).map(|e| e.wall))).collect(),
+        mean: (0..n).map(|i| mean(at(i).map(|e| e.accuracy))).collect(),
+        band: (0..n)
+            .map(|i| {
+                at(i).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), e| {
+                    (lo.min(e.accuracy), hi.max(e.accuracy))
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Mean over seeds of what `f` gives, and how many seeds gave it.
+fn mean_reached(runs: &[&Run], f: impl Fn(&Run) -> Option<f64>) -> (f64, usize) {
+    let got: Vec<f64> = runs.iter().filter_map(|r| f(r)).collect();
+    (mean(got.iter().copied()), got.len())
+}
+
+fn write_report(
+    bench: &StalenessBench,
+    runs: &[Run],
+    samples_per_step: u64,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let write = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
+        let path = bench.out.join(name);
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        Ok(path)
+    };
+    let mut steps_csv = String::from(
+        "eta,objective,seed,step,trained_samples,wall_seconds,reward_mean,version_lag_mean,version_lag_max\n",
+    );
+    let mut eval_csv =
+        String::from("eta,objective,seed,step,trained_samples,wall_seconds,greedy_accuracy\n");
+    for r in runs {
+        for s in &r.steps {
             let _ = writeln!(
-                table,
-                "| {eta} | {} | {fmean:.3} ± {spread:.3} | {time_to} | {lag:.2} | {total_wall:.1} |",
-                clip.as_str()
+                steps_csv,
+                "{},{},{},{},{},{:.3},{:.6},{:.4},{}",
+                r.eta,
+                r.objective.as_str(),
+                r.seed,
+                s.step,
+                s.step * samples_per_step,
+                s.wall,
+                s.reward,
+                s.lag,
+                s.lag_max
+            );
+        }
+        for e in &r.evals {
+            let _ = writeln!(
+                eval_csv,
+                "{},{},{},{},{},{:.3},{:.6}",
+                r.eta,
+                r.objective.as_str(),
+                r.seed,
+                e.step,
+                e.samples,
+                e.wall,
+                e.accuracy
             );
         }
     }
-    let samples_png = bench.out.join("reward_vs_samples.png");
-    line_chart(
+    let steps_path = write("staleness.csv", &steps_csv)?;
+    let eval_path = write("staleness_eval.csv", &eval_csv)?;
+
+    // Settings in the order asked for; each with its seeds' runs.
+    let mut settings: BTreeMap<(usize, usize), Vec<&Run>> = BTreeMap::new();
+    for r in runs {
+        let ei = bench.etas.iter().position(|e| *e == r.eta).unwrap_or(0);
+        let oi = bench
+            .objectives
+            .iter()
+            .position(|o| *o == r.objective)
+            .unwrap_or(0);
+        settings.entry((oi, ei)).or_default().push(r);
+    }
+    let mut by_samples = Vec::new();
+    let mut by_time = Vec::new();
+    for (oi, objective) in bench.objectives.iter().enumerate() {
+        let mut s_series = Vec::new();
+        let mut t_series = Vec::new();
+        for (ei, eta) in bench.etas.iter().enumerate() {
+            let Some(rs) = settings.get(&(oi, ei)) else {
+                continue;
+            };
+            let c = curve(rs);
+            if c.mean.is_empty() {
+                continue;
+            }
+            s_series.push(Series {
+                name: format!("η={eta}"),
+                points: c
+                    .samples
+                    .iter()
+                    .copied()
+                    .zip(c.mean.iter().copied())
+                    .collect(),
+                band: Some(c.band.clone()),
+            });
+            t_series.push(Series {
+                name: format!("η={eta}"),
+                points: c.wall.iter().copied().zip(c.mean.iter().copied()).collect(),
+                band: Some(c.band),
+            });
+        }
+        by_samples.push((objective.as_str().to_owned(), s_series));
+        by_time.push((objective.as_str().to_owned(), t_series));
+    }
+    let seeds = bench.seeds.len();
+    let samples_png = bench.out.join("accuracy_vs_samples.png");
+    panel_chart(
         &samples_png,
-        "Reward vs trained samples",
+        &format!(
+            "Held-out greedy accuracy vs trained samples (mean, band: min..max of {seeds} seeds)"
+        ),
         "trained samples",
-        "mean reward (smoothed)",
+        "held-out greedy accuracy",
         &by_samples,
     )?;
-    let time_png = bench.out.join("reward_vs_wallclock.png");
-    line_chart(
+    let time_png = bench.out.join("accuracy_vs_wallclock.png");
+    panel_chart(
         &time_png,
-        "Reward vs wall-clock",
-        "seconds",
-        "mean reward (smoothed)",
+        &format!("Held-out greedy accuracy vs wall-clock (mean, band: min..max of {seeds} seeds)"),
+        "seconds since the learner started",
+        "held-out greedy accuracy",
         &by_time,
     )?;
-    let table_path = bench.out.join("staleness.md");
-    std::fs::write(&table_path, &table)
-        .with_context(|| format!("cannot write {}", table_path.display()))?;
-    let mut report = table;
+
+    let md = markdown(bench, &settings);
+    let md_path = write("staleness.md", &md)?;
+    Ok(vec![md_path, steps_path, eval_path, samples_png, time_png])
+}
+
+fn markdown(bench: &StalenessBench, settings: &BTreeMap<(usize, usize), Vec<&Run>>) -> String {
+    let target = bench.target;
+    let seeds = bench.seeds.len();
+    let mut md = String::new();
     let _ = writeln!(
-        report,
-        "\n{} runs of {} steps in {:.0}s\nwrote {}, {}, {}, {}",
-        all.iter()
-            .map(|r| (r.eta, r.clip.as_str(), r.seed))
-            .collect::<std::collections::HashSet<_>>()
-            .len(),
-        bench.steps,
-        started.elapsed().as_secs_f64(),
-        csv_path.display(),
-        samples_png.display(),
-        time_png.display(),
-        table_path.display()
+        md,
+        "| η | objective | final held-out accuracy (mean ± half-range, {seeds} seeds) | trained samples to {target:.2} | time to {target:.2} (s) | mean / max staleness (versions) | wall time (s) |"
     );
-    Ok(report)
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+    // (objective index, eta) -> (final mean, time to target mean, seeds reaching)
+    let mut finals: BTreeMap<(usize, u32), (f64, f64, usize)> = BTreeMap::new();
+    for (&(oi, ei), rs) in settings {
+        let eta = bench.etas[ei];
+        let objective = bench.objectives[oi];
+        let fs: Vec<f64> = rs.iter().map(|r| r.final_accuracy()).collect();
+        let fmean = mean(fs.iter().copied());
+        let half = (fs.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+            - fs.iter().copied().fold(f64::INFINITY, f64::min))
+            / 2.0;
+        let (t, n_t) = mean_reached(rs, |r| r.reached(target).map(|e| e.wall));
+        let (smp, _) = mean_reached(rs, |r| r.reached(target).map(|e| e.samples as f64));
+        let reach = |v: f64, fmt: &dyn Fn(f64) -> String| match n_t {
+            0 => "not reached".to_owned(),
+            n if n == rs.len() => fmt(v),
+            n => format!("{} ({n} of {} seeds)", fmt(v), rs.len()),
+        };
+        let lag = mean(rs.iter().map(|r| r.mean_lag()));
+        let lag_max = rs.iter().map(|r| r.max_lag()).fold(0.0, f64::max);
+        let wall = mean(rs.iter().map(|r| r.wall()));
+        let _ = writeln!(
+            md,
+            "| {eta} | {} | {fmean:.3} ± {half:.3} | {} | {} | {lag:.2} / {lag_max:.0} | {wall:.1} |",
+            objective.as_str(),
+            reach(smp, &|v| format!("{v:.0}")),
+            reach(t, &|v| format!("{v:.1}")),
+        );
+        finals.insert(
+            (oi, eta),
+            (fmean, if n_t == rs.len() { t } else { f64::NAN }, n_t),
+        );
+    }
+
+    // What staleness costs: final accuracy at each η against η = 0.
+    if bench.etas.contains(&0) {
+        let _ = writeln!(
+            md,
+            "\n**Cost of staleness** (final held-out accuracy at η minus at η = 0, same objective):\n"
+        );
+        let _ = writeln!(
+            md,
+            "| objective | {} |",
+            bench
+                .etas
+                .iter()
+                .filter(|e| **e != 0)
+                .map(|e| format!("η = {e}"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        let _ = writeln!(
+            md,
+            "|---|{}",
+            "---|".repeat(bench.etas.iter().filter(|e| **e != 0).count())
+        );
+        for (oi, o) in bench.objectives.iter().enumerate() {
+            let Some(&(base, _, _)) = finals.get(&(oi, 0)) else {
+                continue;
+            };
+            let cells: Vec<String> = bench
+                .etas
+                .iter()
+                .filter(|e| **e != 0)
+                .map(|e| {
+                    finals
+                        .get(&(oi, *e))
+                        .map_or("—".to_owned(), |f| format!("{:+.3}", f.0 - base))
+                })
+                .collect();
+            let _ = writeln!(md, "| {} | {} |", o.as_str(), cells.join(" | "));
+        }
+    }
+
+    // Sync against async: wall-clock time to the target accuracy.
+    let sync_best = finals
+        .iter()
+        .filter(|((_, eta), f)| *eta == 0 && f.1.is_finite())
+        .min_by(|a, b| a.1.1.total_cmp(&b.1.1));
+    let async_best = finals
+        .iter()
+        .filter(|((_, eta), f)| *eta > 0 && f.1.is_finite())
+        .min_by(|a, b| a.1.1.total_cmp(&b.1.1));
+    let _ = writeln!(
+        md,
+        "\n**Sync vs async** (wall-clock seconds to held-out accuracy {target:.2}, mean over seeds; settings where every seed reached it):\n"
+    );
+    match (sync_best, async_best) {
+        (Some(((so, _), s)), Some(((ao, aeta), a))) => {
+            let _ = writeln!(
+                md,
+                "- fastest synchronous (η = 0): {} in {:.1} s",
+                bench.objectives[*so].as_str(),
+                s.1
+            );
+            let _ = writeln!(
+                md,
+                "- fastest asynchronous: η = {aeta}, {} in {:.1} s",
+                bench.objectives[*ao].as_str(),
+                a.1
+            );
+            let _ = writeln!(
+                md,
+                "- ratio sync / async: **{:.2}** (above 1: async reaches the target sooner)",
+                s.1 / a.1
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                md,
+                "- not measurable: the target was not reached by every seed of a synchronous and an asynchronous setting"
+            );
+        }
+    }
+    for (oi, o) in bench.objectives.iter().enumerate() {
+        let Some(&(_, sync_t, _)) = finals.get(&(oi, 0)) else {
+            continue;
+        };
+        let best = finals
+            .iter()
+            .filter(|((i, eta), f)| *i == oi && *eta > 0 && f.1.is_finite())
+            .min_by(|a, b| a.1.1.total_cmp(&b.1.1));
+        if let (true, Some(((_, eta), f))) = (sync_t.is_finite(), best) {
+            let _ = writeln!(
+                md,
+                "- {}: η = 0 {:.1} s, best η = {eta} {:.1} s, ratio {:.2}",
+                o.as_str(),
+                sync_t,
+                f.1,
+                sync_t / f.1
+            );
+        }
+    }
+    md
 }

@@ -55,6 +55,9 @@ pub struct Spec {
     pub tiny: (u32, u32, u32, u32, u32),
     /// `bus.reconnect_max_delay` of every role.
     pub reconnect_max_delay: &'static str,
+    /// `eval.every_steps` (0: no held-out evaluation); the learner then
+    /// evaluates the first 16 problems of the task file.
+    pub eval_every: u64,
 }
 
 impl Default for Spec {
@@ -76,6 +79,7 @@ impl Default for Spec {
             max_sequences: 16,
             tiny: (32, 1, 2, 1, 64),
             reconnect_max_delay: "500ms",
+            eval_every: 0,
         }
     }
 }
@@ -296,7 +300,7 @@ acquire_backoff_max = "300ms"
 drain_grace_period = "{grace}"
 weight_fetch_timeout = "30s"
 weight_retry_backoff_max = "1s"
-"#,
+{eval}"#,
             out = self.out.display(),
             // ASYNCRL_TEST_LOG (a tracing filter) makes the roles chattier.
             log_filter = std::env::var("ASYNCRL_TEST_LOG").unwrap_or_else(|_| "info".into()),
@@ -315,6 +319,15 @@ weight_retry_backoff_max = "1s"
             ckpt = s.checkpoint_every,
             max_seqs = s.max_sequences,
             grace = s.drain_grace_period,
+            eval = if s.eval_every > 0 {
+                format!(
+                    "\n[eval]\nevery_steps = {}\nproblems = 16\ndataset = {{ name = \"arith\", path = \"{}\" }}\n",
+                    s.eval_every,
+                    self.tasks_file.display()
+                )
+            } else {
+                String::new()
+            },
         )
     }
 

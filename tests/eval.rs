@@ -1,0 +1,350 @@
+//! Held-out evaluation through the binary: `[eval]` in a run writes one
+//! `eval.csv` row per evaluated version (the first, every N-th, the last),
+//! a plot and a summary line; `asyncrl eval` on the checkpoint of a
+//! version reproduces that version's row (the row names the weights it
+//! scored); and bad input to `asyncrl eval` is one error line naming it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn asyncrl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env("RUST_BACKTRACE", "1")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run asyncrl")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = asyncrl(args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "asyncrl {args:?} failed\nstdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// One `error:` line on stderr naming each of `names`, exit code 1.
+fn one_error_line(args: &[&str], names: &[&str]) {
+    let out = asyncrl(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let context = format!("asyncrl {args:?}\nstderr: {stderr}");
+    assert_eq!(out.status.code(), Some(1), "{context}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {context}");
+    assert!(stderr.starts_with("error: "), "{context}");
+    for name in names {
+        assert!(stderr.contains(name), "should name {name:?}: {context}");
+    }
+    assert!(!stderr.contains("panicked"), "{context}");
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Every arith problem with operands below 4 (32 problems).
+fn eval_file(dir: &Path) -> PathBuf {
+    let path = dir.join("arith-all.jsonl");
+    asyncrl_tasks::write_jsonl(&path, &asyncrl_tasks::arith_all(4)).expect("write eval set");
+    path
+}
+
+/// The run's config; `model` is the warm-started model folder (none: the
+/// built-in model from the seed).
+fn config(dir: &Path, train: &Path, eval: &Path, model: Option<&Path>) -> PathBuf {
+    let text = format!(
+        r#"
+[run]
+name = "eval"
+output_dir = "{out}"
+max_steps = 5
+seed = 4
+
+[staleness]
+eta = 1
+groups_per_step = 2
+group_size = 4
+
+[telemetry]
+listen = ""
+log_filter = "warn"
+
+[model]
+{path}device = "cpu"
+max_new_tokens = 3
+max_seq_len = 16
+cpu_threads = 1
+
+[model.tiny]
+hidden_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+intermediate_size = 64
+
+[coordinator]
+datasets = [{{ name = "arith", path = "{train}" }}]
+admin_listen = ""
+
+[coordinator.initial_knobs]
+learning_rate = 3e-2
+
+[learner]
+checkpoint_every = 1
+keep_checkpoints = 8
+
+[eval]
+every_steps = 2
+samples = 2
+dataset = {{ name = "arith", path = "{eval}" }}
+"#,
+        out = dir.join("out").display(),
+        train = train.display(),
+        eval = eval.display(),
+        path = model
+            .map(|m| format!("path = \"{}\"\n", m.display()))
+            .unwrap_or_default(),
+    );
+    let path = dir.join(if model.is_some() {
+        "run.toml"
+    } else {
+        "warm.toml"
+    });
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// (version, greedy, sampled, pass@k) of each `eval.csv` row.
+fn eval_rows(csv: &Path) -> Vec<(i32, f64, f64, f64)> {
+    let text = std::fs::read_to_string(csv).expect("eval.csv");
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some(asyncrl_learner::eval::EVAL_CSV_HEADER),
+        "header"
+    );
+    lines
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            assert_eq!(f.len(), 9, "{l}");
+            assert_eq!(f[3], "32", "problems: {l}");
+            assert_eq!(f[7], "2", "k: {l}");
+            (
+                f[0].parse().unwrap(),
+                f[4].parse().unwrap(),
+                f[5].parse().unwrap(),
+                f[6].parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_run_evaluates_its_versions_and_asyncrl_eval_reproduces_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = dir.path().join("train.jsonl");
+    let items = asyncrl_tasks::generate_with(
+        asyncrl_tasks::BuiltinTask::Arith,
+        400,
+        2,
+        asyncrl_tasks::GenerateOptions { max_operand: 4 },
+    );
+    asyncrl_tasks::write_jsonl(&train, &items).unwrap();
+    let eval = eval_file(dir.path());
+    // A warm start first, so that accuracies are not all 0 and differ
+    // between versions (a Hugging Face folder `asyncrl eval` also reads).
+    let warm = config(dir.path(), &train, &eval, None);
+    let model = dir.path().join("model");
+    ok(&[
+        "warmstart",
+        s(&warm),
+        "--out",
+        s(&model),
+        "--steps",
+        "150",
+        "--eval",
+        "4",
+    ]);
+    let text = ok(&[
+        "eval",
+        s(&model),
+        "--data",
+        s(&eval),
+        "--max-new-tokens",
+        "3",
+    ]);
+    assert!(text.contains("32 problems: greedy accuracy"), "{text}");
+    let cfg = config(dir.path(), &train, &eval, Some(&model));
+    let out = ok(&["train", s(&cfg)]);
+    assert!(
+        out.contains("held-out evaluation (32 problems, 4 versions)"),
+        "{out}"
+    );
+
+    let run = dir.path().join("out");
+    let rows = eval_rows(&run.join("eval.csv"));
+    // The start, every 2nd version, and the last (5 is not a multiple of 2).
+    let versions: Vec<i32> = rows.iter().map(|r| r.0).collect();
+    assert_eq!(versions, vec![0, 2, 4, 5]);
+    for r in &rows {
+        for v in [r.1, r.2, r.3] {
+            assert!((0.0..=1.0).contains(&v), "{r:?}");
+        }
+        assert!(
+            r.3 >= r.2 - 1e-9,
+            "pass@2 is at least the sampled accuracy: {r:?}"
+        );
+    }
+    assert!(run.join("eval_accuracy.png").is_file());
+
+    // The weights of version 4 are its checkpoint's: evaluated apart, the
+    // scores are the row's. A learning rate this high moves the weights
+    // far in a step, so versions score differently and a row that scored
+    // the wrong version would not match.
+    let ckpts = run.join("checkpoints");
+    let json = |model: &Path| -> serde_json::Value {
+        let out = ok(&[
+            "eval",
+            s(model),
+            "--config",
+            s(&cfg),
+            "--data",
+            s(&eval),
+            "--json",
+        ]);
+        serde_json::from_str(out.trim()).expect("one JSON line")
+    };
+    for (version, dir) in [(4, "step-00000004"), (2, "step-00000002")] {
+        let got = json(&ckpts.join(dir));
+        let row = rows.iter().find(|r| r.0 == version).unwrap();
+        assert_eq!(got["version"], version);
+        assert_eq!(got["problems"], 32);
+        for (key, want) in [
+            ("greedy_accuracy", row.1),
+            ("sampled_accuracy", row.2),
+            ("pass_at_k", row.3),
+        ] {
+            let v = got[key].as_f64().unwrap();
+            assert!((v - want).abs() < 1e-6, "v{version} {key}: {v} vs {want}");
+        }
+    }
+    // The folder of checkpoints: its newest, version 5.
+    assert_eq!(json(&ckpts)["version"], 5);
+    let distinct: std::collections::HashSet<String> = rows
+        .iter()
+        .map(|r| format!("{:.6}/{:.6}", r.1, r.2))
+        .collect();
+    assert!(
+        distinct.len() > 1,
+        "every version scored the same: {rows:?}"
+    );
+}
+
+#[test]
+fn bad_input_to_asyncrl_eval_is_one_line_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let eval = eval_file(dir.path());
+    let missing = dir.path().join("no-such-model");
+    one_error_line(
+        &["eval", s(&missing), "--data", s(&eval)],
+        &["no-such-model", "is not a folder"],
+    );
+
+    // A model folder: the built-in model saved as Hugging Face files.
+    let model = dir.path().join("model");
+    let policy = asyncrl_policy::Policy::builtin_tiny(
+        &asyncrl_policy::TinyModelSpec {
+            hidden_size: 16,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            intermediate_size: 32,
+            ..Default::default()
+        },
+        1,
+        asyncrl_policy::DeviceOptions::cpu(),
+    )
+    .unwrap();
+    policy.save_pretrained(&model, None).unwrap();
+
+    let no_answers = dir.path().join("arith-questions.jsonl");
+    std::fs::write(
+        &no_answers,
+        "{\"prompt\": \"1+1=\"}\n{\"prompt\": \"2+2=\"}\n",
+    )
+    .unwrap();
+    one_error_line(
+        &["eval", s(&model), "--data", s(&no_answers)],
+        &["arith-questions.jsonl", "line 1", "`answer`", "missing"],
+    );
+
+    one_error_line(
+        &[
+            "eval",
+            s(&model),
+            "--data",
+            s(&eval),
+            "--max-problems",
+            "10",
+        ],
+        &["arith-all.jsonl", "32 problems", "eval.max_problems = 10"],
+    );
+    one_error_line(
+        &[
+            "eval",
+            s(&model),
+            "--data",
+            s(&eval),
+            "--problems",
+            "40",
+            "--max-problems",
+            "100",
+        ],
+        &["eval.problems = 40", "only 32"],
+    );
+
+    let unknown = dir.path().join("questions.jsonl");
+    std::fs::copy(&eval, &unknown).unwrap();
+    one_error_line(
+        &["eval", s(&model), "--data", s(&unknown)],
+        &["questions.jsonl", "--verifier"],
+    );
+
+    // A checkpoint holds weights only: without a base model it says so.
+    let ckpt = dir.path().join("step-00000003");
+    std::fs::create_dir(&ckpt).unwrap();
+    let bytes = policy
+        .weights_to_safetensors(asyncrl_policy::WeightDtype::F32)
+        .unwrap();
+    let mut meta = asyncrl_learner::checkpoint::CheckpointMeta {
+        format: 1,
+        step: 3,
+        version: 3,
+        optimizer_step: 3,
+        rng_state: 0,
+        created_at_unix_ms: 0,
+        model_sha256: String::new(),
+        optimizer_sha256: String::new(),
+    };
+    let written = asyncrl_learner::checkpoint::write(dir.path(), &mut meta, &bytes, b"").unwrap();
+    assert_eq!(written, ckpt);
+    one_error_line(
+        &["eval", s(&ckpt), "--data", s(&eval)],
+        &["step-00000003", "--base-model"],
+    );
+    let out = ok(&[
+        "eval",
+        s(&ckpt),
+        "--base-model",
+        s(&model),
+        "--data",
+        s(&eval),
+        "--max-new-tokens",
+        "3",
+    ]);
+    assert!(out.contains("(version 3): 32 problems"), "{out}");
+}
