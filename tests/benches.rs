@@ -262,6 +262,21 @@ dataset = {{ name = "arith", path = "{}" }}
     non_empty_png(&out.join("accuracy_vs_samples.png"));
     non_empty_png(&out.join("accuracy_vs_wallclock.png"));
 
+    // The report again from the same runs, for a target nobody reaches.
+    let mut again = args.to_vec();
+    let t = again.iter().position(|a| *a == "0.0").expect("target");
+    again[t] = "1.5";
+    again.push("--report-only");
+    succeeded(&again, &asyncrl(&again));
+    let table = std::fs::read_to_string(out.join("staleness.md")).expect("report");
+    assert!(table.contains("not reached"), "{table}");
+    assert!(table.contains("not measurable"), "{table}");
+    assert_eq!(
+        csv_rows(&out.join("staleness_eval.csv")).len(),
+        4 * 3,
+        "same runs"
+    );
+
     // Without held-out problems the bench refuses to start.
     let bare = dir.path().join("bare.toml");
     let text = std::fs::read_to_string(&config).expect("config");

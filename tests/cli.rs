@@ -74,6 +74,7 @@ fn the_example_configs_are_valid() {
     assert_eq!(
         loaded,
         [
+            "arith-staleness.toml",
             "arith-vllm.toml",
             "arith.toml",
             "gsm8k-qwen2.5.toml",

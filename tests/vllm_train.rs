@@ -36,8 +36,14 @@ fn root() -> PathBuf {
 /// examples/arith.toml with its paths in `dir`, its ports free.
 fn config(dir: &Path, name: &str, engine: &str) -> PathBuf {
     let text = std::fs::read_to_string(root().join("examples/arith.toml")).unwrap();
+    // The comparison runs STEPS steps and no held-out evaluation (the last
+    // section of the example).
+    let eval = text
+        .find("\n[eval]")
+        .expect("examples/arith.toml has [eval] last");
     let out = dir.join(name);
-    let text = text
+    let text = text[..eval]
+        .replace("max_steps = 2500", &format!("max_steps = {STEPS}"))
         .replace("name = \"arith-eta4\"", &format!("name = \"{name}\""))
         .replace(
             "output_dir = \"runs/arith-eta4\"",

@@ -214,6 +214,10 @@ pub(crate) struct StalenessArgs {
     target: f64,
     #[arg(long, default_value = "docs/results/staleness")]
     out: PathBuf,
+    /// Rewrite the report from the runs in OUT/runs (e.g. for another
+    /// --target) without training.
+    #[arg(long)]
+    report_only: bool,
 }
 
 #[derive(Debug, Args)]
@@ -287,6 +291,7 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 eval_every: args.eval_every,
                 target: args.target,
                 out: args.out,
+                report_only: args.report_only,
             };
             let report = rt.block_on(staleness::staleness(config, spec))?;
             print!("{report}");

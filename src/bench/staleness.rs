@@ -88,7 +88,13 @@ pub struct StalenessBench {
     /// Held-out greedy accuracy the "to target" columns measure.
     pub target: f64,
     pub out: PathBuf,
+    /// Write the report from the runs already in `out/runs` (another
+    /// target, say) instead of training.
+    pub report_only: bool,
 }
+
+/// Evaluations at the end of a run that its final accuracy averages.
+const FINAL_EVALS: usize = 3;
 
 /// One learner step of one run.
 #[derive(Debug, Clone)]
@@ -120,8 +126,21 @@ struct Run {
 }
 
 impl Run {
+    /// The mean of the last [`FINAL_EVALS`] evaluations: one evaluation
+    /// of a small model moves by a few points from version to version.
     fn final_accuracy(&self) -> f64 {
-        self.evals.last().map_or(f64::NAN, |e| e.accuracy)
+        let n = self.evals.len();
+        mean(
+            self.evals[n.saturating_sub(FINAL_EVALS)..]
+                .iter()
+                .map(|e| e.accuracy),
+        )
+    }
+
+    /// The mean of every evaluation after the first: the area under the
+    /// curve, which counts how soon a run got where it got.
+    fn mean_accuracy(&self) -> f64 {
+        mean(self.evals.iter().skip(1).map(|e| e.accuracy))
     }
 
     /// The first evaluation at or above `target`.
@@ -219,23 +238,26 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
             for &objective in &bench.objectives {
                 let c = run_config(&base, &bench, eta, objective, seed)?;
                 let name = c.run.name.clone();
-                eprintln!("bench staleness: {name} ...");
-                let summary = train(
-                    c,
-                    TrainOptions {
-                        workers: 1,
-                        fresh: true,
-                        ..Default::default()
-                    },
-                )
-                .await
-                .with_context(|| format!("run {name}"))?;
-                let evals: Vec<EvalPoint> = summary
-                    .eval
-                    .as_ref()
-                    .map(|e| read_eval_csv(&e.csv))
-                    .transpose()?
-                    .unwrap_or_default()
+                let dir = c.run.output_dir.clone();
+                if !bench.report_only {
+                    eprintln!("bench staleness: {name} ...");
+                    let summary = train(
+                        c,
+                        TrainOptions {
+                            workers: 1,
+                            fresh: true,
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .with_context(|| format!("run {name}"))?;
+                    eprintln!(
+                        "bench staleness: {name}: {} steps in {:.1}s",
+                        summary.steps, summary.seconds
+                    );
+                }
+                let evals: Vec<EvalPoint> = read_eval_csv(&dir.join("eval.csv"))
+                    .with_context(|| format!("run {name}"))?
                     .into_iter()
                     .map(|r| EvalPoint {
                         step: r.step,
@@ -248,13 +270,12 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
                     eta,
                     objective,
                     seed,
-                    steps: read_steps(&summary.metrics_csv)?,
+                    steps: read_steps(&dir.join("learner_metrics.csv"))
+                        .with_context(|| format!("run {name}"))?,
                     evals,
                 };
                 eprintln!(
-                    "bench staleness: {name}: {} steps in {:.1}s, held-out accuracy {:.3} -> {:.3}, mean lag {:.2}",
-                    summary.steps,
-                    summary.seconds,
+                    "bench staleness: {name}: held-out accuracy {:.3} -> {:.3}, mean lag {:.2}",
                     run.evals.first().map_or(f64::NAN, |e| e.accuracy),
                     run.final_accuracy(),
                     run.mean_lag()
@@ -268,9 +289,14 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
         .with_context(|| format!("cannot read {}", files[0].display()))?;
     let _ = writeln!(
         report,
-        "\n{} runs of {} steps in {:.0}s\nwrote {}",
+        "\n{} runs of {} steps{} in {:.0}s\nwrote {}",
         runs.len(),
         bench.steps,
+        if bench.report_only {
+            " (report only)"
+        } else {
+            ""
+        },
         started.elapsed().as_secs_f64(),
         files
             .iter()
@@ -437,9 +463,9 @@ fn markdown(bench: &StalenessBench, settings: &BTreeMap<(usize, usize), Vec<&Run
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| η | objective | final held-out accuracy (mean ± half-range, {seeds} seeds) | trained samples to {target:.2} | time to {target:.2} (s) | mean / max staleness (versions) | wall time (s) |"
+        "| η | objective | final held-out accuracy (mean of the last {FINAL_EVALS} evaluations; mean ± half-range over {seeds} seeds) | mean accuracy over the run | trained samples to {target:.2} | time to {target:.2} (s) | mean / max staleness (versions) | wall time (s) |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
     // (objective index, eta) -> (final mean, time to target mean, seeds reaching)
     let mut finals: BTreeMap<(usize, u32), (f64, f64, usize)> = BTreeMap::new();
     for (&(oi, ei), rs) in settings {
@@ -457,12 +483,13 @@ fn markdown(bench: &StalenessBench, settings: &BTreeMap<(usize, usize), Vec<&Run
             n if n == rs.len() => fmt(v),
             n => format!("{} ({n} of {} seeds)", fmt(v), rs.len()),
         };
+        let auc = mean(rs.iter().map(|r| r.mean_accuracy()));
         let lag = mean(rs.iter().map(|r| r.mean_lag()));
         let lag_max = rs.iter().map(|r| r.max_lag()).fold(0.0, f64::max);
         let wall = mean(rs.iter().map(|r| r.wall()));
         let _ = writeln!(
             md,
-            "| {eta} | {} | {fmean:.3} ± {half:.3} | {} | {} | {lag:.2} / {lag_max:.0} | {wall:.1} |",
+            "| {eta} | {} | {fmean:.3} ± {half:.3} | {auc:.3} | {} | {} | {lag:.2} / {lag_max:.0} | {wall:.1} |",
             objective.as_str(),
             reach(smp, &|v| format!("{v:.0}")),
             reach(t, &|v| format!("{v:.1}")),
