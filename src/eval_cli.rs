@@ -198,9 +198,9 @@ fn load_model(
         return Ok((policy, path.display().to_string()));
     }
     let ckpt = if path.join("meta.json").is_file() {
-        checkpoint::read(path)?
+        checkpoint::read_weights(path)?
     } else {
-        checkpoint::load_latest(path)?.with_context(|| {
+        checkpoint::latest_weights(path)?.with_context(|| {
             format!(
                 "{} is neither a model folder (config.json) nor a learner checkpoint (meta.json), nor holds checkpoints (step-NNNNNNNN)",
                 path.display()

@@ -524,17 +524,7 @@ pub fn eval_scores_text(row: &EvalRow) -> String {
 
 /// The rows of an `eval.csv` (see [`asyncrl_learner::eval::EVAL_CSV_HEADER`]).
 pub fn read_eval_csv(csv: &Path) -> anyhow::Result<Vec<EvalRow>> {
-    let cols = [
-        "version",
-        "step",
-        "wall_seconds",
-        "problems",
-        "greedy_accuracy",
-        "sampled_accuracy",
-        "pass_at_k",
-        "k",
-        "eval_seconds",
-    ];
+    let cols: Vec<&str> = asyncrl_learner::eval::EVAL_CSV_HEADER.split(',').collect();
     let opt = |v: f64| v.is_finite().then_some(v);
     Ok(read_columns(csv, &cols)?
         .into_iter()

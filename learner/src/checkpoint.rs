@@ -122,7 +122,10 @@ pub fn write(
     Ok(dest)
 }
 
-fn read_dir_checked(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
+/// Reads a checkpoint directory and checks its sha256s; without
+/// `optimizer`, the optimizer file is neither read nor checked (and
+/// `LoadedCheckpoint::optimizer` is empty).
+fn read_dir_checked(dir: &Path, optimizer: bool) -> Result<LoadedCheckpoint, CheckpointError> {
     let invalid = |reason: String| CheckpointError::Invalid {
         path: dir.to_owned(),
         reason,
@@ -131,12 +134,21 @@ fn read_dir_checked(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
     let meta: CheckpointMeta =
         serde_json::from_slice(&meta_bytes).map_err(|e| invalid(format!("meta.json: {e}")))?;
     let model = fs::read(dir.join(MODEL_FILE)).map_err(io(dir))?;
-    let optimizer = fs::read(dir.join(OPTIMIZER_FILE)).map_err(io(dir))?;
     if sha256_hex(&model) != meta.model_sha256 {
         return Err(invalid(
             "model.safetensors does not match its sha256".into(),
         ));
     }
+    let optimizer = if optimizer {
+        fs::read(dir.join(OPTIMIZER_FILE)).map_err(io(dir))?
+    } else {
+        return Ok(LoadedCheckpoint {
+            dir: dir.to_owned(),
+            meta,
+            model,
+            optimizer: Vec::new(),
+        });
+    };
     if sha256_hex(&optimizer) != meta.optimizer_sha256 {
         return Err(invalid(
             "optimizer.safetensors does not match its sha256".into(),
@@ -150,9 +162,10 @@ fn read_dir_checked(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
     })
 }
 
-/// Reads one checkpoint directory (`step-NNNNNNNN`), checking its sha256s.
-pub fn read(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
-    read_dir_checked(dir)
+/// The weights of one checkpoint directory (`step-NNNNNNNN`), checked
+/// against their sha256; the optimizer state is not read (`asyncrl eval`).
+pub fn read_weights(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
+    read_dir_checked(dir, false)
 }
 
 /// Complete checkpoint directories under `root`, newest first.
@@ -177,8 +190,17 @@ fn complete_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
 
 /// The newest complete, intact checkpoint, if any.
 pub fn load_latest(root: &Path) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
+    newest(root, true)
+}
+
+/// [`load_latest`] without the optimizer state (see [`read_weights`]).
+pub fn latest_weights(root: &Path) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
+    newest(root, false)
+}
+
+fn newest(root: &Path, optimizer: bool) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
     for (_, dir) in complete_dirs(root)? {
-        match read_dir_checked(&dir) {
+        match read_dir_checked(&dir, optimizer) {
             Ok(c) => return Ok(Some(c)),
             Err(e) => {
                 tracing::warn!(checkpoint = %dir.display(), error = %e, "skipping a damaged checkpoint")

@@ -30,6 +30,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
+use crate::service::LearnerEvent;
 use crate::trainer::TrainError;
 
 /// How to evaluate.
@@ -343,7 +344,7 @@ impl Evaluator {
     pub async fn start(
         config: &Config,
         metrics: &Metrics,
-        progress: Option<tokio::sync::mpsc::UnboundedSender<EvalRow>>,
+        progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
     ) -> anyhow::Result<Option<Self>> {
         if !config.eval.enabled() {
             return Ok(None);
@@ -459,7 +460,7 @@ fn eval_loop(
     mut file: std::fs::File,
     path: &Path,
     metrics: &EvalMetrics,
-    progress: Option<tokio::sync::mpsc::UnboundedSender<EvalRow>>,
+    progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
 ) {
     let mut queue: VecDeque<EvalJob> = VecDeque::new();
     loop {
@@ -510,7 +511,7 @@ fn eval_loop(
             tracing::warn!(path = %path.display(), error = %e, "cannot write the evaluation row");
         }
         if let Some(tx) = &progress {
-            let _ = tx.send(row);
+            let _ = tx.send(LearnerEvent::Eval(row));
         }
     }
 }

@@ -179,18 +179,7 @@ pub async fn run_with_progress(
     })
     .await??;
 
-    // Evaluation rows reach the progress display through the same channel.
-    let eval_progress = progress.as_ref().map(|tx| {
-        let (etx, mut erx) = tokio::sync::mpsc::unbounded_channel::<EvalRow>();
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            while let Some(row) = erx.recv().await {
-                let _ = tx.send(LearnerEvent::Eval(row));
-            }
-        });
-        etx
-    });
-    let evaluator = Evaluator::start(&config, &metrics, eval_progress)
+    let evaluator = Evaluator::start(&config, &metrics, progress.clone())
         .await
         .context("cannot start the held-out evaluation ([eval])")?;
     let metrics = LearnerMetrics::register(&metrics)?;
