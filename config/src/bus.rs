@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::ConfigError;
+use crate::storage::StorageConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BusKind {
@@ -46,6 +47,8 @@ pub struct BusConfig {
     pub duplicate_window: Duration,
     /// JetStream replicas of the streams, KV buckets and object stores.
     pub replicas: usize,
+    /// How much each JetStream store may hold (`[bus.storage]`).
+    pub storage: StorageConfig,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
@@ -76,6 +79,7 @@ impl Default for BusConfig {
             subscription_capacity: 65_536,
             duplicate_window: Duration::from_secs(600),
             replicas: 1,
+            storage: StorageConfig::default(),
         }
     }
 }
@@ -180,6 +184,7 @@ impl BusConfig {
             1 << 24,
         )?;
         crate::check_range("bus.replicas", self.replicas, 1, 5)?;
+        self.storage.validate()?;
         Ok(())
     }
 }

@@ -11,6 +11,7 @@ mod eval;
 mod learner;
 mod model;
 mod run;
+mod storage;
 mod telemetry;
 mod worker;
 
@@ -31,6 +32,7 @@ pub use eval::{EvalConfig, MAX_EVAL_SAMPLES};
 pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, ProximalName};
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};
+pub use storage::{StorageConfig, TrajectoryRetention};
 pub use telemetry::{LogFormat, TelemetryConfig};
 pub use worker::{
     BatchingMode, EngineApi, EngineConfig, EngineKind, PauseMode, WorkerConfig, WorkerRewardConfig,
