@@ -133,14 +133,15 @@ fn one_line(e: &toml::de::Error) -> String {
     e.message().trim().replace('\n', " ")
 }
 
-/// Checks that `value` lies in `[lo, hi]`, naming `key` otherwise.
+/// Checks that `value` lies in `[lo, hi]`, naming `key` otherwise. NaN lies
+/// in no range (written so that an unordered value fails the check).
 pub fn check_range<T: PartialOrd + std::fmt::Display>(
     key: &str,
     value: T,
     lo: T,
     hi: T,
 ) -> Result<(), ConfigError> {
-    if value < lo || value > hi {
+    if !(value >= lo && value <= hi) {
         return Err(ConfigError::invalid(
             key,
             format!("= {value} is out of range [{lo}, {hi}]"),
