@@ -10,11 +10,16 @@
 //! - `engine`: the vLLM engine against the built-in one (tokens/s, the
 //!   worker's CPU per 1,000 tokens, a weight swap against the raw reload);
 //! - `staleness`: reward under η × clip mode × seeds;
-//! - `speedup`: sync (η = 0) against async training.
+//! - `speedup`: sync (η = 0) against async training;
+//! - `chaos`: every role as a process under random faults, with the
+//!   system's invariants checked throughout (a soak, not a ratio).
 //!
 //! The buffer's benches are criterion benches (`cargo bench -p
 //! asyncrl-buffer`).
 
+// The roles it runs need torch; the bench itself does not.
+#[cfg_attr(not(feature = "torch"), allow(dead_code))]
+mod chaos;
 mod coordinator;
 #[cfg(feature = "torch")]
 mod engine;
@@ -98,6 +103,66 @@ pub(crate) enum BenchCommand {
     /// learner and worker pinned to separate cores: the measured speedup next
     /// to the pipelining bound from the same runs.
     Speedup(SpeedupArgs),
+    /// Every role as a process over a private nats-server, with kill -9,
+    /// SIGTERM, SIGSTOP/SIGCONT of random roles and kill -9 of nats-server
+    /// at seeded random times; checks trained-exactly-once, staleness ≤ η,
+    /// versions, the step target, memory and disk, and writes a report.
+    /// Clears OUT/run and OUT/logs first.
+    Chaos(ChaosArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ChaosArgs {
+    /// How long faults are injected (e.g. 60s, 30m).
+    #[arg(long, value_parser = chaos_duration)]
+    duration: std::time::Duration,
+    /// Seed of the fault schedule (and of the run).
+    #[arg(long)]
+    seed: u64,
+    /// Rollout workers (2 or more).
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Learner steps to reach; default: 3 per second of --duration, at least 20.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Mean gap between faults (each gap uniform in 0.5..1.5 times it).
+    #[arg(long, default_value = "20s", value_parser = chaos_duration)]
+    fault_every: std::time::Duration,
+    /// Sampling interval of memory, disk, step and stream length.
+    #[arg(long, default_value = "2s", value_parser = chaos_duration)]
+    sample_every: std::time::Duration,
+    /// How long the learner may take to reach --steps after the fault
+    /// phase; default: half of --duration, at least 2 minutes.
+    #[arg(long, value_parser = chaos_duration)]
+    final_wait: Option<std::time::Duration>,
+    #[arg(long, default_value_t = 2)]
+    eta: u32,
+    #[arg(long, default_value_t = 4)]
+    groups_per_step: u32,
+    #[arg(long, default_value_t = 4)]
+    group_size: u32,
+    /// Memory is flat when its projected growth over --duration is at most
+    /// max(this many MiB, --mem-growth-frac × its median).
+    #[arg(long, default_value_t = 32.0)]
+    mem_growth_mib: f64,
+    #[arg(long, default_value_t = 0.10)]
+    mem_growth_frac: f64,
+    /// Disk is bounded when the second half's maximum is at most this
+    /// fraction above the first half's (plus 4 MiB) ...
+    #[arg(long, default_value_t = 0.25)]
+    disk_margin: f64,
+    /// ... or at most this many MiB.
+    #[arg(long, default_value_t = 64.0)]
+    disk_bound_mib: f64,
+    #[arg(long, default_value = "runs/bench/chaos")]
+    out: PathBuf,
+    /// Print the fault schedule of these arguments and exit.
+    #[arg(long)]
+    plan_only: bool,
+}
+
+fn chaos_duration(text: &str) -> Result<std::time::Duration, String> {
+    chaos::parse_duration(text)
 }
 
 #[derive(Debug, Args)]
@@ -364,6 +429,39 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
             let report = memory::run_memory_bench(opts).context("memory bench")?;
             print!("{report}");
         }
+        #[cfg(feature = "torch")]
+        BenchCommand::Chaos(args) => {
+            let spec = chaos::ChaosBench {
+                steps: args
+                    .steps
+                    .unwrap_or_else(|| chaos::default_steps(args.duration)),
+                final_wait: args
+                    .final_wait
+                    .unwrap_or_else(|| chaos::default_final_wait(args.duration)),
+                duration: args.duration,
+                seed: args.seed,
+                workers: args.workers,
+                fault_every: args.fault_every,
+                sample_every: args.sample_every,
+                eta: args.eta,
+                groups_per_step: args.groups_per_step,
+                group_size: args.group_size,
+                mem_growth_mib: args.mem_growth_mib,
+                mem_growth_frac: args.mem_growth_frac,
+                disk_margin: args.disk_margin,
+                disk_bound_mib: args.disk_bound_mib,
+                out: args.out,
+                command: std::env::args().collect::<Vec<_>>().join(" "),
+            };
+            if args.plan_only {
+                print!("{}", chaos::plan_text(&spec));
+                return Ok(());
+            }
+            let report = chaos::chaos(&rt, &spec)?;
+            print!("{report}");
+        }
+        #[cfg(not(feature = "torch"))]
+        BenchCommand::Chaos(_) => return crate::no_torch("bench chaos"),
         #[cfg(not(feature = "torch"))]
         BenchCommand::Memory(_) => return crate::no_torch("bench memory"),
         #[cfg(not(feature = "torch"))]

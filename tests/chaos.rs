@@ -1,0 +1,147 @@
+//! The chaos soak at a size CI can afford (`asyncrl bench chaos` for a
+//! minute with a fixed seed): every role runs as a process over a real
+//! nats-server while roles are killed, stopped with SIGTERM, frozen and
+//! thawed, and nats-server is killed and restarted. The run must reach its
+//! step target with every invariant holding (trained exactly once, never
+//! staler than η, versions never backwards, contiguous steps, flat memory,
+//! bounded disk, clean exits), and the report must be complete.
+#![cfg(feature = "torch")]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::process::Command;
+
+fn csv_rows(path: &Path) -> Vec<HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut lines = text.lines();
+    let header: Vec<String> = lines
+        .next()
+        .expect("a header")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    lines
+        .map(|l| {
+            header
+                .iter()
+                .cloned()
+                .zip(l.split(',').map(str::to_owned))
+                .collect()
+        })
+        .collect()
+}
+
+fn png(path: &Path) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(bytes.starts_with(b"\x89PNG"), "{} is a PNG", path.display());
+}
+
+const INVARIANTS: [&str; 8] = [
+    "trained exactly once",
+    "no token older than η",
+    "versions never backwards",
+    "steps contiguous",
+    "step target reached",
+    "memory flat after warm-up",
+    "disk bounded",
+    "clean exits",
+];
+
+#[test]
+fn a_minute_of_chaos_keeps_every_invariant() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("chaos");
+    // About a minute of training on two idle cores: the learner trains
+    // through the fault phase (seed 3 kills it at 27 s).
+    let steps = "250";
+    let args = [
+        "bench",
+        "chaos",
+        "--duration",
+        "60s",
+        "--seed",
+        "3",
+        "--steps",
+        steps,
+        "--fault-every",
+        "6s",
+        "--sample-every",
+        "1s",
+        "--final-wait",
+        "240s",
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ];
+    let output = Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run asyncrl");
+    let md = std::fs::read_to_string(out.join("chaos.md")).unwrap_or_default();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "asyncrl {args:?} failed\nstderr: {stderr}\nchaos.md:\n{md}"
+    );
+
+    // Every invariant is reported, and holds.
+    for name in INVARIANTS {
+        let row = md
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("chaos.md has no row for {name:?}:\n{md}"));
+        assert!(row.contains("| PASS |"), "{row}");
+    }
+    assert!(!md.contains("FAIL"), "{md}");
+    assert!(
+        md.contains(&format!("target {steps}, reached {steps}")),
+        "{md}"
+    );
+
+    // Faults of every kind were injected (not skipped).
+    let faults = csv_rows(&out.join("faults.csv"));
+    let mut injected: BTreeMap<String, usize> = BTreeMap::new();
+    for f in &faults {
+        if !f["outcome"].starts_with("skipped") {
+            *injected.entry(f["kind"].clone()).or_default() += 1;
+        }
+    }
+    for kind in ["kill9", "sigterm", "sigstop", "nats_kill9"] {
+        assert!(
+            injected.get(kind).copied().unwrap_or(0) >= 1,
+            "no {kind} fault was injected: {injected:?}\n{stderr}"
+        );
+    }
+
+    // Samples cover the run, with memory of every role and the learner's
+    // progress.
+    let samples = csv_rows(&out.join("samples.csv"));
+    assert!(samples.len() >= 30, "{} samples", samples.len());
+    let last = samples.last().expect("a sample");
+    assert_eq!(last["learner_step"], steps);
+    for role in [
+        "coordinator",
+        "buffer",
+        "learner",
+        "worker-1",
+        "worker-2",
+        "nats-server",
+    ] {
+        let col = format!("{role}_rss_bytes");
+        assert!(
+            samples
+                .iter()
+                .any(|s| s[&col].parse::<u64>().is_ok_and(|b| b > 0)),
+            "no memory sample of {role}"
+        );
+    }
+    png(&out.join("memory.png"));
+    png(&out.join("disk.png"));
+    for log in ["coordinator", "buffer", "learner", "worker-1", "worker-2"] {
+        assert!(
+            out.join("logs").join(format!("{log}.log")).is_file(),
+            "no log of {log}"
+        );
+    }
+}
