@@ -15,14 +15,234 @@ use tch::{Device, Kind, Tensor};
 
 use crate::advantages::{AdvantageNorm, grpo_advantages};
 
-#[derive(Debug, thiserror::Error, PartialEq)]
+/// A batch the learner refuses: it trains on none of it. Each names the
+/// field (Arrow column) that was wrong ([`BatchError::field`]).
+#[derive(Debug, thiserror::Error)]
 pub enum BatchError {
     #[error("record batch column `{0}` is missing or has the wrong type")]
     Column(&'static str),
-    #[error("row {row}: {reason}")]
-    Row { row: usize, reason: String },
+    #[error("row {row}: `{field}` {reason}")]
+    Row {
+        row: usize,
+        field: &'static str,
+        reason: String,
+    },
     #[error("the batch holds no trajectories")]
     Empty,
+    #[error("the batch is not an Arrow IPC stream of trajectories: {0}")]
+    Ipc(#[source] arrow::error::ArrowError),
+    #[error("the batch's Arrow schema is not the trajectory schema (column `{0}`)")]
+    Schema(String),
+    /// The Arrow decoder panicked on the bytes (caught; the text is the
+    /// panic's payload).
+    #[error("the batch is not an Arrow IPC stream of trajectories: the decoder panicked: {0}")]
+    DecoderPanic(String),
+}
+
+impl BatchError {
+    /// The field (column) at fault, as the `field` label of
+    /// `asyncrl_learner_bad_batches_total`: a column name, or `arrow_ipc`
+    /// for bytes that do not decode, `batch` for an empty one.
+    pub fn field(&self) -> &'static str {
+        match self {
+            BatchError::Column(c) | BatchError::Row { field: c, .. } => c,
+            BatchError::Empty => "batch",
+            BatchError::Ipc(_) | BatchError::DecoderPanic(_) => "arrow_ipc",
+            BatchError::Schema(_) => "schema",
+        }
+    }
+}
+
+/// What a batch may hold, from the learner's model and version: checked by
+/// [`check`] before anything is sized from the batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchLimits {
+    /// Token ids lie in `[0, vocab_size)`.
+    pub vocab_size: i64,
+    /// Prompt + completion tokens of a row (the model's context length).
+    pub max_seq_len: usize,
+    /// The learner's version: no token can have been sampled by a newer one.
+    pub max_version: i32,
+}
+
+/// Decodes a batch reply's Arrow IPC stream (compressed or not) into record
+/// batches of the trajectory schema. Never panics, whatever the bytes: a
+/// panic of the Arrow decoder is caught and returned as an error.
+pub fn decode_ipc(bytes: &[u8]) -> Result<Vec<RecordBatch>, BatchError> {
+    let decoded = std::panic::catch_unwind(|| {
+        let reader = arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
+            .map_err(BatchError::Ipc)?;
+        let want = cols::trajectory_schema();
+        let got = reader.schema();
+        if let Some(f) = want
+            .fields()
+            .iter()
+            .find(|f| got.field_with_name(f.name()).ok() != Some(f.as_ref()))
+        {
+            return Err(BatchError::Schema(f.name().clone()));
+        }
+        if got.fields().len() != want.fields().len() {
+            let extra = got
+                .fields()
+                .iter()
+                .find(|f| want.field_with_name(f.name()).is_err())
+                .map(|f| f.name().clone())
+                .unwrap_or_default();
+            return Err(BatchError::Schema(extra));
+        }
+        reader
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(BatchError::Ipc)
+    });
+    decoded.unwrap_or_else(|panic| {
+        Err(BatchError::DecoderPanic(
+            panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)")
+                .to_owned(),
+        ))
+    })
+}
+
+fn row_error(row: usize, field: &'static str, reason: impl Into<String>) -> BatchError {
+    BatchError::Row {
+        row,
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Checks every row of `batches` against the contract and `limits` before
+/// the learner trains on them: token ids in the vocabulary, rows no longer
+/// than the model's context, one log-prob and one version per completion
+/// token, log-probs finite and ≤ 0 (1e-3 of rounding allowed, as the wire
+/// contract does), versions in `[0, max_version]` (each token's own: the
+/// objective needs no order among them), no null inside a list, rewards finite where present.
+/// The first problem is returned, naming its row and field.
+pub fn check(batches: &[RecordBatch], limits: &BatchLimits) -> Result<(), BatchError> {
+    let mut base = 0usize;
+    let mut any = false;
+    for batch in batches {
+        for name in [
+            cols::PROMPT_TOKEN_IDS,
+            cols::COMPLETION_TOKEN_IDS,
+            cols::BEHAVIOUR_LOGPROBS,
+            cols::POLICY_VERSIONS,
+        ] {
+            let list = batch
+                .column_by_name(name)
+                .and_then(|c| c.as_list_opt::<i32>())
+                .ok_or(BatchError::Column(name))?;
+            if let Some(i) =
+                (0..list.len()).find(|i| !list.is_null(*i) && list.value(*i).null_count() > 0)
+            {
+                return Err(row_error(base + i, name, "holds a null entry"));
+            }
+        }
+        let (p_vals, p_off) = list_rows::<Int32Type>(batch, cols::PROMPT_TOKEN_IDS)?;
+        let (c_vals, c_off) = list_rows::<Int32Type>(batch, cols::COMPLETION_TOKEN_IDS)?;
+        let (l_vals, l_off) = list_rows::<Float32Type>(batch, cols::BEHAVIOUR_LOGPROBS)?;
+        let (v_vals, v_off) = list_rows::<Int32Type>(batch, cols::POLICY_VERSIONS)?;
+        let reward = batch
+            .column_by_name(cols::REWARD)
+            .and_then(|c| c.as_primitive_opt::<Float32Type>())
+            .ok_or(BatchError::Column(cols::REWARD))?;
+        for i in 0..batch.num_rows() {
+            let row = base + i;
+            let span = |off: &[i32]| off[i] as usize..off[i + 1] as usize;
+            let (prompt, completion) = (&p_vals[span(p_off)], &c_vals[span(c_off)]);
+            let (logprobs, versions) = (&l_vals[span(l_off)], &v_vals[span(v_off)]);
+            if prompt.is_empty() {
+                return Err(row_error(row, cols::PROMPT_TOKEN_IDS, "is empty"));
+            }
+            let len = prompt.len() + completion.len();
+            if len > limits.max_seq_len {
+                return Err(row_error(
+                    row,
+                    cols::COMPLETION_TOKEN_IDS,
+                    format!(
+                        "makes the row {len} tokens long, beyond the model's {}",
+                        limits.max_seq_len
+                    ),
+                ));
+            }
+            for (name, ids) in [
+                (cols::PROMPT_TOKEN_IDS, prompt),
+                (cols::COMPLETION_TOKEN_IDS, completion),
+            ] {
+                if let Some(t) = ids
+                    .iter()
+                    .find(|t| **t < 0 || i64::from(**t) >= limits.vocab_size)
+                {
+                    return Err(row_error(
+                        row,
+                        name,
+                        format!(
+                            "holds token id {t}, outside the vocabulary [0, {})",
+                            limits.vocab_size
+                        ),
+                    ));
+                }
+            }
+            if logprobs.len() != completion.len() {
+                return Err(row_error(
+                    row,
+                    cols::BEHAVIOUR_LOGPROBS,
+                    format!(
+                        "has {} entries for {} completion tokens",
+                        logprobs.len(),
+                        completion.len()
+                    ),
+                ));
+            }
+            if versions.len() != completion.len() {
+                return Err(row_error(
+                    row,
+                    cols::POLICY_VERSIONS,
+                    format!(
+                        "has {} entries for {} completion tokens",
+                        versions.len(),
+                        completion.len()
+                    ),
+                ));
+            }
+            if let Some(lp) = logprobs.iter().find(|lp| !lp.is_finite() || **lp > 1e-3) {
+                return Err(row_error(
+                    row,
+                    cols::BEHAVIOUR_LOGPROBS,
+                    format!("{lp} is not a log-probability"),
+                ));
+            }
+            if let Some(v) = versions
+                .iter()
+                .find(|v| **v < 0 || **v > limits.max_version)
+            {
+                return Err(row_error(
+                    row,
+                    cols::POLICY_VERSIONS,
+                    format!(
+                        "version {v} is outside [0, {}] (the learner's version)",
+                        limits.max_version
+                    ),
+                ));
+            }
+            if !reward.is_null(i) && !reward.value(i).is_finite() {
+                return Err(row_error(
+                    row,
+                    cols::REWARD,
+                    format!("{} is not finite", reward.value(i)),
+                ));
+            }
+            any = true;
+        }
+        base += batch.num_rows();
+    }
+    if !any {
+        return Err(BatchError::Empty);
+    }
+    Ok(())
 }
 
 /// A training batch on the host, ready to move to a device.
@@ -79,7 +299,9 @@ struct Row<'a> {
     group: String,
 }
 
-/// Assembles record batches (whole groups) into a [`TrainBatch`].
+/// Assembles record batches (whole groups) into a [`TrainBatch`]. It sizes
+/// the tensors from the rows' lengths: batches from outside the process go
+/// through [`check`] first (`Trainer::train_step` does).
 pub fn assemble(
     batches: &[RecordBatch],
     pad_id: i64,
@@ -116,18 +338,21 @@ pub fn assemble(
             };
             let n = rows.len();
             if row.prompt.is_empty() {
-                return Err(BatchError::Row {
-                    row: n,
-                    reason: "empty prompt".into(),
-                });
+                return Err(row_error(n, cols::PROMPT_TOKEN_IDS, "is empty"));
             }
-            if row.logprobs.len() != row.completion.len()
-                || row.versions.len() != row.completion.len()
-            {
-                return Err(BatchError::Row {
-                    row: n,
-                    reason: "log-probs/versions do not match the completion".into(),
-                });
+            if row.logprobs.len() != row.completion.len() {
+                return Err(row_error(
+                    n,
+                    cols::BEHAVIOUR_LOGPROBS,
+                    "does not match the completion's length",
+                ));
+            }
+            if row.versions.len() != row.completion.len() {
+                return Err(row_error(
+                    n,
+                    cols::POLICY_VERSIONS,
+                    "does not match the completion's length",
+                ));
             }
             rows.push(row);
         }
@@ -513,10 +738,10 @@ mod tests {
 
     #[test]
     fn empty_and_bad_batches_are_errors() {
-        assert_eq!(
-            assemble(&[], 0, AdvantageNorm::Mean).unwrap_err(),
-            BatchError::Empty
-        );
+        assert!(matches!(
+            assemble(&[], 0, AdvantageNorm::Mean),
+            Err(BatchError::Empty)
+        ));
         let rb = asyncrl_protos::arrow_schema::to_record_batch(&[traj(
             0,
             "g",

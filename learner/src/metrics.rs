@@ -21,6 +21,11 @@ pub struct ReasonLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FieldLabel {
+    pub field: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PhaseLabel {
     pub phase: &'static str,
 }
@@ -49,6 +54,9 @@ pub struct LearnerMetrics {
     pub weight_publications: Counter,
     pub weight_publish_failures: Counter,
     pub checkpoints: Counter,
+    /// Batches the learner refused and asked for again, by the field at
+    /// fault (`BatchError::field`): nothing of them was trained.
+    pub bad_batches: Family<FieldLabel, Counter>,
     /// The engine/trainer mismatch (`objective::LogprobGap`) of the last
     /// step that had tokens of its starting version.
     pub logprob_gap: Family<StatLabel, F64Gauge>,
@@ -163,6 +171,11 @@ impl LearnerMetrics {
                 "Checkpoints written",
                 Counter::default(),
             )?,
+            bad_batches: m.register(
+                "learner_bad_batches",
+                "Batches refused (not trained; asked for again), by the field at fault",
+                Family::default(),
+            )?,
             logprob_gap: m.register(
                 "learner_logprob_gap",
                 "|behaviour log-prob - learner log-prob| of the tokens sampled at the version a step starts from (stat: mean, max); 0 for an exact engine",
@@ -179,6 +192,11 @@ impl LearnerMetrics {
                 Counter::default(),
             )?,
         })
+    }
+
+    /// Counts a refused batch under its field.
+    pub fn bad_batch(&self, field: &'static str) {
+        self.bad_batches.get_or_create(&FieldLabel { field }).inc();
     }
 
     pub fn observe_step(&self, s: &StepStats) {

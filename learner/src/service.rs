@@ -36,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::actor::TrainerActor;
 use crate::advantages::AdvantageNorm;
+use crate::batch::BatchError;
 use crate::checkpoint;
 use crate::eval::{EvalRow, Evaluator};
 use crate::metrics::LearnerMetrics;
@@ -368,8 +369,15 @@ impl Ctx {
             };
             match reply {
                 Ok(bytes) => {
-                    let reply = BatchReply::decode(bytes.as_ref())
-                        .context("the buffer's batch reply does not decode")?;
+                    let reply = match BatchReply::decode(bytes.as_ref()) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            // Asked again: a garbled reply is no state of the buffer.
+                            self.metrics.bad_batch("batch_reply");
+                            tracing::warn!(step = s, error = %e, "the buffer's batch reply does not decode as asyncrl.v1.BatchReply; asking again");
+                            BatchReply::default()
+                        }
+                    };
                     if !reply.error.is_empty() {
                         match &refused_since {
                             Some((since, reason)) if *reason == reply.error => {
@@ -387,7 +395,10 @@ impl Ctx {
                             }
                         }
                     } else if reply.num_groups > 0 {
-                        return Ok(Some(self.decode_batch(&reply).await?));
+                        match self.decode_batch(&reply).await? {
+                            Ok(batches) => return Ok(Some(batches)),
+                            Err(e) => self.refuse_batch(s, &e),
+                        }
                     }
                 }
                 Err(e) if e.is_transient() => {
@@ -402,7 +413,13 @@ impl Ctx {
         }
     }
 
-    async fn decode_batch(&self, reply: &BatchReply) -> anyhow::Result<Vec<RecordBatch>> {
+    /// The reply's record batches (inline or from the object store); the
+    /// inner error is a batch that does not decode (refused, asked again),
+    /// the outer one a store that cannot be read.
+    async fn decode_batch(
+        &self,
+        reply: &BatchReply,
+    ) -> anyhow::Result<Result<Vec<RecordBatch>, BatchError>> {
         let bytes = if reply.object_name.is_empty() {
             reply.arrow_ipc.clone()
         } else {
@@ -412,11 +429,17 @@ impl Ctx {
                 .get(&reply.object_name)
                 .await?
         };
-        let reader = arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
-            .context("the batch is not an Arrow IPC stream")?;
-        reader
-            .collect::<Result<Vec<_>, _>>()
-            .context("the batch is not an Arrow IPC stream")
+        let decoded = tokio::task::spawn_blocking(move || crate::batch::decode_ipc(&bytes))
+            .await
+            .context("the batch decoder task failed")?;
+        Ok(decoded)
+    }
+
+    /// A batch the learner will not train on: counted by its field, logged,
+    /// and asked for again after the poll interval.
+    fn refuse_batch(&self, step: u64, e: &BatchError) {
+        self.metrics.bad_batch(e.field());
+        tracing::warn!(step, field = e.field(), error = %e, "refusing a bad batch from the buffer; asking again");
     }
 
     async fn train_loop(&mut self) -> anyhow::Result<LearnerSummary> {
@@ -452,18 +475,34 @@ impl Ctx {
                 self.checkpoint().await?;
             }
             let wait_start = Instant::now();
-            let Some(batches) = self.fetch_batch(s, version, k.eta).await? else {
+            let knobs = step_settings(&self.config, &k);
+            // A batch the trainer refuses (it trained on none of it) is
+            // counted and asked for again; the step stays the same.
+            let trained = loop {
+                let Some(batches) = self.fetch_batch(s, version, k.eta).await? else {
+                    break None;
+                };
+                let waited = wait_start.elapsed().as_secs_f64();
+                let ids = trained_ids(&batches);
+                let step_knobs = knobs.clone();
+                match self
+                    .actor
+                    .call(move |t| t.train_step(&batches, &step_knobs))
+                    .await?
+                {
+                    Ok(stats) => break Some((stats, ids, waited)),
+                    Err(TrainError::Batch(e)) => self.refuse_batch(s, &e),
+                    Err(e) => return Err(e.into()),
+                }
+                tokio::select! {
+                    () = self.shutdown.cancelled() => break None,
+                    () = tokio::time::sleep(self.config.learner.batch_poll_interval) => {}
+                }
+            };
+            let Some((stats, ids, wait_s)) = trained else {
                 break;
             };
-            let wait_s = wait_start.elapsed().as_secs_f64();
             self.metrics.phase("wait", wait_s);
-
-            let knobs = step_settings(&self.config, &k);
-            let ids = trained_ids(&batches);
-            let stats = self
-                .actor
-                .call(move |t| t.train_step(&batches, &knobs))
-                .await??;
             // Recorded before the weights are published: a crash in between
             // retrains the same step (the buffer replays its groups) and the
             // log then holds the step twice; readers keep the last entry.

@@ -198,6 +198,9 @@ impl Trainer {
         knobs: &StepSettings,
     ) -> Result<StepStats, TrainError> {
         let start = Instant::now();
+        // Nothing is sized from the batch, and the model never sees it,
+        // before it is checked against the model and the version.
+        crate::batch::check(batches, &self.batch_limits())?;
         let host = assemble(batches, self.pad_id(), self.opts.advantage_norm)?;
         let device = self.policy.device();
         let batch = host.to_device(device);
@@ -339,6 +342,16 @@ impl Trainer {
             .collect();
         stats.compute_seconds = start.elapsed().as_secs_f64();
         Ok(stats)
+    }
+
+    /// What a batch may hold for this model at this version.
+    pub fn batch_limits(&self) -> crate::batch::BatchLimits {
+        let c = self.policy.config();
+        crate::batch::BatchLimits {
+            vocab_size: c.vocab_size,
+            max_seq_len: usize::try_from(c.max_position_embeddings).unwrap_or(0),
+            max_version: self.policy.version(),
+        }
     }
 
     fn pad_id(&self) -> i64 {
