@@ -37,8 +37,8 @@ pub use export::{ExportArgs, ExportFormat, ExportSummary, export};
 pub use metrics::{BufferMetrics, LagHistogram};
 pub use reply::{decode_batch, encode_batch};
 pub use service::{
-    Buffer, BufferHandle, HEALTH_CONDITION, Recovered, dead_letter_stream_spec, run,
-    trajectory_stream_spec,
+    Buffer, BufferHandle, DISK_HEALTH_CONDITION, HEALTH_CONDITION, Recovered,
+    dead_letter_stream_spec, run, trajectory_stream_spec,
 };
 
 /// Re-exported so that callers create the shutdown token of [`run`] with the

@@ -112,6 +112,13 @@ pub struct BufferMetrics {
     pub resident_bytes_per_token: Gauge<f64, AtomicU64>,
     pub disk_bytes: Gauge,
     pub segments_deleted: Counter,
+    /// 1 while a write the buffer depends on fails (a full disk): ingest is
+    /// stopped (nothing acked) or batches are refused; 0 otherwise.
+    pub disk_write_blocked: Gauge,
+    /// Failed disk writes by what was written (`segment_append`,
+    /// `segment_fsync`, `segment_create`, `served_log`, `served_log_compact`);
+    /// retries count again.
+    pub disk_write_failures: Family<Labels, Counter>,
     pub served_token_staleness: LagHistogram,
     pub serve_latency: Histogram,
     pub segment_write_latency: Histogram,
@@ -202,6 +209,16 @@ impl BufferMetrics {
                 "Segments deleted by the retention policy",
                 Counter::default,
             )?,
+            disk_write_blocked: m.get_or_register(
+                "buffer_disk_write_blocked",
+                "1 while the buffer cannot write its segments or served log (ingest stopped or batches refused)",
+                Gauge::default,
+            )?,
+            disk_write_failures: m.get_or_register(
+                "buffer_disk_write_failures",
+                "Failed disk writes of the buffer, by what was written",
+                Family::<Labels, Counter>::default,
+            )?,
             served_token_staleness: m.get_or_register(
                 "buffer_served_token_staleness",
                 "Served tokens by version lag (learner version minus the token's policy version)",
@@ -222,5 +239,9 @@ impl BufferMetrics {
 
     pub fn reason(value: &str) -> Labels {
         vec![("reason".to_owned(), value.to_owned())]
+    }
+
+    pub fn what(value: &str) -> Labels {
+        vec![("what".to_owned(), value.to_owned())]
     }
 }

@@ -19,7 +19,7 @@
 //! fsync policy).
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use arrow::array::RecordBatch;
@@ -92,6 +92,9 @@ pub struct SegmentWriter {
     file: File,
     /// Bytes known to be completely written (a failed append is cut back to it).
     len: u64,
+    /// A failed append left bytes past `len` that could not be cut off yet:
+    /// the next append cuts them first (never writes after garbage).
+    torn: bool,
     ipc: StreamWriter<Vec<u8>>,
     fsync: FsyncPolicy,
 }
@@ -104,8 +107,11 @@ pub struct Appended {
 }
 
 impl SegmentWriter {
-    /// Creates segment `id` in `dir` (which must not exist yet) and writes
-    /// its header and schema, durably.
+    /// Creates segment `id` in `dir` and writes its header and schema,
+    /// durably. The file must not exist yet, except as the leftover of an
+    /// earlier failed creation (no longer than a header: nothing in it), which
+    /// is replaced. A failed creation removes what it wrote, so that a full
+    /// disk leaves no half-made segment behind.
     pub fn create(
         dir: &Path,
         id: u64,
@@ -115,11 +121,6 @@ impl SegmentWriter {
     ) -> Result<Self, BufferError> {
         fs::create_dir_all(dir).map_err(|e| BufferError::io("create directory", dir, e))?;
         let path = segment_path(dir, id);
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| BufferError::io("create segment", &path, e))?;
         let options = match compression {
             SegmentCompression::None => IpcWriteOptions::default(),
             SegmentCompression::Zstd => IpcWriteOptions::default()
@@ -131,16 +132,38 @@ impl SegmentWriter {
         let schema_msg = std::mem::take(ipc.get_mut());
         let mut head = MAGIC.to_vec();
         head.extend_from_slice(&frame(&schema_msg));
-        file.write_all(&head)
+        let mut file = match OpenOptions::new().write(true).create_new(true).open(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                // Only a leftover of a failed creation may be replaced.
+                let len = fs::metadata(&path)
+                    .map_err(|e| BufferError::io("create segment", &path, e))?
+                    .len();
+                if len > head.len() as u64 {
+                    return Err(BufferError::io("create segment", &path, e));
+                }
+                OpenOptions::new().write(true).truncate(true).open(&path)
+            }
+            r => r,
+        }
+        .map_err(|e| BufferError::io("create segment", &path, e))?;
+        let written = file
+            .write_all(&head)
             .and_then(|()| file.sync_all())
-            .map_err(|e| BufferError::io("write segment header", &path, e))?;
-        sync_dir(dir)?;
+            .map_err(|e| BufferError::io("write segment header", &path, e))
+            .and_then(|()| sync_dir(dir));
+        if let Err(e) = written {
+            drop(file);
+            // Best effort; a leftover is replaced by the next attempt.
+            let _ = fs::remove_file(&path);
+            return Err(e);
+        }
         Ok(Self {
             dir: dir.to_owned(),
             id,
             path,
             file,
             len: head.len() as u64,
+            torn: false,
             ipc,
             fsync,
         })
@@ -160,29 +183,50 @@ impl SegmentWriter {
     }
 
     /// Appends one record batch as one frame and, with `fsync = "always"`,
-    /// makes it durable before returning. On error the file is cut back to
-    /// its last complete frame, so the segment stays valid.
+    /// makes it durable before returning. On error (a full disk: `ENOSPC`,
+    /// `EFBIG`, `EDQUOT`, or `EIO`) the file is cut back to its last complete
+    /// frame, so the segment stays valid and the append can be retried; if
+    /// even the cut fails, the next append makes it first.
     pub fn append(&mut self, batch: &RecordBatch) -> Result<Appended, BufferError> {
+        if self.torn {
+            self.cut_back()?;
+        }
         self.ipc.write(batch).map_err(BufferError::Arrow)?;
         let msg = std::mem::take(self.ipc.get_mut());
         let framed = frame(&msg);
+        // Positioned at the end of the last complete frame: after a failed
+        // append the file offset may lie past it.
         let written = self
             .file
-            .write_all(&framed)
-            .and_then(|()| match self.fsync {
-                FsyncPolicy::Always => self.file.sync_data(),
-                FsyncPolicy::Never => Ok(()),
-            });
+            .seek(SeekFrom::Start(self.len))
+            .and_then(|_| self.file.write_all(&framed));
         if let Err(e) = written {
-            // Best effort: leave no partial frame behind for the next append.
-            let _ = self.file.set_len(self.len);
+            self.torn = true;
+            let _ = self.cut_back();
             return Err(BufferError::io("append to segment", &self.path, e));
+        }
+        if self.fsync == FsyncPolicy::Always
+            && let Err(e) = self.file.sync_data()
+        {
+            // Not known to be durable, so not acked: cut it off.
+            self.torn = true;
+            let _ = self.cut_back();
+            return Err(BufferError::io("fsync segment", &self.path, e));
         }
         self.len += framed.len() as u64;
         Ok(Appended {
             segment: self.id,
             bytes: framed.len() as u64,
         })
+    }
+
+    /// Cuts the file back to its last complete frame.
+    fn cut_back(&mut self) -> Result<(), BufferError> {
+        self.file
+            .set_len(self.len)
+            .map_err(|e| BufferError::io("cut a failed append off", &self.path, e))?;
+        self.torn = false;
+        Ok(())
     }
 }
 

@@ -1,6 +1,6 @@
 //! The running buffer: recovery, the ingest loop and the batch server.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -30,6 +30,12 @@ use crate::{BufferError, segment_dir};
 
 /// Readiness condition the buffer declares in [`Health`].
 pub const HEALTH_CONDITION: &str = "buffer";
+/// Readiness condition that is not ready while a disk write the buffer
+/// depends on fails (a full disk); the reason names the file and the OS error.
+pub const DISK_HEALTH_CONDITION: &str = "buffer_disk";
+/// First retry of a failed segment write; the delay doubles up to
+/// [`disk_retry_max`].
+const DISK_RETRY_MIN: Duration = Duration::from_millis(100);
 /// Queue group of the batch server.
 const SERVE_QUEUE: &str = asyncrl_protos::subjects::BUFFER_QUEUE_GROUP;
 
@@ -45,6 +51,36 @@ struct Shared {
     bus: Arc<dyn Bus>,
     seg_dir: PathBuf,
     retention: RetentionPolicy,
+    /// The writers whose last disk write failed, with why (see
+    /// [`Shared::disk_failed`]).
+    disk: Mutex<BTreeMap<DiskUser, DiskEpisode>>,
+}
+
+/// A part of the buffer that needs the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum DiskUser {
+    /// Segment writes: without them nothing is acked.
+    Ingest,
+    /// Served-log writes: without them no batch is served.
+    Serve,
+}
+
+impl DiskUser {
+    fn consequence(self) -> &'static str {
+        match self {
+            DiskUser::Ingest => {
+                "ingest stopped (nothing acked, the fetched batch is retried with backoff)"
+            }
+            DiskUser::Serve => "batch requests refused (a batch is never served unlogged)",
+        }
+    }
+}
+
+/// A run of failed disk writes of one [`DiskUser`].
+struct DiskEpisode {
+    reason: String,
+    failures: u64,
+    since: Instant,
 }
 
 impl Shared {
@@ -65,6 +101,69 @@ impl Shared {
         } else {
             0.0
         });
+    }
+
+    /// A disk write of `user` failed (`what` names the write, for the
+    /// metric). The first failure of an episode is logged as a warning and
+    /// makes the buffer unready with the reason; retries only count.
+    fn disk_failed(&self, user: DiskUser, what: &'static str, error: &BufferError) {
+        self.metrics
+            .disk_write_failures
+            .get_or_create(&BufferMetrics::what(what))
+            .inc();
+        let mut disk = self.disk.lock().unwrap_or_else(PoisonError::into_inner);
+        let reason = format!("{}: {error}", user.consequence());
+        match disk.get_mut(&user) {
+            Some(episode) => {
+                episode.failures += 1;
+                tracing::debug!(?user, what, error = %error, failures = episode.failures, "disk write failed again");
+                if episode.reason == reason {
+                    return;
+                }
+                episode.reason = reason;
+            }
+            None => {
+                tracing::warn!(?user, what, error = %error, consequence = user.consequence(), "cannot write to disk (full?); the buffer is unready until a write succeeds");
+                disk.insert(
+                    user,
+                    DiskEpisode {
+                        reason,
+                        failures: 1,
+                        since: Instant::now(),
+                    },
+                );
+            }
+        }
+        self.metrics.disk_write_blocked.set(1);
+        self.set_disk_health(&disk);
+    }
+
+    /// A disk write of `user` succeeded: ends its episode, if any.
+    fn disk_ok(&self, user: DiskUser) {
+        let mut disk = self.disk.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(episode) = disk.remove(&user) else {
+            return;
+        };
+        tracing::info!(
+            ?user,
+            failures = episode.failures,
+            blocked_s = episode.since.elapsed().as_secs_f64(),
+            "disk writes succeed again; resumed"
+        );
+        if disk.is_empty() {
+            self.metrics.disk_write_blocked.set(0);
+        }
+        self.set_disk_health(&disk);
+    }
+
+    fn set_disk_health(&self, disk: &BTreeMap<DiskUser, DiskEpisode>) {
+        if disk.is_empty() {
+            self.health.set_ready(DISK_HEALTH_CONDITION);
+        } else {
+            let reasons: Vec<&str> = disk.values().map(|e| e.reason.as_str()).collect();
+            self.health
+                .set_not_ready(DISK_HEALTH_CONDITION, reasons.join("; "));
+        }
     }
 
     async fn report_dropped(&self, dropped: &[DroppedGroup]) {
@@ -213,6 +312,7 @@ impl Buffer {
             bus,
             seg_dir,
             retention: config.buffer.retention,
+            disk: Mutex::new(BTreeMap::new()),
         });
         shared.update_gauges();
         Ok(Self {
@@ -389,6 +489,22 @@ fn contract_kind(e: &ContractError) -> &'static str {
     }
 }
 
+/// What became of a fetched batch.
+enum Taken {
+    /// Written (or nothing to write), acked, applied.
+    Done,
+    /// A disk write failed: nothing of the batch was acked or applied; these
+    /// deliveries are to be written again.
+    DiskBlocked(Vec<Delivery>),
+}
+
+/// The longest wait between retries of a failed segment write: short enough
+/// that the held messages are kept from redelivery (`in_progress`) well
+/// within the ack wait.
+fn disk_retry_max(config: &BufferConfig) -> Duration {
+    (config.ack_wait / 3).clamp(DISK_RETRY_MIN, Duration::from_secs(5))
+}
+
 impl Ingest {
     async fn run(
         mut self,
@@ -396,29 +512,64 @@ impl Ingest {
         stop: CancellationToken,
     ) -> Result<(), BufferError> {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut disk_backoff = Backoff::new(DISK_RETRY_MIN, disk_retry_max(&self.config));
         let mut pending: Option<Vec<Delivery>> = None;
+        // Fetched batches that could not be written (the disk failed), oldest
+        // first. While there are any, nothing is fetched: the oldest is
+        // written again with backoff, and the buffer takes in nothing new.
+        let mut held: VecDeque<Vec<Delivery>> = VecDeque::new();
+        let mut retry_now = false;
         loop {
+            if let Some(batch) = held.pop_front() {
+                if !retry_now {
+                    tokio::select! {
+                        () = stop.cancelled() => {
+                            held.push_front(batch);
+                            break;
+                        }
+                        () = tokio::time::sleep(disk_backoff.next_delay()) => {}
+                    }
+                    // Still ours: keep JetStream from redelivering them.
+                    futures::future::join_all(
+                        std::iter::once(&batch)
+                            .chain(held.iter())
+                            .flatten()
+                            .map(|d| d.in_progress()),
+                    )
+                    .await;
+                }
+                match self.process(batch).await {
+                    Ok(Taken::Done) => {
+                        disk_backoff.reset();
+                        retry_now = true;
+                        self.shared.health.set_ready(HEALTH_CONDITION);
+                    }
+                    Ok(Taken::DiskBlocked(batch)) => {
+                        held.push_front(batch);
+                        retry_now = false;
+                    }
+                    Err(e) => {
+                        retry_now = false;
+                        self.failed(e, &stop).await?;
+                    }
+                }
+                continue;
+            }
             let fetch = consumer.fetch(self.config.ingest_batch, self.config.fetch_wait);
             let fetched = match pending.take() {
                 // Fetch the next batch while this one is written and acked.
                 // A batch is never abandoned midway: it is written and acked
-                // as a whole (or naked), also when stopping.
+                // as a whole (or naked, or held while the disk fails), also
+                // when stopping.
                 Some(batch) => {
                     let (r, fetched) = tokio::join!(self.process(batch), fetch);
-                    if let Err(e) = r {
-                        if matches!(e, BufferError::Join(_) | BufferError::Lost(_)) {
-                            return Err(e);
+                    match r {
+                        Ok(Taken::Done) => self.shared.health.set_ready(HEALTH_CONDITION),
+                        Ok(Taken::DiskBlocked(batch)) => {
+                            held.push_back(batch);
+                            retry_now = false;
                         }
-                        tracing::error!(error = %e, "ingest batch failed; its messages will be redelivered");
-                        self.shared
-                            .health
-                            .set_not_ready(HEALTH_CONDITION, format!("ingest failing: {e}"));
-                        tokio::select! {
-                            () = stop.cancelled() => {}
-                            () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                        }
-                    } else {
-                        self.shared.health.set_ready(HEALTH_CONDITION);
+                        Err(e) => self.failed(e, &stop).await?,
                     }
                     fetched
                 }
@@ -428,7 +579,13 @@ impl Ingest {
                 },
             };
             match fetched {
-                Ok(d) if !d.is_empty() => pending = Some(d),
+                Ok(d) if !d.is_empty() => {
+                    if held.is_empty() {
+                        pending = Some(d);
+                    } else {
+                        held.push_back(d);
+                    }
+                }
                 Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "fetching trajectories failed; retrying");
@@ -441,16 +598,45 @@ impl Ingest {
             }
             backoff.reset();
             if stop.is_cancelled() {
-                if let Some(batch) = pending.take() {
-                    self.process(batch).await?;
+                if let Some(batch) = pending.take()
+                    && let Taken::DiskBlocked(batch) = self.process(batch).await?
+                {
+                    held.push_back(batch);
                 }
                 break;
             }
         }
+        if !held.is_empty() {
+            // Stopping while the disk fails: hand back what was not written.
+            let n: usize = held.iter().map(Vec::len).sum();
+            tracing::warn!(
+                messages = n,
+                "stopping with batches not written (disk write failing); they will be redelivered"
+            );
+            futures::future::join_all(held.iter().flatten().map(|d| d.nak(Duration::from_secs(1))))
+                .await;
+        }
         Ok(())
     }
 
-    async fn process(&mut self, deliveries: Vec<Delivery>) -> Result<(), BufferError> {
+    /// A batch failed for another reason than the disk (its messages were
+    /// naked): unready for a while, or the end for a fatal error.
+    async fn failed(&self, e: BufferError, stop: &CancellationToken) -> Result<(), BufferError> {
+        if matches!(e, BufferError::Join(_) | BufferError::Lost(_)) {
+            return Err(e);
+        }
+        tracing::error!(error = %e, "ingest batch failed; its messages will be redelivered");
+        self.shared
+            .health
+            .set_not_ready(HEALTH_CONDITION, format!("ingest failing: {e}"));
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        Ok(())
+    }
+
+    async fn process(&mut self, deliveries: Vec<Delivery>) -> Result<Taken, BufferError> {
         let payloads: Vec<Bytes> = deliveries.iter().map(|d| d.payload.clone()).collect();
         let decoded: Vec<Result<Trajectory, ContractError>> =
             tokio::task::spawn_blocking(move || {
@@ -486,32 +672,61 @@ impl Ingest {
             let trajs: Vec<Trajectory> = fresh.iter().map(|(_, t, _)| t.clone()).collect();
             let cfg = self.config.clone();
             let started = Instant::now();
-            let (writer, result) = tokio::task::spawn_blocking(move || {
-                let r = write_batch(&mut writer, &trajs, &cfg);
-                (writer, r)
+            let (writer, rotated_to, result) = tokio::task::spawn_blocking(move || {
+                let mut rotated = None;
+                let r = write_batch(&mut writer, &trajs, &cfg, &mut rotated);
+                (writer, rotated, r)
             })
             .await?;
             self.writer = Some(writer);
-            let (batch, segment, rotated_to, disk) = match result {
-                Ok(r) => r,
+            let written = match result {
+                Ok(w) => w,
                 Err(e) => {
-                    // Nothing of this batch is acked: ask for it again soon.
-                    futures::future::join_all(
-                        deliveries.iter().map(|d| d.nak(Duration::from_secs(1))),
-                    )
-                    .await;
-                    return Err(e);
+                    if let Some(next) = rotated_to {
+                        // The full segment was closed; the new one is empty.
+                        self.shared.core().add_segment(next, true);
+                    }
+                    return match e {
+                        WriteError::Disk { what, error } => {
+                            // Nothing of this batch is acked or applied; it
+                            // is written again once the disk takes it.
+                            self.shared.disk_failed(DiskUser::Ingest, what, &error);
+                            Ok(Taken::DiskBlocked(deliveries))
+                        }
+                        WriteError::Other(e) => {
+                            // Nothing of this batch is acked: ask for it again soon.
+                            futures::future::join_all(
+                                deliveries.iter().map(|d| d.nak(Duration::from_secs(1))),
+                            )
+                            .await;
+                            Err(e)
+                        }
+                    };
                 }
             };
+            self.shared.disk_ok(DiskUser::Ingest);
+            if let Some(error) = &written.rotate_failed {
+                self.shared
+                    .metrics
+                    .disk_write_failures
+                    .get_or_create(&BufferMetrics::what("segment_create"))
+                    .inc();
+                tracing::warn!(error = %error, segment = written.segment, "segment full, but the next one cannot be created; retrying before the next append");
+            }
             self.shared
                 .metrics
                 .segment_write_latency
                 .observe(started.elapsed().as_secs_f64());
-            self.shared.metrics.disk_bytes.set(disk as i64);
+            self.shared
+                .metrics
+                .disk_bytes
+                .set(written.disk_bytes as i64);
             let metas: Vec<RowMeta> = fresh.iter().map(|(_, _, m)| m.clone()).collect();
             {
+                // One lock: the batch's segment is live before a rotation
+                // makes it inactive (and so deletable).
                 let mut core = self.shared.core();
-                applied = core.apply(batch, &metas, segment, false);
+                applied = core.apply(written.batch, &metas, written.segment, false);
                 if let Some(next) = rotated_to {
                     core.add_segment(next, true);
                 }
@@ -596,39 +811,89 @@ impl Ingest {
             self.shared.ready.send_modify(|n| *n += 1);
         }
         self.shared.retire_segments().await?;
-        Ok(())
+        Ok(Taken::Done)
     }
 }
 
-/// Encodes and appends one batch (blocking), rotating the segment when full.
-/// Returns the batch, the segment it went to, the new active segment if
-/// rotated, and the bytes on disk.
+/// Why a batch could not be written.
+enum WriteError {
+    /// The disk refused a write (`what`: the metric label); the segment is
+    /// left valid and the write can be retried.
+    Disk {
+        what: &'static str,
+        error: BufferError,
+    },
+    Other(BufferError),
+}
+
+/// A batch in its segment.
+struct Written {
+    batch: arrow::array::RecordBatch,
+    /// The segment the batch went to.
+    segment: u64,
+    /// Bytes of all segments on disk.
+    disk_bytes: u64,
+    /// The segment filled up and the next one could not be created (done
+    /// before the next append instead).
+    rotate_failed: Option<BufferError>,
+}
+
+/// Encodes and appends one batch (blocking), rotating the segment when full:
+/// after the append that fills it, or, when that rotation failed, before the
+/// next append. `rotated` is set to the new active segment when one was
+/// created, also when the append then failed.
 fn write_batch(
     writer: &mut SegmentWriter,
     trajs: &[Trajectory],
     cfg: &BufferConfig,
-) -> Result<(arrow::array::RecordBatch, u64, Option<u64>, u64), BufferError> {
-    let batch = to_record_batch(trajs)?;
-    let appended = writer.append(&batch)?;
-    let mut rotated = None;
+    rotated: &mut Option<u64>,
+) -> Result<Written, WriteError> {
+    let batch = to_record_batch(trajs).map_err(|e| WriteError::Other(e.into()))?;
     if writer.bytes() >= cfg.segment_max_bytes {
-        let next = SegmentWriter::create(
-            writer.dir(),
-            writer.id() + 1,
-            &trajectory_schema(),
-            cfg.segment_compression,
-            cfg.fsync,
-        )?;
-        tracing::info!(from = writer.id(), to = next.id(), "segment full; rotated");
-        rotated = Some(next.id());
-        *writer = next;
+        rotate(writer, cfg).map_err(|error| WriteError::Disk {
+            what: "segment_create",
+            error,
+        })?;
+        *rotated = Some(writer.id());
     }
-    Ok((
+    let appended = writer.append(&batch).map_err(|error| match &error {
+        BufferError::Io { op, .. } => WriteError::Disk {
+            what: if *op == "fsync segment" {
+                "segment_fsync"
+            } else {
+                "segment_append"
+            },
+            error,
+        },
+        _ => WriteError::Other(error),
+    })?;
+    let mut rotate_failed = None;
+    if writer.bytes() >= cfg.segment_max_bytes {
+        match rotate(writer, cfg) {
+            Ok(()) => *rotated = Some(writer.id()),
+            Err(e) => rotate_failed = Some(e),
+        }
+    }
+    Ok(Written {
         batch,
-        appended.segment,
-        rotated,
-        segment::disk_bytes(writer.dir()),
-    ))
+        segment: appended.segment,
+        disk_bytes: segment::disk_bytes(writer.dir()),
+        rotate_failed,
+    })
+}
+
+/// Closes the active segment and starts the next one.
+fn rotate(writer: &mut SegmentWriter, cfg: &BufferConfig) -> Result<(), BufferError> {
+    let next = SegmentWriter::create(
+        writer.dir(),
+        writer.id() + 1,
+        &trajectory_schema(),
+        cfg.segment_compression,
+        cfg.fsync,
+    )?;
+    tracing::info!(from = writer.id(), to = next.id(), "segment full; rotated");
+    *writer = next;
+    Ok(())
 }
 
 // ---------------------------------------------------------------- serving
@@ -686,8 +951,18 @@ impl Server {
         })
         .await?;
         self.log = Some(log);
-        r?;
-        Ok(())
+        match r {
+            Ok(()) => {
+                self.shared.disk_ok(DiskUser::Serve);
+                Ok(())
+            }
+            Err(e) => {
+                if matches!(e, BufferError::Io { .. }) {
+                    self.shared.disk_failed(DiskUser::Serve, "served_log", &e);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Compaction: one snapshot instead of the history. Runs after a plan is
@@ -712,6 +987,11 @@ impl Server {
                 match r {
                     Ok(()) => tracing::info!("served log compacted"),
                     Err(e) => {
+                        self.shared
+                            .metrics
+                            .disk_write_failures
+                            .get_or_create(&BufferMetrics::what("served_log_compact"))
+                            .inc();
                         tracing::warn!(error = %e, "cannot compact the served log; keeping it")
                     }
                 }
@@ -928,5 +1208,122 @@ impl Server {
                 tracing::debug!(error = %e, name, "cannot delete a trained batch object");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use asyncrl_config::{FsyncPolicy, SegmentCompression};
+
+    use super::*;
+    use crate::testing::traj;
+
+    fn trajs(from: u32, n: u32) -> Vec<Trajectory> {
+        (from..from + n).map(|i| traj(i, 4, 0, 16)).collect()
+    }
+
+    fn rows(dir: &std::path::Path, id: u64) -> Vec<String> {
+        let scan = segment::read_segment(dir, id, &trajectory_schema()).unwrap();
+        assert_eq!(scan.tail_error, None);
+        scan.batches
+            .iter()
+            .flat_map(|b| from_record_batch(b).unwrap())
+            .map(|t| t.uuid)
+            .collect()
+    }
+
+    /// The next segment cannot be created (its path is taken by a
+    /// directory: a real OS error): the full segment takes no more frames,
+    /// the batch is refused as a disk failure, and once the path is free
+    /// the batch goes to the new segment.
+    #[test]
+    fn a_failed_rotation_refuses_the_batch_and_is_retried_before_the_next_append() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let mut w = SegmentWriter::create(
+            dir,
+            1,
+            &trajectory_schema(),
+            SegmentCompression::None,
+            FsyncPolicy::Always,
+        )
+        .unwrap();
+        // Full after one batch.
+        let cfg = BufferConfig {
+            segment_max_bytes: w.bytes() + 1,
+            fsync: FsyncPolicy::Always,
+            ..BufferConfig::default()
+        };
+        let blocker = segment::segment_path(dir, 2);
+        std::fs::create_dir(&blocker).unwrap();
+        // Appended; the rotation after it fails and is reported, not fatal.
+        let mut rotated = None;
+        let first = trajs(0, 3);
+        let Ok(written) = write_batch(&mut w, &first, &cfg, &mut rotated) else {
+            panic!("the append itself works");
+        };
+        assert_eq!((written.segment, rotated), (1, None));
+        assert!(written.rotate_failed.is_some());
+        let full_len = std::fs::metadata(segment::segment_path(dir, 1))
+            .unwrap()
+            .len();
+        // The segment is full: the next batch needs the rotation first.
+        let second = trajs(3, 2);
+        match write_batch(&mut w, &second, &cfg, &mut rotated) {
+            Err(WriteError::Disk { what, error }) => {
+                assert_eq!(what, "segment_create");
+                assert!(error.to_string().contains("seg-"), "{error}");
+            }
+            Err(WriteError::Other(e)) => panic!("not a disk error: {e}"),
+            Ok(_) => panic!("written past the segment size"),
+        }
+        assert_eq!(rotated, None);
+        assert_eq!(
+            std::fs::metadata(segment::segment_path(dir, 1))
+                .unwrap()
+                .len(),
+            full_len
+        );
+        // The path is free again: rotated, then appended to the new segment.
+        std::fs::remove_dir(&blocker).unwrap();
+        let Ok(written) = write_batch(&mut w, &second, &cfg, &mut rotated) else {
+            panic!("written once the segment can be created");
+        };
+        assert_eq!(written.segment, 2);
+        // (and rotated again after the append, as this segment is full too)
+        assert_eq!(rotated, Some(3));
+        assert_eq!(
+            rows(dir, 1),
+            first.iter().map(|t| t.uuid.clone()).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            rows(dir, 2),
+            second.iter().map(|t| t.uuid.clone()).collect::<Vec<_>>()
+        );
+        assert!(rows(dir, 3).is_empty());
+    }
+
+    /// A leftover of a failed creation (no longer than a header) is
+    /// replaced; a segment with data is never overwritten.
+    #[test]
+    fn creation_replaces_only_an_empty_leftover() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let create = |id| {
+            SegmentWriter::create(
+                dir,
+                id,
+                &trajectory_schema(),
+                SegmentCompression::None,
+                FsyncPolicy::Never,
+            )
+        };
+        std::fs::write(segment::segment_path(dir, 1), &segment::MAGIC[..5]).unwrap();
+        let mut w = create(1).expect("a torn header is replaced");
+        w.append(&to_record_batch(&trajs(0, 2)).unwrap()).unwrap();
+        drop(w);
+        let err = create(1).err().expect("a segment with data is kept");
+        assert!(err.to_string().contains("create segment"), "{err}");
+        assert_eq!(rows(dir, 1).len(), 2);
     }
 }

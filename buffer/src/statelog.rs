@@ -121,6 +121,10 @@ pub struct StateLog {
     path: PathBuf,
     file: File,
     len: u64,
+    /// A failed append left bytes past `len` that could not be cut off yet:
+    /// the next append cuts them first (a line after garbage would be lost
+    /// on the next open, which stops at the first bad line).
+    torn: bool,
     fsync: FsyncPolicy,
 }
 
@@ -148,6 +152,7 @@ impl StateLog {
                 path,
                 file,
                 len: valid,
+                torn: false,
                 fsync,
             },
             records,
@@ -168,12 +173,20 @@ impl StateLog {
         for r in records {
             bytes.extend_from_slice(&encode_line(r)?);
         }
+        if self.torn {
+            self.file
+                .set_len(self.len)
+                .map_err(|e| BufferError::io("cut a failed append off", &self.path, e))?;
+            self.torn = false;
+        }
         let written = self.file.write_all(&bytes).and_then(|()| match self.fsync {
             FsyncPolicy::Always => self.file.sync_data(),
             FsyncPolicy::Never => Ok(()),
         });
         if let Err(e) = written {
-            let _ = self.file.set_len(self.len);
+            // Not durable, so not decided: cut it off (the file is opened
+            // for appending, so the next write lands at the cut).
+            self.torn = self.file.set_len(self.len).is_err();
             return Err(BufferError::io("append to", &self.path, e));
         }
         self.len += bytes.len() as u64;
@@ -187,19 +200,31 @@ impl StateLog {
         for r in records {
             bytes.extend_from_slice(&encode_line(r)?);
         }
-        File::create(&tmp)
+        // Opened for appending before the rename: the handle follows the
+        // file, so no append can go to the replaced one.
+        let _ = fs::remove_file(&tmp);
+        let written = OpenOptions::new()
+            .append(true)
+            .create_new(true)
+            .open(&tmp)
             .and_then(|mut f| {
                 f.write_all(&bytes)?;
-                f.sync_all()
+                f.sync_all()?;
+                Ok(f)
             })
-            .map_err(|e| BufferError::io("write", &tmp, e))?;
+            .map_err(|e| BufferError::io("write", &tmp, e));
+        let file = match written {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
         fs::rename(&tmp, &self.path).map_err(|e| BufferError::io("rename", &tmp, e))?;
-        sync_dir(&self.dir)?;
-        self.file = OpenOptions::new()
-            .append(true)
-            .open(&self.path)
-            .map_err(|e| BufferError::io("open", &self.path, e))?;
+        self.file = file;
         self.len = bytes.len() as u64;
+        self.torn = false;
+        sync_dir(&self.dir)?;
         Ok(())
     }
 }
