@@ -3,6 +3,8 @@
 //! [`NatsServer`] starts a real `nats-server` with JetStream on a free port and
 //! a temporary store directory, and can kill it (`SIGKILL`) and restart it on
 //! the same port and store, so that tests can check what survives a crash.
+//! [`NatsServer::start_with_config`] runs it with a config file (users and
+//! permissions, TLS) and the files that config includes.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{TcpListener, TcpStream};
@@ -63,6 +65,40 @@ pub fn free_port() -> std::io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// A nats-server configuration for [`NatsServer::start_with_config`].
+#[derive(Debug, Clone, Default)]
+pub struct ServerConfig {
+    /// The config file's text. The port, the JetStream store and the
+    /// listen address come from the command line (they win over the file).
+    pub text: String,
+    /// Files written next to the config file (`include`d files,
+    /// certificates), by file name.
+    pub files: Vec<(String, Vec<u8>)>,
+    /// Environment variables of the server process (`$VAR` in the config).
+    pub env: Vec<(String, String)>,
+}
+
+impl ServerConfig {
+    pub fn new(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Places a file next to the config file.
+    pub fn file(mut self, name: impl Into<String>, contents: impl Into<Vec<u8>>) -> Self {
+        self.files.push((name.into(), contents.into()));
+        self
+    }
+
+    /// Sets an environment variable of the server process.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+}
+
 /// A real nats-server with JetStream, owned by a test. Killed on drop.
 pub struct NatsServer {
     bin: PathBuf,
@@ -70,6 +106,7 @@ pub struct NatsServer {
     store: tempfile::TempDir,
     log_path: PathBuf,
     extra_args: Vec<String>,
+    env: Vec<(String, String)>,
     child: Option<Child>,
 }
 
@@ -89,6 +126,33 @@ impl NatsServer {
             store,
             log_path,
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            env: Vec::new(),
+            child: None,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    /// Starts a server with a config file (written, with `config.files`,
+    /// to `<store>/conf/`), on a free port with a fresh store directory.
+    /// Restarts keep the config.
+    pub fn start_with_config(config: &ServerConfig) -> Result<Self, TestkitError> {
+        let store = tempfile::Builder::new().prefix("asyncrl-nats-").tempdir()?;
+        let conf_dir = store.path().join("conf");
+        std::fs::create_dir_all(&conf_dir)?;
+        for (name, contents) in &config.files {
+            std::fs::write(conf_dir.join(name), contents)?;
+        }
+        let conf = conf_dir.join("nats.conf");
+        std::fs::write(&conf, &config.text)?;
+        let log_path = store.path().join("nats-server.log");
+        let mut server = Self {
+            bin: nats_server_binary()?,
+            port: free_port()?,
+            store,
+            log_path,
+            extra_args: vec!["-c".into(), conf.display().to_string()],
+            env: config.env.clone(),
             child: None,
         };
         server.spawn()?;
@@ -111,6 +175,7 @@ impl NatsServer {
         ])
         .arg(self.store.path().join("jetstream"))
         .args(&self.extra_args)
+        .envs(self.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log);
@@ -257,6 +322,23 @@ const POLL: std::time::Duration = std::time::Duration::from_millis(5);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_file_with_its_includes_and_environment_is_used_across_restarts() {
+        let config = ServerConfig::new("include auth.conf\n")
+            .file("auth.conf", "authorization { token: $TESTKIT_TOKEN }\n")
+            .env("TESTKIT_TOKEN", "t0ken");
+        let mut s = NatsServer::start_with_config(&config).unwrap();
+        let info = |port: u16| {
+            let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let mut line = String::new();
+            BufReader::new(stream).read_line(&mut line).unwrap();
+            line
+        };
+        assert!(info(s.port()).contains("\"auth_required\":true"));
+        s.restart().unwrap();
+        assert!(info(s.port()).contains("\"auth_required\":true"));
+    }
 
     #[test]
     fn starts_kills_and_restarts_on_the_same_port() {
