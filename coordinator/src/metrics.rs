@@ -36,6 +36,12 @@ pub struct DatasetLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BadRequestLabel {
+    pub subject: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
     pub outcome: String,
 }
@@ -56,6 +62,9 @@ pub struct CoordinatorMetrics {
     pub tasks_expired: Counter,
     pub tasks_returned: Counter,
     pub completions_refused: Family<ReasonLabel, Counter>,
+    /// Worker requests refused before they touched any state (payload
+    /// does not decode, bad worker id, impossible field), by subject.
+    pub bad_requests: Family<BadRequestLabel, Counter>,
     pub acquire_denied: Family<ReasonLabel, Counter>,
     pub worker_heartbeat_age: Family<WorkerLabel, GaugeF>,
     pub workers: Family<StateLabel, Gauge>,
@@ -133,6 +142,11 @@ impl CoordinatorMetrics {
             dataset_long_prompts_skipped: m.register(
                 "dataset_long_prompts_skipped",
                 "Rows of a data set left out at load time because their prompt is over max_prompt_tokens",
+                Family::default(),
+            )?,
+            bad_requests: m.register(
+                "coordinator_bad_requests",
+                "Worker requests refused as malformed or invalid, by subject and reason",
                 Family::default(),
             )?,
             completions_refused: m.register(

@@ -11,7 +11,7 @@ use prost::Message;
 use super::RequestKind;
 use super::actor::Actor;
 use super::views::Admission;
-use crate::metrics::CoordinatorMetrics;
+use crate::metrics::{BadRequestLabel, CoordinatorMetrics};
 use crate::scheduler::Completion;
 use asyncrl_tasks::{Prompt, valid_task_id};
 
@@ -65,15 +65,16 @@ impl Actor {
                 let reply = match RegisterWorker::decode(payload) {
                     Err(e) => RegisterWorkerReply {
                         accepted: false,
-                        reason: format!("malformed RegisterWorker: {e}"),
+                        reason: self.bad_request(
+                            kind,
+                            "malformed",
+                            format!("malformed RegisterWorker: {e}"),
+                        ),
                         heartbeat_interval_ms: self.settings.heartbeat_interval_ms,
                     },
                     Ok(r) if !valid_task_id(&r.worker_id) => RegisterWorkerReply {
                         accepted: false,
-                        reason: format!(
-                            "worker_id {:?} must be 1-128 characters of [A-Za-z0-9_-]",
-                            r.worker_id
-                        ),
+                        reason: self.bad_request(kind, "worker_id", bad_worker_id(&r.worker_id)),
                         heartbeat_interval_ms: self.settings.heartbeat_interval_ms,
                     },
                     Ok(r) => {
@@ -95,9 +96,44 @@ impl Actor {
                 Handled::Reply(enc(&reply))
             }
             RequestKind::Heartbeat => {
+                // HeartbeatReply has no reason field: a refused heartbeat is
+                // logged and counted, and touches no worker.
                 let reply = match WorkerHeartbeat::decode(payload) {
                     Err(e) => {
-                        tracing::warn!(error = %e, "malformed heartbeat");
+                        self.bad_request(
+                            kind,
+                            "malformed",
+                            format!("malformed WorkerHeartbeat: {e}"),
+                        );
+                        HeartbeatReply::default()
+                    }
+                    Ok(h) if !valid_task_id(&h.worker_id) => {
+                        self.bad_request(kind, "worker_id", bad_worker_id(&h.worker_id));
+                        HeartbeatReply::default()
+                    }
+                    Ok(h) if !(h.tokens_per_second.is_finite() && h.tokens_per_second >= 0.0) => {
+                        self.bad_request(
+                            kind,
+                            "tokens_per_second",
+                            format!(
+                                "tokens_per_second {} of worker {} is not a rate",
+                                h.tokens_per_second, h.worker_id
+                            ),
+                        );
+                        HeartbeatReply::default()
+                    }
+                    Ok(h)
+                        if !(h.weight_swap_latency_ms.is_finite()
+                            && h.weight_swap_latency_ms >= 0.0) =>
+                    {
+                        self.bad_request(
+                            kind,
+                            "weight_swap_latency_ms",
+                            format!(
+                                "weight_swap_latency_ms {} of worker {} is not a duration",
+                                h.weight_swap_latency_ms, h.worker_id
+                            ),
+                        );
                         HeartbeatReply::default()
                     }
                     Ok(h) => {
@@ -132,8 +168,12 @@ impl Actor {
                 let a = match AcquireTasks::decode(payload) {
                     Ok(a) => a,
                     Err(e) => {
-                        let b = enc(&deny(format!("malformed AcquireTasks: {e}")));
-                        return Handled::Reply(b);
+                        let reason = self.bad_request(
+                            kind,
+                            "malformed",
+                            format!("malformed AcquireTasks: {e}"),
+                        );
+                        return Handled::Reply(enc(&deny(reason)));
                     }
                 };
                 match self.acquire(&a, now) {
@@ -164,11 +204,22 @@ impl Actor {
                     Err(e) => {
                         let b = enc(&CompleteTaskReply {
                             accepted: false,
-                            reason: format!("malformed CompleteTask: {e}"),
+                            reason: self.bad_request(
+                                kind,
+                                "malformed",
+                                format!("malformed CompleteTask: {e}"),
+                            ),
                         });
                         return Handled::Reply(b);
                     }
                 };
+                if !valid_task_id(&c.worker_id) {
+                    let b = enc(&CompleteTaskReply {
+                        accepted: false,
+                        reason: self.bad_request(kind, "worker_id", bad_worker_id(&c.worker_id)),
+                    });
+                    return Handled::Reply(b);
+                }
                 self.registry.touch(&c.worker_id, now);
                 let index = asyncrl_protos::subjects::split_wire_task_id(&c.task_id)
                     .and_then(|(id, _)| self.tasks.index_of(id))
@@ -216,11 +267,15 @@ impl Actor {
                 let r = match ReturnTasks::decode(payload) {
                     Ok(r) => r,
                     Err(e) => {
-                        tracing::warn!(error = %e, "malformed ReturnTasks");
+                        self.bad_request(kind, "malformed", format!("malformed ReturnTasks: {e}"));
                         let b = enc(&ReturnTasksReply { returned: 0 });
                         return Handled::Reply(b);
                     }
                 };
+                if !valid_task_id(&r.worker_id) {
+                    self.bad_request(kind, "worker_id", bad_worker_id(&r.worker_id));
+                    return Handled::Reply(enc(&ReturnTasksReply { returned: 0 }));
+                }
                 self.registry.touch(&r.worker_id, now);
                 let ended = self.sched.return_leases(&r.worker_id, &r.lease_ids, now);
                 self.metrics.tasks_returned.inc_by(ended.len() as u64);
@@ -240,13 +295,27 @@ impl Actor {
         }
     }
 
+    /// Counts and logs a refused request; returns `message` for the reply.
+    fn bad_request(&self, kind: RequestKind, reason: &str, message: String) -> String {
+        self.metrics
+            .bad_requests
+            .get_or_create(&BadRequestLabel {
+                subject: kind.subject().to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
+        tracing::warn!(subject = kind.subject(), reason, error = %message, "refused a bad worker request");
+        message
+    }
+
     fn acquire(&mut self, a: &AcquireTasks, now: i64) -> Acquired {
         let deny = |reason: String, label: &'static str| Acquired::Denied { reason, label };
         if !valid_task_id(&a.worker_id) {
             return deny(
-                format!(
-                    "worker_id {:?} must be 1-128 characters of [A-Za-z0-9_-]",
-                    a.worker_id
+                self.bad_request(
+                    RequestKind::Acquire,
+                    "worker_id",
+                    bad_worker_id(&a.worker_id),
                 ),
                 "bad_request",
             );
@@ -311,4 +380,12 @@ impl Actor {
             .collect();
         Acquired::Granted(tasks)
     }
+}
+
+/// The refusal of a worker id that is no id (empty, too long, odd
+/// characters); a long one is cut in the message.
+fn bad_worker_id(id: &str) -> String {
+    let shown: String = id.chars().take(64).collect();
+    let cut = if shown.len() < id.len() { "..." } else { "" };
+    format!("worker_id {shown:?}{cut} must be 1-128 characters of [A-Za-z0-9_-]")
 }
