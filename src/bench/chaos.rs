@@ -500,7 +500,7 @@ fn store_breakdown(dir: &Path) -> Vec<(String, u64)> {
     }
     let mut out = Vec::new();
     walk(dir, 3, &mut out);
-    out.sort_by(|a, b| b.1.cmp(&a.1));
+    out.sort_by_key(|p| std::cmp::Reverse(p.1));
     out
 }
 
@@ -528,9 +528,27 @@ struct Proc {
     frozen: bool,
     /// The learner exited 0 at the step target.
     done: bool,
+    /// Length of the log when the current incarnation started.
+    log_offset: u64,
 }
 
+/// What a role logs once its SIGTERM handler is installed (`roles::start`);
+/// before that, SIGTERM kills it like SIGKILL would.
+const READY_LINE: &str = "serving /metrics";
+
 impl Proc {
+    /// Whether the current incarnation has installed its SIGTERM handler.
+    fn handles_sigterm(&self) -> bool {
+        use std::io::{Read as _, Seek as _};
+        let Ok(mut f) = std::fs::File::open(&self.log) else {
+            return false;
+        };
+        let mut text = String::new();
+        f.seek(std::io::SeekFrom::Start(self.log_offset))
+            .and_then(|_| f.read_to_string(&mut text))
+            .is_ok_and(|_| text.contains(READY_LINE))
+    }
+
     fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
@@ -554,6 +572,7 @@ impl Proc {
             self.starts, self.name
         )
         .with_context(|| format!("cannot write {}", self.log.display()))?;
+        self.log_offset = log.metadata().map(|m| m.len()).unwrap_or(0);
         let err = log.try_clone().context("cannot clone a log handle")?;
         let mut cmd = Command::new(bin);
         cmd.arg(self.role)
@@ -620,6 +639,13 @@ enum Next {
     Restart {
         role: usize,
         at: f64,
+    },
+    /// SIGTERM once the role handles it (a role still starting up would
+    /// die of the signal before it could drain).
+    AwaitReady {
+        role: usize,
+        deadline: f64,
+        delay: f64,
     },
     AwaitExit {
         role: usize,
@@ -900,12 +926,8 @@ impl Chaos<'_> {
                 })
             }
             FaultKind::Sigterm => {
-                let proc = &mut self.procs[p.target];
-                proc.expect_exit = true;
-                proc.signal(libc::SIGTERM);
-                proc.note(&format!("sent SIGTERM at t={t:.1}s"));
-                rec.outcome = "SIGTERM sent".into();
-                Some(Next::AwaitExit {
+                rec.outcome = "SIGTERM due".into();
+                Some(Next::AwaitReady {
                     role: p.target,
                     deadline: t + 60.0,
                     delay: p.param,
@@ -950,6 +972,48 @@ impl Chaos<'_> {
                 }
                 let _ = write!(self.faults[rec].outcome, "; restarted at t={t:.1}s");
                 None
+            }
+            Next::AwaitReady {
+                role,
+                deadline,
+                delay,
+            } => {
+                let ready = self.procs[role].handles_sigterm();
+                if !ready && self.procs[role].child.is_some() && t <= deadline {
+                    return Ok(Some(Next::AwaitReady {
+                        role,
+                        deadline,
+                        delay,
+                    }));
+                }
+                let proc = &mut self.procs[role];
+                if proc.child.is_none() {
+                    // It exited on its own meanwhile (reaped as a crash).
+                    let _ = write!(self.faults[rec].outcome, "; the role exited first");
+                    None
+                } else {
+                    if !ready {
+                        self.crashes.push(Crash {
+                            at: t,
+                            role: proc.name.clone(),
+                            status: "did not start serving /metrics within 60s".into(),
+                        });
+                    }
+                    proc.expect_exit = true;
+                    proc.signal(libc::SIGTERM);
+                    proc.note(&format!("sent SIGTERM at t={t:.1}s"));
+                    let waited = t - self.faults[rec].at;
+                    let _ = write!(self.faults[rec].outcome, "; sent at t={t:.1}s");
+                    if waited > 0.5 {
+                        let _ =
+                            write!(self.faults[rec].outcome, " (role ready after {waited:.1}s)");
+                    }
+                    Some(Next::AwaitExit {
+                        role,
+                        deadline: t + 60.0,
+                        delay,
+                    })
+                }
             }
             Next::AwaitExit {
                 role,
@@ -1131,6 +1195,22 @@ impl Chaos<'_> {
             }
             if self.procs[i].frozen {
                 self.procs[i].signal(libc::SIGCONT);
+            }
+            let ready_by = Instant::now() + Duration::from_secs(60);
+            while !self.procs[i].handles_sigterm()
+                && Instant::now() < ready_by
+                && self.procs[i].poll().is_none()
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if self.procs[i].child.is_none() {
+                let name = self.procs[i].name.clone();
+                let status = self.procs[i]
+                    .exited
+                    .map(|s| s.to_string())
+                    .unwrap_or_default();
+                out.push((name, format!("{status} before the SIGTERM"), false));
+                continue;
             }
             self.procs[i].expect_exit = true;
             self.procs[i].signal(libc::SIGTERM);
@@ -1366,6 +1446,7 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
             exited: None,
             frozen: false,
             done: false,
+            log_offset: 0,
         });
     }
 
@@ -1776,7 +1857,7 @@ fn write_report(
     let _ = writeln!(w, "# Chaos soak\n");
     let _ = writeln!(
         w,
-        "Every role ran as its own process over a private nats-server while faults were injected at seeded random times: kill -9 of a role (restarted after a delay), SIGTERM of a role (it drains and exits, then is restarted), SIGSTOP/SIGCONT of a role for a pause shorter or longer than the heartbeat's dead-after (3 s) and the lease (6 s), and kill -9 of nats-server (restarted on the same port and store). One fault is in flight at a time. The invariants are checked at every sample and at the end from the learner's `trained.jsonl` and `policy.version` in the `{CONTROL_BUCKET}` KV bucket (watched, and read at every sample), never from the trajectory stream (whose messages may be released once stored).\n"
+        "Every role ran as its own process over a private nats-server while faults were injected at seeded random times: kill -9 of a role (restarted after a delay), SIGTERM of a role (sent once the role has installed its handler, i.e. logged `{READY_LINE}`; it drains and exits, then is restarted), SIGSTOP/SIGCONT of a role for a pause shorter or longer than the heartbeat's dead-after (3 s) and the lease (6 s), and kill -9 of nats-server (restarted on the same port and store). One fault is in flight at a time. The invariants are checked at every sample and at the end from the learner's `trained.jsonl` and `policy.version` in the `{CONTROL_BUCKET}` KV bucket (watched, and read at every sample), never from the trajectory stream (whose messages may be released once stored).\n"
     );
     let _ = writeln!(w, "- command: `{}`", spec.command);
     let _ = writeln!(
