@@ -927,11 +927,30 @@ impl Server {
                 break;
             };
             let reply = match BatchRequest::decode(req.payload.clone()) {
+                Ok(r) if r.learner_version < 0 => {
+                    // No learner is at a negative version; as a staleness
+                    // floor it would serve groups of any age.
+                    self.shared.metrics.batches_refused.inc();
+                    tracing::warn!(
+                        step = r.step,
+                        version = r.learner_version,
+                        "batch request with a negative learner_version refused"
+                    );
+                    BatchReply {
+                        step: r.step,
+                        error: format!("learner_version {} is negative", r.learner_version),
+                        ..Default::default()
+                    }
+                }
                 Ok(r) => self.answer(r, &stop).await,
-                Err(e) => BatchReply {
-                    error: format!("request does not decode as asyncrl.v1.BatchRequest: {e}"),
-                    ..Default::default()
-                },
+                Err(e) => {
+                    self.shared.metrics.batches_refused.inc();
+                    tracing::warn!(error = %e, "batch request does not decode; refused");
+                    BatchReply {
+                        error: format!("request does not decode as asyncrl.v1.BatchRequest: {e}"),
+                        ..Default::default()
+                    }
+                }
             };
             if let Err(e) = req.respond(Bytes::from(reply.encode_to_vec())).await {
                 tracing::warn!(error = %e, step = reply.step, "cannot send a batch reply");
