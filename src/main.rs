@@ -404,7 +404,7 @@ where
     roles::require_nats(&config, name)?;
     block_on(async move {
         let process = roles::start(&config, name).await?;
-        let bus = roles::connect(&config, &process.metrics).await?;
+        let bus = roles::connect(&config, &process.metrics, roles::BusUser::Role(name)).await?;
         process.health.set_ready("bus");
         tracing::info!(role = name, bus = %config.bus.url, telemetry = ?process.telemetry_addr, "started");
         let result = body(

@@ -59,11 +59,29 @@ pub async fn start(config: &Config, role: &str) -> anyhow::Result<Process> {
     })
 }
 
-/// Connects to the configured bus, registering its metrics.
-pub async fn connect(config: &Config, metrics: &Metrics) -> anyhow::Result<Arc<dyn Bus>> {
+/// What connects to the bus: one role process (`coordinator`, `buffer`,
+/// `learner`, `worker`), with the credentials of its `[bus.roles.<role>]`
+/// table, or every role in one process (`asyncrl train`), with the base
+/// `[bus]` credentials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BusUser {
+    Role(&'static str),
+    AllRoles,
+}
+
+/// Connects to the configured bus as `user`, registering its metrics.
+pub async fn connect(
+    config: &Config,
+    metrics: &Metrics,
+    user: BusUser,
+) -> anyhow::Result<Arc<dyn Bus>> {
     let tm = TransportMetrics::new();
     metrics.with_registry(|r| tm.register(r));
-    Ok(asyncrl_transport::connect(&config.bus, tm).await?)
+    let bus = match user {
+        BusUser::Role(role) => config.bus.for_role(role),
+        BusUser::AllRoles => config.bus.clone(),
+    };
+    Ok(asyncrl_transport::connect(&bus, tm).await?)
 }
 
 /// A role process needs a server to meet the other roles on.

@@ -117,7 +117,9 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
         .await
         .context("reading the data sets failed")??;
     let process = roles::start(&config, "train").await?;
-    let bus = roles::connect(&config, &process.metrics).await?;
+    // One connection for every role: the base [bus] credentials, not the
+    // per-role [bus.roles.*] tables.
+    let bus = roles::connect(&config, &process.metrics, roles::BusUser::AllRoles).await?;
     // Workers stop first (they drain: publish what they finished, return the
     // rest to the coordinator), then the coordinator and the buffer.
     let workers_stop = CancellationToken::new();

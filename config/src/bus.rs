@@ -1,5 +1,6 @@
 //! `[bus]`: which transport the roles talk over, and how to reach NATS.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -22,15 +23,21 @@ pub struct BusConfig {
     /// `local` for the in-process bus, or one or more comma-separated
     /// `nats://host:port` (or `tls://`) server URLs.
     pub url: String,
-    /// User/password authentication.
+    /// User/password authentication (the password inline, or read from a
+    /// file).
     pub user: Option<String>,
-    pub password: Option<String>,
+    pub password: Option<Secret>,
+    pub password_file: Option<PathBuf>,
     /// Token authentication (inline, or read from a file).
-    pub token: Option<String>,
+    pub token: Option<Secret>,
     pub token_file: Option<PathBuf>,
     /// A NATS credentials file (JWT + nkey seed).
     pub credentials_file: Option<PathBuf>,
     pub tls: Option<TlsConfig>,
+    /// Credentials of each role process (`[bus.roles.worker]`, ...): a role
+    /// process connects with its own table's instead of the ones above.
+    /// `asyncrl train` (every role in one process) uses the ones above.
+    pub roles: BTreeMap<String, RoleAuth>,
     /// How long the first connection may take before the role gives up.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -51,6 +58,60 @@ pub struct BusConfig {
     pub storage: StorageConfig,
 }
 
+/// A password or token from the config: never printed (`Debug` shows
+/// `<redacted>`), read with [`Secret::expose`].
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that sends it to the server.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Self(value.to_owned())
+    }
+}
+
+impl From<String> for Secret {
+    fn from(value: String) -> Self {
+        Self(value)
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// The roles that may have their own credentials (`[bus.roles.<role>]`).
+pub const BUS_ROLES: [&str; 4] = ["coordinator", "buffer", "learner", "worker"];
+
+/// The credentials of one role process (`[bus.roles.<role>]`): one of
+/// user + password (or password_file), token (or token_file) and
+/// credentials_file, and optionally its own TLS settings (a client
+/// certificate), which replace `[bus.tls]` for this role.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoleAuth {
+    pub user: Option<String>,
+    pub password: Option<Secret>,
+    pub password_file: Option<PathBuf>,
+    pub token: Option<Secret>,
+    pub token_file: Option<PathBuf>,
+    pub credentials_file: Option<PathBuf>,
+    pub tls: Option<TlsConfig>,
+}
+
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TlsConfig {
@@ -69,10 +130,12 @@ impl Default for BusConfig {
             url: "local".into(),
             user: None,
             password: None,
+            password_file: None,
             token: None,
             token_file: None,
             credentials_file: None,
             tls: None,
+            roles: BTreeMap::new(),
             connect_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(5),
             reconnect_max_delay: Duration::from_secs(5),
@@ -101,6 +164,37 @@ impl BusConfig {
         }
     }
 
+    /// The bus config a `role` process connects with: the auth method (and
+    /// the TLS settings, when it has its own) of `[bus.roles.<role>]` in
+    /// place of the base ones; the base config when the role has no table.
+    pub fn for_role(&self, role: &str) -> BusConfig {
+        let mut config = self.clone();
+        if let Some(r) = self.roles.get(role) {
+            config.user = r.user.clone();
+            config.password = r.password.clone();
+            config.password_file = r.password_file.clone();
+            config.token = r.token.clone();
+            config.token_file = r.token_file.clone();
+            config.credentials_file = r.credentials_file.clone();
+            if r.tls.is_some() {
+                config.tls = r.tls.clone();
+            }
+        }
+        config
+    }
+
+    fn auth(&self) -> Auth<'_> {
+        Auth {
+            user: self.user.is_some(),
+            password: self.password.is_some(),
+            password_file: self.password_file.is_some(),
+            token: self.token.is_some(),
+            token_file: self.token_file.is_some(),
+            credentials_file: self.credentials_file.is_some(),
+            tls: self.tls.as_ref(),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.url.trim().is_empty() {
             return Err(ConfigError::invalid(
@@ -126,46 +220,23 @@ impl BusConfig {
                 }
             }
         }
-        let methods = [
-            self.user.is_some() || self.password.is_some(),
-            self.token.is_some() || self.token_file.is_some(),
-            self.credentials_file.is_some(),
-        ];
-        if methods.iter().filter(|m| **m).count() > 1 {
-            return Err(ConfigError::invalid(
-                "bus",
-                "sets more than one of user/password, token/token_file and credentials_file",
-            ));
-        }
-        if self.user.is_some() != self.password.is_some() {
-            let missing = if self.user.is_some() {
-                "bus.password"
-            } else {
-                "bus.user"
-            };
-            return Err(ConfigError::invalid(
-                missing,
-                "is required when the other of user/password is set",
-            ));
-        }
-        if self.token.is_some() && self.token_file.is_some() {
-            return Err(ConfigError::invalid(
-                "bus.token_file",
-                "cannot be set together with bus.token",
-            ));
-        }
-        if let Some(tls) = &self.tls
-            && tls.cert_file.is_some() != tls.key_file.is_some()
-        {
-            let missing = if tls.cert_file.is_some() {
-                "bus.tls.key_file"
-            } else {
-                "bus.tls.cert_file"
-            };
-            return Err(ConfigError::invalid(
-                missing,
-                "is required for mutual TLS when the other is set",
-            ));
+        validate_auth("bus", &self.auth())?;
+        for (name, role) in &self.roles {
+            let prefix = format!("bus.roles.{name}");
+            if !BUS_ROLES.contains(&name.as_str()) {
+                return Err(ConfigError::invalid(
+                    prefix,
+                    format!("is not a role (one of {})", BUS_ROLES.join(", ")),
+                ));
+            }
+            let auth = role.auth();
+            if !auth.has_method() && role.tls.is_none() {
+                return Err(ConfigError::invalid(
+                    prefix,
+                    "sets no credentials (one of user/password, token/token_file, credentials_file, or tls)",
+                ));
+            }
+            validate_auth(&prefix, &auth)?;
         }
         for (key, d) in [
             ("bus.connect_timeout", self.connect_timeout),
@@ -186,5 +257,214 @@ impl BusConfig {
         crate::check_range("bus.replicas", self.replicas, 1, 5)?;
         self.storage.validate()?;
         Ok(())
+    }
+}
+
+impl RoleAuth {
+    fn auth(&self) -> Auth<'_> {
+        Auth {
+            user: self.user.is_some(),
+            password: self.password.is_some(),
+            password_file: self.password_file.is_some(),
+            token: self.token.is_some(),
+            token_file: self.token_file.is_some(),
+            credentials_file: self.credentials_file.is_some(),
+            tls: self.tls.as_ref(),
+        }
+    }
+}
+
+/// Which auth settings a table sets (`[bus]` or `[bus.roles.<role>]`).
+struct Auth<'a> {
+    user: bool,
+    password: bool,
+    password_file: bool,
+    token: bool,
+    token_file: bool,
+    credentials_file: bool,
+    tls: Option<&'a TlsConfig>,
+}
+
+impl Auth<'_> {
+    fn has_method(&self) -> bool {
+        self.user
+            || self.password
+            || self.password_file
+            || self.token
+            || self.token_file
+            || self.credentials_file
+    }
+}
+
+/// One auth method per table, each complete; `prefix` names the table.
+fn validate_auth(prefix: &str, a: &Auth<'_>) -> Result<(), ConfigError> {
+    let key = |k: &str| format!("{prefix}.{k}");
+    let methods = [
+        a.user || a.password || a.password_file,
+        a.token || a.token_file,
+        a.credentials_file,
+    ];
+    if methods.iter().filter(|m| **m).count() > 1 {
+        return Err(ConfigError::invalid(
+            prefix,
+            "sets more than one of user/password, token/token_file and credentials_file",
+        ));
+    }
+    if a.password && a.password_file {
+        return Err(ConfigError::invalid(
+            key("password_file"),
+            format!("cannot be set together with {}", key("password")),
+        ));
+    }
+    if a.user != (a.password || a.password_file) {
+        let missing = if a.user { key("password") } else { key("user") };
+        return Err(ConfigError::invalid(
+            missing,
+            "is required when the other of user/password (or password_file) is set",
+        ));
+    }
+    if a.token && a.token_file {
+        return Err(ConfigError::invalid(
+            key("token_file"),
+            format!("cannot be set together with {}", key("token")),
+        ));
+    }
+    if let Some(tls) = a.tls
+        && tls.cert_file.is_some() != tls.key_file.is_some()
+    {
+        let missing = if tls.cert_file.is_some() {
+            key("tls.key_file")
+        } else {
+            key("tls.cert_file")
+        };
+        return Err(ConfigError::invalid(
+            missing,
+            "is required for mutual TLS when the other is set",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Config;
+    use crate::test_check::check;
+
+    const NATS: &str = "[bus]\nurl = \"nats://n:4222\"\n";
+
+    #[test]
+    fn auth_methods_of_the_base_table() {
+        check(&format!("{NATS}user = \"u\"\npassword = \"p\""), None);
+        check(
+            &format!("{NATS}user = \"u\"\npassword_file = \"/s/pw\""),
+            None,
+        );
+        check(&format!("{NATS}user = \"u\""), Some("bus.password"));
+        check(
+            &format!("{NATS}password_file = \"/s/pw\""),
+            Some("bus.user"),
+        );
+        check(
+            &format!("{NATS}user = \"u\"\npassword = \"p\"\npassword_file = \"/s/pw\""),
+            Some("bus.password_file"),
+        );
+        check(
+            &format!("{NATS}token = \"t\"\ntoken_file = \"/s/t\""),
+            Some("bus.token_file"),
+        );
+        check(
+            &format!("{NATS}token = \"t\"\ncredentials_file = \"/s/c\""),
+            Some("more than one"),
+        );
+    }
+
+    #[test]
+    fn role_tables_take_one_method_each_and_name_their_key() {
+        check(
+            &format!(
+                "{NATS}token_file = \"/s/t\"\n\
+                 [bus.roles.worker]\nuser = \"worker\"\npassword_file = \"/s/worker\"\n\
+                 [bus.roles.learner]\ncredentials_file = \"/s/learner.creds\"\n\
+                 [bus.roles.buffer]\ntoken = \"b\"\n\
+                 [bus.roles.coordinator]\ntls = {{ cert_file = \"/c\", key_file = \"/k\" }}"
+            ),
+            None,
+        );
+        check(
+            &format!("{NATS}[bus.roles.workers]\nuser = \"w\"\npassword = \"p\""),
+            Some("`bus.roles.workers` is not a role"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.worker]\nuser = \"w\"\ntoken = \"t\""),
+            Some("`bus.roles.worker` sets more than one"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.learner]\nuser = \"l\""),
+            Some("bus.roles.learner.password"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.buffer]\ntoken = \"t\"\ntoken_file = \"/t\""),
+            Some("bus.roles.buffer.token_file"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.coordinator]"),
+            Some("`bus.roles.coordinator` sets no credentials"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.worker]\ntls = {{ cert_file = \"/c\" }}"),
+            Some("bus.roles.worker.tls.key_file"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.worker]\npasword = \"p\""),
+            Some("pasword"),
+        );
+    }
+
+    #[test]
+    fn a_role_connects_with_its_own_table_and_others_with_the_base() {
+        let config = Config::parse(
+            &format!(
+                "{NATS}token = \"base\"\ntls = {{ ca_file = \"/ca.pem\" }}\n\
+                 [bus.roles.worker]\nuser = \"worker\"\npassword = \"w\"\n\
+                 [bus.roles.learner]\ntoken_file = \"/s/learner\"\n\
+                 tls = {{ ca_file = \"/ca.pem\", cert_file = \"/l.pem\", key_file = \"/l.key\" }}"
+            ),
+            None,
+        )
+        .unwrap();
+        let worker = config.bus.for_role("worker");
+        assert_eq!(worker.user.as_deref(), Some("worker"));
+        assert_eq!(worker.password, Some(Secret::new("w")));
+        assert_eq!(worker.token, None, "the base token is not the worker's");
+        assert_eq!(
+            worker.tls, config.bus.tls,
+            "no TLS table of its own: the base one"
+        );
+        let learner = config.bus.for_role("learner");
+        assert_eq!(learner.token, None);
+        assert_eq!(learner.token_file, Some(PathBuf::from("/s/learner")));
+        assert_eq!(
+            learner.tls.and_then(|t| t.cert_file),
+            Some(PathBuf::from("/l.pem"))
+        );
+        let buffer = config.bus.for_role("buffer");
+        assert_eq!(buffer.token, Some(Secret::new("base")));
+        assert_eq!(buffer.user, None);
+    }
+
+    #[test]
+    fn secrets_are_not_printed() {
+        let config = Config::parse(
+            &format!(
+                "{NATS}token = \"tok-123\"\n[bus.roles.worker]\nuser = \"w\"\npassword = \"pw-456\""
+            ),
+            None,
+        )
+        .unwrap();
+        let printed = format!("{config:?}");
+        assert!(!printed.contains("tok-123"), "{printed}");
+        assert!(!printed.contains("pw-456"), "{printed}");
+        assert!(printed.contains("<redacted>"));
     }
 }

@@ -23,7 +23,7 @@ pub use buffer::{
     BufferConfig, DEFAULT_REUSE_MAX, FsyncPolicy, RetentionPolicy, SamplingPolicy,
     SegmentCompression,
 };
-pub use bus::{BusConfig, BusKind, TlsConfig};
+pub use bus::{BUS_ROLES, BusConfig, BusKind, RoleAuth, Secret, TlsConfig};
 pub use coordinator::{
     AdminTlsConfig, BUILTIN_VERIFIERS, ClipModeName, CoordinatorConfig, DatasetConfig,
     DatasetFormat, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode, knob_ranges,

@@ -22,6 +22,7 @@ mod metrics;
 mod nats;
 pub mod raw;
 mod subject;
+mod violations;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,6 +77,17 @@ pub enum TransportError {
     InvalidName { name: String, reason: String },
     #[error("the bus is closed")]
     Closed,
+    /// The server refused a publish or subscription of this connection's
+    /// user (its permissions in the server config). Not transient: the same
+    /// call with the same credentials is refused again.
+    #[error(
+        "NATS refused {op} on `{subject}`: the credentials of this role lack the permission (see deploy/k8s/base/nats-auth.conf)"
+    )]
+    PermissionDenied {
+        /// `publish` or `subscribe`.
+        op: &'static str,
+        subject: String,
+    },
     #[error("{op} failed: {source}")]
     Backend {
         op: &'static str,

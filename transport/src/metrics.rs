@@ -24,6 +24,9 @@ pub struct TransportMetrics {
     pub events: Family<EventLabels, Counter>,
     /// Failed bus operations by operation.
     pub errors: Family<OpLabels, Counter>,
+    /// Publishes and subscriptions the server refused for lack of
+    /// permission, by NATS operation (`publish`, `subscribe`).
+    pub permission_violations: Family<OpLabels, Counter>,
 }
 
 impl TransportMetrics {
@@ -44,6 +47,11 @@ impl TransportMetrics {
             "Failed bus operations by operation",
             self.errors.clone(),
         );
+        registry.register(
+            "transport_permission_violations",
+            "Publishes and subscriptions the NATS server refused for lack of permission (the role's credentials), by operation",
+            self.permission_violations.clone(),
+        );
     }
 
     pub fn event(&self, event: &str) {
@@ -58,6 +66,24 @@ impl TransportMetrics {
         self.errors
             .get_or_create(&OpLabels { op: op.to_owned() })
             .inc();
+    }
+
+    pub fn permission_violation(&self, op: &str) {
+        self.permission_violations
+            .get_or_create(&OpLabels { op: op.to_owned() })
+            .inc();
+    }
+
+    pub fn permission_violation_count(&self, op: &str) -> u64 {
+        self.permission_violations
+            .get_or_create(&OpLabels { op: op.to_owned() })
+            .get()
+    }
+
+    pub fn error_count(&self, op: &str) -> u64 {
+        self.errors
+            .get_or_create(&OpLabels { op: op.to_owned() })
+            .get()
     }
 
     pub fn event_count(&self, event: &str) -> u64 {

@@ -18,6 +18,7 @@ use asyncrl_config::BusConfig;
 
 use crate::local::validate_key;
 use crate::subject::validate_publish_subject;
+use crate::violations::{self, Denied, Violation, Violations};
 use crate::{
     Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, KvBucket, KvEntry, KvEvent, Message,
     ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, StreamSpec, TransportError,
@@ -44,6 +45,8 @@ struct Link {
     connected: AtomicBool,
     /// Unix ms of the last (re)connect.
     since_ms: AtomicI64,
+    /// Publishes and subscriptions the server refused.
+    violations: Violations,
 }
 
 impl Link {
@@ -58,6 +61,60 @@ use asyncrl_common::unix_ms;
 /// Exponential backoff for reconnects: 50 ms doubling, capped at `max`.
 fn reconnect_delay(attempts: usize, max: Duration) -> Duration {
     asyncrl_common::Backoff::delay_after(Duration::from_millis(50), max, attempts)
+}
+
+/// Runs a bus operation that publishes to subjects matching `patterns`. The
+/// server drops a publish it refuses and says so only asynchronously, so
+/// the operation would wait for its reply until it times out; it ends
+/// instead with [`TransportError::PermissionDenied`] once the refusal of one
+/// of its subjects is recorded (and a failure with a refusal behind it is
+/// reported as the refusal).
+async fn guarded<T>(
+    link: &Link,
+    metrics: &TransportMetrics,
+    op: &'static str,
+    patterns: &[String],
+    operation: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let since = link.violations.mark();
+    let denied = |v: Violation| TransportError::PermissionDenied {
+        op: v.kind.op(),
+        subject: v.subject,
+    };
+    tokio::select! {
+        biased;
+        // A failure is counted by the operation itself.
+        result = operation => result.map_err(|e| {
+            match link.violations.find(since, Denied::Publish, patterns) {
+                Some(v) => denied(v),
+                None => e,
+            }
+        }),
+        v = link.violations.wait(since, Denied::Publish, patterns) => {
+            metrics.error(op);
+            Err(denied(v))
+        }
+    }
+}
+
+/// A subscription's messages until the server refuses the subscription
+/// (the refusal is logged and counted where it is recorded): a stream that
+/// ends, rather than one that silently never yields.
+/// `since`: the violations' mark taken before subscribing.
+fn until_refused<T: Send + 'static>(
+    link: &Arc<Link>,
+    since: u64,
+    subject: &str,
+    stream: BoxStream<'static, T>,
+) -> BoxStream<'static, T> {
+    let link = link.clone();
+    let patterns = vec![subject.to_owned()];
+    let refused = Box::pin(async move {
+        link.violations
+            .wait(since, Denied::Subscribe, &patterns)
+            .await
+    });
+    stream.take_until(refused).boxed()
 }
 
 async fn connect_options(
@@ -81,7 +138,7 @@ async fn connect_options(
                     e,
                 )
             })?,
-        (None, Some(token), ..) => ConnectOptions::with_token(token.clone()),
+        (None, Some(token), ..) => ConnectOptions::with_token(token.expose().to_owned()),
         (None, None, Some(path), _) => {
             let token = std::fs::read_to_string(path).map_err(|e| {
                 TransportError::connect(
@@ -92,10 +149,23 @@ async fn connect_options(
             })?;
             ConnectOptions::with_token(token.trim().to_owned())
         }
-        (None, None, None, Some(user)) => ConnectOptions::with_user_and_password(
-            user.clone(),
-            config.password.clone().unwrap_or_default(),
-        ),
+        (None, None, None, Some(user)) => {
+            let password = match (&config.password, &config.password_file) {
+                (Some(password), _) => password.expose().to_owned(),
+                (None, Some(path)) => {
+                    let password = std::fs::read_to_string(path).map_err(|e| {
+                        TransportError::connect(
+                            &url,
+                            format!("cannot read password file {}", path.display()),
+                            e,
+                        )
+                    })?;
+                    password.trim_end_matches(['\r', '\n']).to_owned()
+                }
+                (None, None) => String::new(),
+            };
+            ConnectOptions::with_user_and_password(user.clone(), password)
+        }
         _ => ConnectOptions::new(),
     };
     if let Some(tls) = &config.tls {
@@ -119,16 +189,17 @@ async fn connect_options(
         .reconnect_delay_callback(move |attempts| reconnect_delay(attempts, max_delay))
         .event_callback(move |event| {
             let m = m.clone();
+            let link = link.clone();
             match &event {
                 Event::Connected => link.up(),
                 Event::Disconnected => link.connected.store(false, Ordering::SeqCst),
                 _ => {}
             }
-            async move { record_event(&m, &event) }
+            async move { record_event(&m, &link, &event) }
         }))
 }
 
-fn record_event(metrics: &TransportMetrics, event: &Event) {
+fn record_event(metrics: &TransportMetrics, link: &Link, event: &Event) {
     let name = match event {
         Event::Connected => {
             tracing::info!(event = "connected", "NATS connection (re)established");
@@ -160,6 +231,20 @@ fn record_event(metrics: &TransportMetrics, event: &Event) {
                 "NATS subscription fell behind and the client dropped messages; raise bus.subscription_capacity"
             );
             "slow_consumer"
+        }
+        Event::ServerError(async_nats::ServerError::Other(message))
+            if let Some((kind, subject)) = violations::parse(message) =>
+        {
+            tracing::error!(
+                event = "permission_violation",
+                op = kind.op(),
+                subject = %subject,
+                "NATS refused {} on `{subject}`: the credentials of this role lack the permission (see deploy/k8s/base/nats-auth.conf)",
+                kind.op()
+            );
+            metrics.permission_violation(kind.op());
+            link.violations.record(kind, subject);
+            "permission_violation"
         }
         Event::ServerError(e) => {
             tracing::error!(event = "server_error", error = %e, "NATS server error");
@@ -236,6 +321,30 @@ impl NatsBus {
         e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> TransportError {
         self.metrics.error(op);
+        // Opening or creating a stream, bucket or consumer is a series of
+        // JetStream API requests; one the server refused shows up as a
+        // timeout of the request. A refusal of a JetStream API subject
+        // within the time those requests may take is the reason.
+        let jetstream_admin = matches!(
+            op,
+            "kv" | "object_store"
+                | "ensure_stream"
+                | "consumer"
+                | "get_stream"
+                | "stream_info"
+                | "storage"
+        );
+        if jetstream_admin
+            && let Some(v) =
+                self.link
+                    .violations
+                    .recent(Denied::Publish, "$JS.API.>", self.request_timeout * 3)
+        {
+            return TransportError::PermissionDenied {
+                op: v.kind.op(),
+                subject: v.subject,
+            };
+        }
         TransportError::backend(op, e)
     }
 
@@ -268,17 +377,19 @@ impl Bus for NatsBus {
     }
 
     async fn subscribe(&self, subject: &str) -> Result<BoxStream<'static, Message>> {
+        let since = self.link.violations.mark();
         let sub = self
             .client
             .subscribe(subject.to_owned())
             .await
             .map_err(|e| self.err("subscribe", e))?;
-        Ok(sub
+        let messages = sub
             .map(|m| Message {
                 subject: m.subject.to_string(),
                 payload: m.payload,
             })
-            .boxed())
+            .boxed();
+        Ok(until_refused(&self.link, since, subject, messages))
     }
 
     async fn request(&self, subject: &str, payload: Bytes, timeout: Duration) -> Result<Bytes> {
@@ -286,19 +397,29 @@ impl Bus for NatsBus {
         let req = async_nats::Request::new()
             .payload(payload)
             .timeout(Some(timeout));
-        match self.client.send_request(subject.to_owned(), req).await {
-            Ok(msg) => Ok(msg.payload),
-            Err(e) => Err(match e.kind() {
-                async_nats::RequestErrorKind::NoResponders => TransportError::NoResponders {
-                    subject: subject.into(),
-                },
-                async_nats::RequestErrorKind::TimedOut => TransportError::Timeout {
-                    subject: subject.into(),
-                    timeout,
-                },
-                _ => self.err("request", e),
-            }),
-        }
+        let request = async {
+            match self.client.send_request(subject.to_owned(), req).await {
+                Ok(msg) => Ok(msg.payload),
+                Err(e) => Err(match e.kind() {
+                    async_nats::RequestErrorKind::NoResponders => TransportError::NoResponders {
+                        subject: subject.into(),
+                    },
+                    async_nats::RequestErrorKind::TimedOut => TransportError::Timeout {
+                        subject: subject.into(),
+                        timeout,
+                    },
+                    _ => self.err("request", e),
+                }),
+            }
+        };
+        guarded(
+            &self.link,
+            &self.metrics,
+            "request",
+            &[subject.to_owned()],
+            request,
+        )
+        .await
     }
 
     async fn serve(
@@ -306,6 +427,7 @@ impl Bus for NatsBus {
         subject: &str,
         queue_group: Option<&str>,
     ) -> Result<BoxStream<'static, Request>> {
+        let since = self.link.violations.mark();
         let sub = match queue_group {
             Some(q) => {
                 self.client
@@ -316,7 +438,7 @@ impl Bus for NatsBus {
         }
         .map_err(|e| self.err("serve", e))?;
         let client = self.client.clone();
-        Ok(sub
+        let requests = sub
             .map(move |m| Request {
                 subject: m.subject.to_string(),
                 payload: m.payload,
@@ -325,7 +447,8 @@ impl Bus for NatsBus {
                     reply: m.reply,
                 },
             })
-            .boxed())
+            .boxed();
+        Ok(until_refused(&self.link, since, subject, requests))
     }
 
     async fn ensure_stream(&self, spec: &StreamSpec) -> Result<()> {
@@ -370,13 +493,22 @@ impl Bus for NatsBus {
             }
             _ => self.err("publish_durable", e),
         };
-        let ack = self
-            .js
-            .send_publish(subject.to_owned(), msg)
-            .await
-            .map_err(map)?
-            .await
-            .map_err(map)?;
+        let publish = async {
+            self.js
+                .send_publish(subject.to_owned(), msg)
+                .await
+                .map_err(map)?
+                .await
+                .map_err(map)
+        };
+        let ack = guarded(
+            &self.link,
+            &self.metrics,
+            "publish_durable",
+            &[subject.to_owned()],
+            publish,
+        )
+        .await?;
         Ok(PublishAck {
             stream: ack.stream,
             sequence: ack.sequence,
@@ -442,6 +574,7 @@ impl Bus for NatsBus {
         Ok(Arc::new(NatsKv {
             store,
             metrics: self.metrics.clone(),
+            link: self.link.clone(),
         }))
     }
 
@@ -470,6 +603,7 @@ impl Bus for NatsBus {
             store,
             bucket: bucket.to_owned(),
             metrics: self.metrics.clone(),
+            link: self.link.clone(),
         }))
     }
 
@@ -593,6 +727,7 @@ impl NatsConsumer {
 struct NatsKv {
     store: kv::Store,
     metrics: TransportMetrics,
+    link: Arc<Link>,
 }
 
 impl NatsKv {
@@ -603,6 +738,18 @@ impl NatsKv {
     ) -> TransportError {
         self.metrics.error(op);
         TransportError::backend(op, e)
+    }
+
+    /// A write of `key`: refused by the server, it ends as
+    /// [`TransportError::PermissionDenied`] (see [`guarded`]).
+    async fn write<T>(
+        &self,
+        op: &'static str,
+        key: &str,
+        write: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let subject = format!("{}{key}", self.store.prefix);
+        guarded(&self.link, &self.metrics, op, &[subject], write).await
     }
 }
 
@@ -626,43 +773,57 @@ impl KvBucket for NatsKv {
 
     async fn put(&self, key: &str, value: Bytes) -> Result<u64> {
         validate_key(key)?;
-        self.store
-            .put(key, value)
-            .await
-            .map_err(|e| self.err("kv_put", e))
+        let put = async {
+            self.store
+                .put(key, value)
+                .await
+                .map_err(|e| self.err("kv_put", e))
+        };
+        self.write("kv_put", key, put).await
     }
 
     async fn create(&self, key: &str, value: Bytes) -> Result<u64> {
         validate_key(key)?;
-        self.store
-            .create(key, value)
-            .await
-            .map_err(|e| match e.kind() {
-                kv::CreateErrorKind::AlreadyExists => TransportError::KeyExists { key: key.into() },
-                _ => self.err("kv_create", e),
-            })
+        let create = async {
+            self.store
+                .create(key, value)
+                .await
+                .map_err(|e| match e.kind() {
+                    kv::CreateErrorKind::AlreadyExists => {
+                        TransportError::KeyExists { key: key.into() }
+                    }
+                    _ => self.err("kv_create", e),
+                })
+        };
+        self.write("kv_create", key, create).await
     }
 
     async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64> {
         validate_key(key)?;
-        self.store
-            .update(key, value, revision)
-            .await
-            .map_err(|e| match e.kind() {
-                kv::UpdateErrorKind::WrongLastRevision => TransportError::RevisionMismatch {
-                    key: key.into(),
-                    expected: revision,
-                },
-                _ => self.err("kv_update", e),
-            })
+        let update = async {
+            self.store
+                .update(key, value, revision)
+                .await
+                .map_err(|e| match e.kind() {
+                    kv::UpdateErrorKind::WrongLastRevision => TransportError::RevisionMismatch {
+                        key: key.into(),
+                        expected: revision,
+                    },
+                    _ => self.err("kv_update", e),
+                })
+        };
+        self.write("kv_update", key, update).await
     }
 
     async fn delete(&self, key: &str) -> Result<()> {
         validate_key(key)?;
-        self.store
-            .delete(key)
-            .await
-            .map_err(|e| self.err("kv_delete", e))
+        let delete = async {
+            self.store
+                .delete(key)
+                .await
+                .map_err(|e| self.err("kv_delete", e))
+        };
+        self.write("kv_delete", key, delete).await
     }
 
     async fn keys(&self) -> Result<Vec<String>> {
@@ -708,6 +869,7 @@ struct NatsObjects {
     store: object_store::ObjectStore,
     bucket: String,
     metrics: TransportMetrics,
+    link: Arc<Link>,
 }
 
 impl NatsObjects {
@@ -718,6 +880,21 @@ impl NatsObjects {
     ) -> TransportError {
         self.metrics.error(op);
         TransportError::backend(op, e)
+    }
+
+    /// A write to the bucket (chunks, metadata, and the purge of replaced
+    /// or deleted chunks): refused by the server, it ends as
+    /// [`TransportError::PermissionDenied`] (see [`guarded`]).
+    async fn write<T>(
+        &self,
+        op: &'static str,
+        write: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let subjects = [
+            format!("$O.{}.>", self.bucket),
+            format!("$JS.API.STREAM.PURGE.OBJ_{}", self.bucket),
+        ];
+        guarded(&self.link, &self.metrics, op, &subjects, write).await
     }
 
     fn not_found(&self, name: &str) -> TransportError {
@@ -753,11 +930,13 @@ impl ObjectStore for NatsObjects {
             ..Default::default()
         };
         let mut reader: &[u8] = &data;
-        let info = self
-            .store
-            .put(meta, &mut reader)
-            .await
-            .map_err(|e| self.err("object_put", e))?;
+        let put = async {
+            self.store
+                .put(meta, &mut reader)
+                .await
+                .map_err(|e| self.err("object_put", e))
+        };
+        let info = self.write("object_put", put).await?;
         Ok(ObjectInfo {
             name: info.name,
             size: info.size as u64,
@@ -802,10 +981,13 @@ impl ObjectStore for NatsObjects {
     }
 
     async fn delete(&self, name: &str) -> Result<()> {
-        self.store.delete(name).await.map_err(|e| match e.kind() {
-            object_store::DeleteErrorKind::NotFound => self.not_found(name),
-            _ => self.err("object_delete", e),
-        })
+        let delete = async {
+            self.store.delete(name).await.map_err(|e| match e.kind() {
+                object_store::DeleteErrorKind::NotFound => self.not_found(name),
+                _ => self.err("object_delete", e),
+            })
+        };
+        self.write("object_delete", delete).await
     }
 
     async fn list(&self) -> Result<Vec<ObjectInfo>> {
