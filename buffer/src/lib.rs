@@ -26,6 +26,7 @@ mod reply;
 pub mod segment;
 mod service;
 pub mod statelog;
+mod storage;
 #[doc(hidden)]
 #[cfg(any(test, feature = "testsuite"))]
 pub mod testing;

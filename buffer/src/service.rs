@@ -254,6 +254,8 @@ pub struct Buffer {
     consumer: Box<dyn Consumer>,
     requests: futures::stream::BoxStream<'static, Request>,
     recovered: Recovered,
+    /// The `asyncrl_nats_store_*` gauges of every JetStream store.
+    storage: crate::storage::StorageReporter,
 }
 
 impl Buffer {
@@ -264,6 +266,8 @@ impl Buffer {
         bus: Arc<dyn Bus>,
         metrics: &Metrics,
     ) -> Result<Self, BufferError> {
+        let storage =
+            crate::storage::StorageReporter::register(metrics, config.bus.storage.report_every)?;
         let metrics = BufferMetrics::register(metrics)?;
         let data_dir = config.buffer.data_dir_in(&config.run.output_dir);
         let cfg = config.buffer.clone();
@@ -323,6 +327,7 @@ impl Buffer {
             consumer,
             requests,
             recovered,
+            storage,
         })
     }
 
@@ -354,6 +359,7 @@ impl Buffer {
             log,
             consumer,
             requests,
+            storage,
             ..
         } = self;
         // Retire what recovery found fully consumed.
@@ -389,6 +395,8 @@ impl Buffer {
                 r
             }
         });
+        // Store sizes: only a reading, so it never ends the buffer's run.
+        tokio::spawn(storage.run(shared.bus.clone(), stop.clone()));
         let (a, b) = tokio::join!(ingest_task, serve_task);
         shared.health.set_not_ready(HEALTH_CONDITION, "stopped");
         a??;

@@ -2,9 +2,9 @@
 //! Every role that creates a stream (the buffer; test doubles) uses these, so
 //! two creators never disagree on a spec.
 
-use asyncrl_config::BusConfig;
+use asyncrl_config::{BusConfig, TrajectoryRetention};
 use asyncrl_protos::subjects::{DEAD_LETTERS, StreamContract, TRAJECTORIES};
-use asyncrl_transport::StreamSpec;
+use asyncrl_transport::{Discard, Retention, StreamSpec};
 
 fn spec(contract: StreamContract, bus: &BusConfig) -> StreamSpec {
     StreamSpec {
@@ -14,14 +14,34 @@ fn spec(contract: StreamContract, bus: &BusConfig) -> StreamSpec {
     }
 }
 
-/// The stream the workers publish trajectories to.
+/// The stream the workers publish trajectories to. It never discards a
+/// message the buffer has not stored: when full it refuses publishes (the
+/// workers retry), and with `release` a message leaves it once the buffer
+/// has written it to disk and acked it.
 pub fn trajectory_stream_spec(bus: &BusConfig) -> StreamSpec {
-    spec(TRAJECTORIES, bus)
+    let storage = &bus.storage;
+    let (retention, max_age) = match storage.trajectories {
+        TrajectoryRetention::Release => (Retention::WorkQueue, std::time::Duration::ZERO),
+        TrajectoryRetention::Keep => (Retention::Limits, storage.trajectories_max_age),
+    };
+    StreamSpec {
+        retention,
+        max_age,
+        max_bytes: Some(storage.trajectories_max_bytes),
+        discard: Discard::New,
+        ..spec(TRAJECTORIES, bus)
+    }
 }
 
-/// The dead-letter stream of the buffer.
+/// The dead-letter stream of the buffer: bounded by age and bytes, the
+/// oldest dead letters go first (each was counted when it arrived).
 pub fn dead_letter_stream_spec(bus: &BusConfig) -> StreamSpec {
-    spec(DEAD_LETTERS, bus)
+    StreamSpec {
+        max_age: bus.storage.dead_letters_max_age,
+        max_bytes: Some(bus.storage.dead_letters_max_bytes),
+        discard: Discard::Old,
+        ..spec(DEAD_LETTERS, bus)
+    }
 }
 
 #[cfg(test)]
@@ -46,5 +66,23 @@ mod tests {
         let d = dead_letter_stream_spec(&bus);
         assert_eq!(d.name, DEAD_LETTERS.name);
         assert_ne!(d.subjects, t.subjects);
+    }
+
+    #[test]
+    fn every_stream_is_bounded_and_trajectories_are_never_discarded() {
+        let mut bus = BusConfig::default();
+        let t = trajectory_stream_spec(&bus);
+        assert_eq!(t.retention, Retention::WorkQueue);
+        assert_eq!(t.discard, Discard::New);
+        assert_eq!(t.max_bytes, Some(bus.storage.trajectories_max_bytes));
+        assert_eq!(t.max_age, Duration::ZERO, "a backlog never ages out");
+        let d = dead_letter_stream_spec(&bus);
+        assert_eq!((d.retention, d.discard), (Retention::Limits, Discard::Old));
+        assert!(d.max_bytes.is_some() && !d.max_age.is_zero());
+
+        bus.storage.trajectories = TrajectoryRetention::Keep;
+        let kept = trajectory_stream_spec(&bus);
+        assert_eq!((kept.retention, kept.discard), (Retention::Limits, Discard::New));
+        assert_eq!(kept.max_age, bus.storage.trajectories_max_age);
     }
 }

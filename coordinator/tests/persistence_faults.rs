@@ -23,7 +23,7 @@ use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_testkit::eventually;
 use asyncrl_transport::{
     Bus, Consumer, ConsumerSpec, KvBucket, KvEntry, KvEvent, LocalBus, Message, ObjectStore,
-    PublishAck, Request, Result, StreamSpec, TransportError,
+    PublishAck, Request, Result, StoreUsage, StreamSpec, TransportError,
 };
 use bytes::Bytes;
 use common::{Worker, config, write_tasks};
@@ -125,6 +125,9 @@ impl Bus for FlakyBus {
     }
     async fn stream_len(&self, stream: &str) -> Result<u64> {
         self.inner.stream_len(stream).await
+    }
+    async fn storage(&self) -> Result<Vec<StoreUsage>> {
+        self.inner.storage().await
     }
     async fn consumer(&self, stream: &str, spec: &ConsumerSpec) -> Result<Box<dyn Consumer>> {
         self.inner.consumer(stream, spec).await

@@ -36,6 +36,7 @@ pub use metrics::TransportMetrics;
 pub use nats::NatsBus;
 pub use subject::subject_matches;
 
+
 pub type Result<T> = std::result::Result<T, TransportError>;
 
 /// What can go wrong on the bus. Callers branch on the kind: a `Timeout` is
@@ -71,6 +72,8 @@ pub enum TransportError {
         expected: String,
         actual: String,
     },
+    #[error("the stream of `{subject}` is full ({what}); retry once its consumer has caught up")]
+    StreamFull { subject: String, what: String },
     #[error("payload of {size} bytes exceeds the bus limit of {max} bytes")]
     PayloadTooLarge { size: usize, max: usize },
     #[error("invalid name `{name}`: {reason}")]
@@ -150,6 +153,7 @@ impl TransportError {
             self,
             TransportError::NoResponders { .. }
                 | TransportError::Timeout { .. }
+                | TransportError::StreamFull { .. }
                 | TransportError::Backend { .. }
                 | TransportError::Connect { .. }
         )
@@ -210,6 +214,12 @@ pub struct StreamSpec {
     /// Messages older than this are removed (zero: kept until deleted).
     pub max_age: Duration,
     pub replicas: usize,
+    /// When a message leaves the stream besides `max_age` and the limits.
+    pub retention: Retention,
+    /// Bytes the stream may hold (None: no limit of its own).
+    pub max_bytes: Option<u64>,
+    /// What happens to a publish when the stream is at `max_bytes`.
+    pub discard: Discard,
 }
 
 impl StreamSpec {
@@ -220,8 +230,45 @@ impl StreamSpec {
             duplicate_window: Duration::from_secs(120),
             max_age: Duration::ZERO,
             replicas: 1,
+            retention: Retention::Limits,
+            max_bytes: None,
+            discard: Discard::Old,
         }
     }
+}
+
+/// When a stream lets go of a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Only by age or by the limits (`max_bytes` with [`Discard::Old`]).
+    Limits,
+    /// Once a consumer has acked it (a work queue: one consumer per
+    /// subject). The duplicate window still applies to a released message's
+    /// id: a republished copy is dropped as a duplicate.
+    WorkQueue,
+}
+
+/// What a full stream does with a new message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Discard {
+    /// Removes the oldest messages to make room.
+    Old,
+    /// Refuses the publish with [`TransportError::StreamFull`] (transient:
+    /// retry once the consumer has caught up).
+    New,
+}
+
+/// How much one JetStream store holds (a stream, a KV bucket or an object
+/// store), as [`Bus::storage`] reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreUsage {
+    /// The store's name as the bus knows it (`TRAJECTORIES`,
+    /// `KV_asyncrl_control`, `OBJ_WEIGHTS`).
+    pub name: String,
+    pub messages: u64,
+    pub bytes: u64,
+    /// Its byte limit (None: none of its own).
+    pub max_bytes: Option<u64>,
 }
 
 /// The server's answer to a durable publish.
@@ -445,6 +492,9 @@ pub trait Bus: Send + Sync {
     ) -> Result<PublishAck>;
     /// Number of messages held by a stream.
     async fn stream_len(&self, stream: &str) -> Result<u64>;
+    /// What every store of the bus holds (streams, KV buckets, object
+    /// stores), for the storage gauges and their alert.
+    async fn storage(&self) -> Result<Vec<StoreUsage>>;
     /// Creates (or binds to) a durable pull consumer.
     async fn consumer(&self, stream: &str, spec: &ConsumerSpec) -> Result<Box<dyn Consumer>>;
 

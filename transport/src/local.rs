@@ -20,7 +20,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::subject::{subject_matches, validate_publish_subject};
 use crate::{
     Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, KvBucket, KvEntry, KvEvent, Message,
-    ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, StreamSpec, TransportError,
+    Discard, ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, Retention, StoreUsage,
+    StreamSpec, TransportError,
     sha256_hex,
 };
 
@@ -227,8 +228,7 @@ impl Bus for LocalBus {
         let stream = stream.ok_or_else(|| TransportError::NoStreamForSubject {
             subject: subject.into(),
         })?;
-        let ack = stream.append(subject, msg_id, payload);
-        Ok(ack)
+        stream.append(subject, msg_id, payload)
     }
 
     async fn stream_len(&self, stream: &str) -> Result<u64> {
@@ -236,6 +236,50 @@ impl Bus for LocalBus {
         let mut state = lock(&stream.state);
         state.expire(Instant::now());
         Ok(state.msgs.len() as u64)
+    }
+
+    async fn storage(&self) -> Result<Vec<StoreUsage>> {
+        let mut out = Vec::new();
+        let streams: Vec<Arc<LocalStream>> =
+            lock(&self.inner.streams).values().cloned().collect();
+        for stream in streams {
+            let mut s = lock(&stream.state);
+            s.expire(Instant::now());
+            out.push(StoreUsage {
+                name: s.spec.name.clone(),
+                messages: s.msgs.len() as u64,
+                bytes: s.bytes,
+                max_bytes: s.spec.max_bytes,
+            });
+        }
+        let kvs: Vec<(String, Arc<LocalKv>)> = lock(&self.inner.kvs)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (name, kv) in kvs {
+            let state = lock(&kv.state);
+            out.push(StoreUsage {
+                name: format!("KV_{name}"),
+                messages: state.entries.len() as u64,
+                bytes: state.entries.values().map(|(v, _)| v.len() as u64).sum(),
+                max_bytes: None,
+            });
+        }
+        let objects: Vec<(String, Arc<LocalObjects>)> = lock(&self.inner.objects)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (name, store) in objects {
+            let objects = lock(&store.objects);
+            out.push(StoreUsage {
+                name: format!("OBJ_{name}"),
+                messages: objects.len() as u64,
+                bytes: objects.values().map(|(v, _)| v.len() as u64).sum(),
+                max_bytes: None,
+            });
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
     }
 
     async fn consumer(&self, stream: &str, spec: &ConsumerSpec) -> Result<Box<dyn Consumer>> {
@@ -310,6 +354,8 @@ struct Stored {
 struct StreamState {
     spec: StreamSpec,
     msgs: BTreeMap<u64, Stored>,
+    /// Payload bytes of `msgs`.
+    bytes: u64,
     last_seq: u64,
     /// Message ids within the duplicate window, and their sequence.
     ids: HashMap<String, u64>,
@@ -332,6 +378,7 @@ impl LocalStream {
             state: Mutex::new(StreamState {
                 spec,
                 msgs: BTreeMap::new(),
+                bytes: 0,
                 last_seq: 0,
                 ids: HashMap::new(),
                 id_order: VecDeque::new(),
@@ -341,7 +388,7 @@ impl LocalStream {
         }
     }
 
-    fn append(&self, subject: &str, msg_id: &str, payload: Bytes) -> PublishAck {
+    fn append(&self, subject: &str, msg_id: &str, payload: Bytes) -> Result<PublishAck> {
         let now = Instant::now();
         let mut s = lock(&self.state);
         s.expire(now);
@@ -358,11 +405,31 @@ impl LocalStream {
         if !msg_id.is_empty()
             && let Some(seq) = s.ids.get(msg_id)
         {
-            return PublishAck {
+            return Ok(PublishAck {
                 stream: name,
                 sequence: *seq,
                 duplicate: true,
-            };
+            });
+        }
+        let size = payload.len() as u64;
+        if let Some(max) = s.spec.max_bytes {
+            match s.spec.discard {
+                Discard::New if s.bytes + size > max => {
+                    return Err(TransportError::StreamFull {
+                        subject: subject.into(),
+                        what: format!("{} of {max} bytes held", s.bytes),
+                    });
+                }
+                Discard::New => {}
+                Discard::Old => {
+                    while s.bytes + size > max {
+                        let Some(seq) = s.msgs.keys().next().copied() else {
+                            break;
+                        };
+                        s.remove(seq);
+                    }
+                }
+            }
         }
         s.last_seq += 1;
         let seq = s.last_seq;
@@ -373,21 +440,28 @@ impl LocalStream {
             at: now,
         };
         s.msgs.insert(seq, stored);
+        s.bytes += size;
         if !msg_id.is_empty() {
             s.ids.insert(msg_id.to_owned(), seq);
             s.id_order.push_back((now, msg_id.to_owned()));
         }
         drop(s);
         self.notify.notify_waiters();
-        PublishAck {
+        Ok(PublishAck {
             stream: name,
             sequence: seq,
             duplicate: false,
-        }
+        })
     }
 }
 
 impl StreamState {
+    fn remove(&mut self, seq: u64) {
+        if let Some(m) = self.msgs.remove(&seq) {
+            self.bytes -= m.payload.len() as u64;
+        }
+    }
+
     /// Drops messages older than the stream's max age.
     fn expire(&mut self, now: Instant) {
         let max_age = self.spec.max_age;
@@ -399,7 +473,7 @@ impl StreamState {
                 break;
             }
             let seq = *seq;
-            self.msgs.remove(&seq);
+            self.remove(seq);
         }
     }
 
@@ -535,7 +609,13 @@ impl LocalAcker {
     pub(crate) fn ack(&self) -> Result<()> {
         self.with_pending(|p, _| {
             p.remove(&self.seq);
-        })
+        })?;
+        // A work queue lets go of a message once it is acked.
+        let mut s = lock(&self.stream.state);
+        if s.spec.retention == Retention::WorkQueue {
+            s.remove(self.seq);
+        }
+        Ok(())
     }
 
     pub(crate) fn nak(&self, delay: Duration) -> Result<()> {

@@ -21,9 +21,22 @@ use crate::subject::validate_publish_subject;
 use crate::violations::{self, Denied, Violation, Violations};
 use crate::{
     Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, KvBucket, KvEntry, KvEvent, Message,
-    ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, StreamSpec, TransportError,
-    TransportMetrics, sha256_hex,
+    ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, StoreUsage, StreamSpec,
+    TransportError, TransportMetrics, sha256_hex,
 };
+
+/// What a publish refused by a full stream (or a full JetStream store)
+/// says, if that is why it was refused.
+fn stream_full(e: &jetstream::context::PublishError) -> Option<String> {
+    let js = std::error::Error::source(e)?.downcast_ref::<jetstream::Error>()?;
+    let full = matches!(
+        js.error_code(),
+        jetstream::ErrorCode::STREAM_STORE_FAILED
+            | jetstream::ErrorCode::STORAGE_RESOURCES_EXCEEDED
+            | jetstream::ErrorCode::INSUFFICIENT_RESOURCES
+    ) || js.to_string().contains("maximum");
+    full.then(|| js.to_string())
+}
 
 /// Object metadata key under which we record our own sha256 of an object.
 const SHA256_META: &str = "asyncrl-sha256";
@@ -35,6 +48,9 @@ pub struct NatsBus {
     js: jetstream::Context,
     replicas: usize,
     request_timeout: Duration,
+    /// Byte limits of the KV buckets and object stores this bus creates.
+    kv_max_bytes: Option<u64>,
+    objects_max_bytes: Option<u64>,
     metrics: TransportMetrics,
     link: Arc<Link>,
 }
@@ -301,6 +317,9 @@ impl NatsBus {
             js,
             replicas: config.replicas,
             request_timeout: config.request_timeout,
+            kv_max_bytes: Some(config.storage.kv_max_bytes),
+            objects_max_bytes: (config.storage.object_store_max_bytes > 0)
+                .then_some(config.storage.object_store_max_bytes),
             metrics,
             link,
         })
@@ -452,6 +471,10 @@ impl Bus for NatsBus {
     }
 
     async fn ensure_stream(&self, spec: &StreamSpec) -> Result<()> {
+        let retention = match spec.retention {
+            crate::Retention::Limits => stream::RetentionPolicy::Limits,
+            crate::Retention::WorkQueue => stream::RetentionPolicy::WorkQueue,
+        };
         let config = stream::Config {
             name: spec.name.clone(),
             subjects: spec.subjects.clone(),
@@ -459,8 +482,31 @@ impl Bus for NatsBus {
             max_age: spec.max_age,
             num_replicas: spec.replicas.max(self.replicas),
             storage: stream::StorageType::File,
+            retention,
+            max_bytes: spec
+                .max_bytes
+                .map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+            discard: match spec.discard {
+                crate::Discard::Old => stream::DiscardPolicy::Old,
+                crate::Discard::New => stream::DiscardPolicy::New,
+            },
             ..Default::default()
         };
+        if let Ok(mut existing) = self.js.get_stream(&spec.name).await
+            && let Ok(info) = existing.info().await
+            && info.config.retention != retention
+        {
+            // JetStream cannot change a stream's retention in place: say what
+            // to do instead of a bare "can not change retention" error.
+            self.metrics.error("ensure_stream");
+            return Err(TransportError::backend(
+                "ensure_stream",
+                format!(
+                    "stream `{}` exists with retention {:?}, and this configuration needs {:?} (bus.storage); JetStream cannot change it in place: let the buffer consume the stream, then delete it (`nats stream rm {}`) and restart the buffer, or set bus.storage.trajectories to match",
+                    spec.name, info.config.retention, retention, spec.name
+                ),
+            ));
+        }
         self.js
             .create_or_update_stream(config)
             .await
@@ -491,7 +537,16 @@ impl Bus for NatsBus {
                     max: self.client.server_info().max_payload,
                 }
             }
-            _ => self.err("publish_durable", e),
+            _ => match stream_full(&e) {
+                Some(what) => {
+                    self.metrics.error("stream_full");
+                    TransportError::StreamFull {
+                        subject: subject.into(),
+                        what,
+                    }
+                }
+                None => self.err("publish_durable", e),
+            },
         };
         let publish = async {
             self.js
@@ -520,6 +575,22 @@ impl Bus for NatsBus {
         let mut s = self.get_stream(stream).await?;
         let info = s.info().await.map_err(|e| self.err("stream_info", e))?;
         Ok(info.state.messages)
+    }
+
+    async fn storage(&self) -> Result<Vec<StoreUsage>> {
+        let mut streams = self.js.streams();
+        let mut out = Vec::new();
+        while let Some(info) = streams.next().await {
+            let info = info.map_err(|e| self.err("storage", e))?;
+            out.push(StoreUsage {
+                name: info.config.name.clone(),
+                messages: info.state.messages,
+                bytes: info.state.bytes,
+                max_bytes: u64::try_from(info.config.max_bytes).ok(),
+            });
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
     }
 
     async fn consumer(&self, stream: &str, spec: &ConsumerSpec) -> Result<Box<dyn Consumer>> {
@@ -555,6 +626,9 @@ impl Bus for NatsBus {
                 let config = kv::Config {
                     bucket: bucket.to_owned(),
                     history: 1,
+                    max_bytes: self
+                        .kv_max_bytes
+                        .map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX)),
                     storage: stream::StorageType::File,
                     num_replicas: self.replicas,
                     ..Default::default()
@@ -584,6 +658,9 @@ impl Bus for NatsBus {
             Err(_) => {
                 let config = object_store::Config {
                     bucket: bucket.to_owned(),
+                    max_bytes: self
+                        .objects_max_bytes
+                        .map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX)),
                     storage: stream::StorageType::File,
                     num_replicas: self.replicas,
                     ..Default::default()

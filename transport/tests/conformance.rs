@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use asyncrl_config::BusConfig;
 use asyncrl_testkit::NatsServer;
 use asyncrl_transport::{
-    Bus, ConsumerSpec, DeliverFrom, LocalBus, NatsBus, StreamSpec, TransportError,
-    TransportMetrics, sha256_hex,
+    Bus, ConsumerSpec, DeliverFrom, Discard, LocalBus, NatsBus, Retention, StreamSpec,
+    TransportError, TransportMetrics, sha256_hex,
 };
 use bytes::Bytes;
 use futures::StreamExt;
@@ -76,6 +76,8 @@ conformance!(
     kv_wildcard_watch_and_keys,
     object_of_200_mb_round_trips_with_same_sha256,
     missing_object_is_not_found,
+    work_queue_releases_a_message_once_acked,
+    full_stream_refuses_or_discards_by_its_policy,
 );
 
 fn stream_spec(name: &str, subject: &str) -> StreamSpec {
@@ -586,4 +588,143 @@ async fn missing_object_is_not_found(env: Env) {
         matches!(err, TransportError::ObjectNotFound { .. }),
         "{err:?}"
     );
+}
+
+/// Messages, bytes and byte limit of one store, as `Bus::storage` says.
+async fn usage(bus: &dyn Bus, name: &str) -> (u64, u64, Option<u64>) {
+    let all = bus.storage().await.unwrap();
+    let u = all
+        .iter()
+        .find(|u| u.name == name)
+        .unwrap_or_else(|| panic!("no store {name} in {all:?}"));
+    (u.messages, u.bytes, u.max_bytes)
+}
+
+async fn work_queue_releases_a_message_once_acked(env: Env) {
+    let mut spec = stream_spec("WORK", "work.>");
+    spec.retention = Retention::WorkQueue;
+    spec.max_bytes = Some(1 << 20);
+    spec.discard = Discard::New;
+    env.bus.ensure_stream(&spec).await.unwrap();
+    for i in 0..4 {
+        let ack = env
+            .bus
+            .publish_durable("work.a", &format!("w{i}"), Bytes::from(vec![7u8; 100]))
+            .await
+            .unwrap();
+        assert!(!ack.duplicate);
+    }
+    let (messages, bytes, max) = usage(env.bus.as_ref(), "WORK").await;
+    assert_eq!((messages, max), (4, Some(1 << 20)));
+    assert!(bytes >= 400, "{bytes}");
+    let mut cspec = ConsumerSpec::new("only");
+    cspec.ack_wait = Duration::from_secs(1);
+    let consumer = env.bus.consumer("WORK", &cspec).await.unwrap();
+    let got = consumer.fetch(10, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(got.len(), 4);
+    // Delivered but not acked: still held (a crash now redelivers them).
+    assert_eq!(env.bus.stream_len("WORK").await.unwrap(), 4);
+    let mut got = got.into_iter();
+    for d in got.by_ref().take(3) {
+        d.ack().await.unwrap();
+    }
+    let held = |bus: Arc<dyn Bus>, n: u64| async move {
+        asyncrl_testkit::eventually("the stream to let go of acked messages", Duration::from_secs(10), || {
+            let bus = bus.clone();
+            async move { (bus.stream_len("WORK").await.unwrap() == n).then_some(()) }
+        })
+        .await
+    };
+    held(env.bus.clone(), 1).await;
+    // The one not acked comes back after the ack wait and is released on its ack.
+    drop(got);
+    let again = consumer.fetch(10, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].msg_id.as_deref(), Some("w3"));
+    again.into_iter().next().unwrap().ack().await.unwrap();
+    held(env.bus.clone(), 0).await;
+    // A released message's id is still in the duplicate window: a
+    // republished copy is not stored again.
+    let dup = env
+        .bus
+        .publish_durable("work.a", "w1", Bytes::from(vec![7u8; 100]))
+        .await
+        .unwrap();
+    assert!(dup.duplicate);
+    assert_eq!(env.bus.stream_len("WORK").await.unwrap(), 0);
+    assert!(consumer.fetch(10, Duration::from_millis(200)).await.unwrap().is_empty());
+}
+
+async fn full_stream_refuses_or_discards_by_its_policy(env: Env) {
+    let payload = Bytes::from(vec![1u8; 300 * 1024]);
+    let mut refuse = stream_spec("REFUSE", "refuse.>");
+    refuse.retention = Retention::WorkQueue;
+    refuse.max_bytes = Some(1 << 20);
+    refuse.discard = Discard::New;
+    env.bus.ensure_stream(&refuse).await.unwrap();
+    let mut stored = 0;
+    let err = loop {
+        match env
+            .bus
+            .publish_durable("refuse.a", &format!("r{stored}"), payload.clone())
+            .await
+        {
+            Ok(_) => stored += 1,
+            Err(e) => break e,
+        }
+        assert!(stored < 10, "a 1 MiB stream took {stored} messages of 300 KiB");
+    };
+    assert_eq!(stored, 3, "three fit in 1 MiB");
+    assert!(
+        matches!(err, TransportError::StreamFull { .. }) && err.is_transient(),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("refuse.a"), "{err}");
+    // Room again once the consumer has taken and acked one: the same
+    // message (same id) now goes in.
+    let consumer = env
+        .bus
+        .consumer("REFUSE", &ConsumerSpec::new("drain"))
+        .await
+        .unwrap();
+    let first = consumer.fetch(1, Duration::from_secs(2)).await.unwrap();
+    first.into_iter().next().unwrap().ack().await.unwrap();
+    asyncrl_testkit::eventually("room in the stream", Duration::from_secs(10), || {
+        let bus = env.bus.clone();
+        let payload = payload.clone();
+        async move {
+            bus.publish_durable("refuse.a", "r3", payload)
+                .await
+                .ok()
+                .filter(|a| !a.duplicate)
+        }
+    })
+    .await;
+
+    let mut roll = stream_spec("ROLL", "roll.>");
+    roll.max_bytes = Some(1 << 20);
+    roll.discard = Discard::Old;
+    env.bus.ensure_stream(&roll).await.unwrap();
+    for i in 0..6 {
+        env.bus
+            .publish_durable("roll.a", &format!("o{i}"), payload.clone())
+            .await
+            .unwrap();
+    }
+    let (messages, bytes, _) = usage(env.bus.as_ref(), "ROLL").await;
+    assert_eq!(messages, 3, "the oldest were discarded to make room");
+    assert!(bytes <= 1 << 20, "{bytes}");
+    let reader = env
+        .bus
+        .consumer("ROLL", &ConsumerSpec::new("reader"))
+        .await
+        .unwrap();
+    let ids: Vec<_> = reader
+        .fetch(10, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| d.msg_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(ids, ["o3", "o4", "o5"]);
 }
