@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
 use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerInfo};
 use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
-use asyncrl_testkit::NatsServer;
+use asyncrl_testkit::{NatsServer, ServerConfig};
 use futures::StreamExt as _;
 
 /// The `asyncrl` binary under test.
@@ -81,6 +81,44 @@ impl Default for Spec {
             reconnect_max_delay: "500ms",
             eval_every: 0,
         }
+    }
+}
+
+/// The cluster's NATS server and how the roles and the test reach it
+/// (`Cluster::start_with`): per-role credentials, TLS.
+#[derive(Debug, Clone, Default)]
+pub struct NatsSetup {
+    /// The server's config file (None: a plain server without auth).
+    pub server: Option<ServerConfig>,
+    /// Roles connect to `tls://127.0.0.1:PORT` instead of `nats://`.
+    pub tls: bool,
+    /// TOML appended to every role's config (`[bus.tls]`, `[bus.roles.*]`).
+    pub bus_tables: String,
+    /// The user and password of the test's own connections (the stream
+    /// audit, the `policy.version` watch).
+    pub observer: Option<(String, String)>,
+    /// The CA the test's own connections verify the server with.
+    pub observer_ca: Option<PathBuf>,
+    /// Their client certificate and key (a server that verifies clients).
+    pub observer_cert: Option<(PathBuf, PathBuf)>,
+}
+
+impl NatsSetup {
+    /// A connection of the test itself (not a role's).
+    pub async fn observe(&self, url: &str) -> Result<async_nats::Client, String> {
+        let mut opts = match &self.observer {
+            Some((user, password)) => {
+                async_nats::ConnectOptions::with_user_and_password(user.clone(), password.clone())
+            }
+            None => async_nats::ConnectOptions::new(),
+        };
+        if let Some(ca) = &self.observer_ca {
+            opts = opts.require_tls(true).add_root_certificates(ca.clone());
+        }
+        if let Some((cert, key)) = &self.observer_cert {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+        opts.connect(url).await.map_err(|e| e.to_string())
     }
 }
 
@@ -162,6 +200,7 @@ pub struct Cluster {
     pub spec: Spec,
     pub dir: tempfile::TempDir,
     pub nats: NatsServer,
+    pub setup: NatsSetup,
     pub out: PathBuf,
     pub tasks_file: PathBuf,
     roles: Vec<Role>,
@@ -177,6 +216,11 @@ impl Cluster {
     /// Starts nats-server, writes the task file and one config per role, and
     /// starts the coordinator, the buffer, the learner and the workers.
     pub fn start(spec: Spec) -> Self {
+        Self::start_with(spec, NatsSetup::default())
+    }
+
+    /// [`Cluster::start`] with a NATS server and bus settings of the test's.
+    pub fn start_with(spec: Spec, setup: NatsSetup) -> Self {
         let serial = ONE_AT_A_TIME
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -184,7 +228,11 @@ impl Cluster {
             .prefix("asyncrl-e2e-")
             .tempdir()
             .expect("create a temp dir");
-        let nats = NatsServer::start().expect("start nats-server (run scripts/setup)");
+        let nats = match &setup.server {
+            Some(config) => NatsServer::start_with_config(config),
+            None => NatsServer::start(),
+        }
+        .expect("start nats-server (run scripts/setup)");
         let out = dir.path().join("out");
         let tasks_file = dir.path().join("tasks.jsonl");
         let items = asyncrl_tasks::generate_with(
@@ -203,6 +251,7 @@ impl Cluster {
             spec,
             dir,
             nats,
+            setup,
             out,
             tasks_file,
             roles: Vec::new(),
@@ -300,15 +349,16 @@ acquire_backoff_max = "300ms"
 drain_grace_period = "{grace}"
 weight_fetch_timeout = "30s"
 weight_retry_backoff_max = "1s"
-{eval}"#,
+{eval}{bus_tables}"#,
             out = self.out.display(),
+            bus_tables = self.setup.bus_tables,
             // ASYNCRL_TEST_LOG (a tracing filter) makes the roles chattier.
             log_filter = std::env::var("ASYNCRL_TEST_LOG").unwrap_or_else(|_| "info".into()),
             max_steps = s.max_steps,
             eta = s.eta,
             b = s.groups_per_step,
             g = s.group_size,
-            url = self.nats.url(),
+            url = self.bus_url(),
             reconnect = s.reconnect_max_delay,
             max_new = s.max_new_tokens,
             max_seq = s.max_seq_len,
@@ -329,6 +379,15 @@ weight_retry_backoff_max = "1s"
                 String::new()
             },
         )
+    }
+
+    /// The `bus.url` of the roles (and of the test's own connections).
+    pub fn bus_url(&self) -> String {
+        if self.setup.tls {
+            format!("tls://127.0.0.1:{}", self.nats.port())
+        } else {
+            self.nats.url()
+        }
     }
 
     fn add_role(&mut self, name: &str, args: &[&str], worker_id: Option<&str>) {
@@ -659,11 +718,12 @@ weight_retry_backoff_max = "1s"
     /// Watches `policy.version` from the start to the end of the test (a
     /// watch reopened whenever it ends: server restarts).
     fn watch_versions(&mut self) {
-        let url = self.nats.url();
+        let url = self.bus_url();
+        let setup = self.setup.clone();
         let seen = self.announcements.clone();
         self.watcher = Some(self.rt.spawn(async move {
             loop {
-                if let Err(e) = watch_once(&url, &seen).await
+                if let Err(e) = watch_once(&setup, &url, &seen).await
                     && !e.contains("not found")
                 {
                     tracing_note(&format!("policy.version watch: {e}; reopening"));
@@ -682,9 +742,11 @@ weight_retry_backoff_max = "1s"
 
     /// Every message of the `TRAJECTORIES` stream, decoded, in stream order.
     pub fn stream(&self) -> Vec<Trajectory> {
-        let url = self.nats.url();
+        let url = self.bus_url();
         self.rt.block_on(async move {
-            let client = async_nats::connect(&url)
+            let client = self
+                .setup
+                .observe(&url)
                 .await
                 .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
             let js = async_nats::jetstream::new(client);
@@ -710,9 +772,9 @@ weight_retry_backoff_max = "1s"
     /// Messages in `TRAJECTORIES` and the buffer's consumer: (messages,
     /// pending, ack pending).
     pub fn stream_state(&self) -> Option<(u64, u64, usize)> {
-        let url = self.nats.url();
+        let url = self.bus_url();
         self.rt.block_on(async move {
-            let client = async_nats::connect(&url).await.ok()?;
+            let client = self.setup.observe(&url).await.ok()?;
             let js = async_nats::jetstream::new(client);
             let mut stream = js
                 .get_stream(asyncrl_protos::subjects::TRAJECTORY_STREAM)
@@ -1236,8 +1298,12 @@ impl Drop for Cluster {
     }
 }
 
-async fn watch_once(url: &str, seen: &Arc<Mutex<Vec<WeightAnnouncement>>>) -> Result<(), String> {
-    let client = async_nats::connect(url).await.map_err(|e| e.to_string())?;
+async fn watch_once(
+    setup: &NatsSetup,
+    url: &str,
+    seen: &Arc<Mutex<Vec<WeightAnnouncement>>>,
+) -> Result<(), String> {
+    let client = setup.observe(url).await?;
     let js = async_nats::jetstream::new(client);
     let kv = js
         .get_key_value(asyncrl_protos::subjects::CONTROL_BUCKET)

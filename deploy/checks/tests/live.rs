@@ -1,5 +1,7 @@
 //! The deployment's config and commands, run for real on loopback: a
-//! token-protected nats-server, the dev overlay's init container and the
+//! nats-server with the dev overlay's nats.conf (the roles' users and
+//! permissions of nats-auth.conf, the Secret's passwords), the dev
+//! overlay's init container and the
 //! four roles exactly as the manifests start them (their args, the
 //! ConfigMap's asyncrl.toml with paths and addresses moved to a temp dir and
 //! free loopback ports), then
@@ -22,7 +24,7 @@ use asyncrl_deploy_checks::{
     Rendered, http_get, k8s_dir, registered_metrics, repo_root, require_tool, sample_names,
     url_encode,
 };
-use asyncrl_testkit::{NatsServer, free_port};
+use asyncrl_testkit::{NatsServer, ServerConfig, free_port};
 use serde_json::Value;
 
 const ROLES: &[(&str, &str)] = &[
@@ -161,12 +163,44 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
 
-    // The Secret's two tokens, as the pods mount them.
+    // The Secret's keys, as the pods mount them (each pod only its own).
     let secrets = root.join("secrets");
     std::fs::create_dir_all(&secrets).unwrap();
-    std::fs::write(secrets.join("nats-token"), "live-test-nats-token").unwrap();
-    std::fs::write(secrets.join("admin-token"), "live-test-admin-token").unwrap();
-    let nats = NatsServer::start_with_args(&["--auth", "live-test-nats-token"]).unwrap();
+    let secret = dev.get("Secret", "asyncrl-secrets");
+    let keys = secret["stringData"].as_object().expect("the dev Secret");
+    for (key, value) in keys {
+        std::fs::write(secrets.join(key), value.as_str().unwrap()).unwrap();
+    }
+    // The NATS server of the overlay: its nats.conf and nats-auth.conf, its
+    // environment from the Secret (nats.yaml), the monitoring port moved
+    // and the store left to the test server's own directory.
+    let sts = dev.get("StatefulSet", "nats");
+    let nats_conf = dev.config_map_data("nats-config", "nats.conf");
+    assert!(nats_conf.contains("store_dir: /data"), "{nats_conf}");
+    let mut server = ServerConfig::new(
+        nats_conf
+            .replace(
+                "0.0.0.0:8222",
+                &format!("127.0.0.1:{}", free_port().unwrap()),
+            )
+            .replace("store_dir: /data", ""),
+    )
+    .file(
+        "nats-auth.conf",
+        dev.config_map_data("nats-config", "nats-auth.conf"),
+    );
+    for env in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+    {
+        let name = env["name"].as_str().unwrap();
+        let value = match env["valueFrom"]["secretKeyRef"]["key"].as_str() {
+            Some(key) => keys[key].as_str().unwrap().to_owned(),
+            None => "nats-0".to_owned(),
+        };
+        server = server.env(name, value);
+    }
+    let nats = NatsServer::start_with_config(&server).unwrap();
 
     // The ConfigMap's config, moved from the pod's paths to the temp dir and
     // from 0.0.0.0 to free loopback ports, one file per role.
@@ -439,6 +473,20 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
         assert_eq!(r["health"], "ok", "rule {}: {}", r["name"], r["lastError"]);
     }
     procs.assert_running();
+
+    // The users and permissions of nats-auth.conf cover what each role did:
+    // the server refused nothing (a worker that starts before the
+    // coordinator may only be refused creating the control bucket).
+    for (role, _, log) in &procs.0 {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        for line in text.lines().filter(|l| l.contains("NATS refused")) {
+            assert!(
+                role == "rollout-worker"
+                    && line.contains("`$JS.API.STREAM.CREATE.KV_asyncrl_control`"),
+                "{role} was refused what it needs: {line}"
+            );
+        }
+    }
     eprintln!(
         "live run: policy version {version} in Prometheus; {} samples scraped; {queries} dashboard queries; {} rules ok",
         scraped_samples.len(),

@@ -474,9 +474,27 @@ fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
             http.ends_with(":8222"),
             "overlay {ctx}: monitoring on {http}"
         );
+        // The roles' users: the one permission file, next to nats.conf.
         assert!(
-            conf.contains("token: $NATS_TOKEN") && cfg.bus.token_file.is_some(),
-            "overlay {ctx}: NATS and asyncrl must share the token of the Secret"
+            conf.lines().any(|l| l.trim() == "include nats-auth.conf"),
+            "overlay {ctx}: nats.conf does not include the permission file"
+        );
+        let auth = r.config_map_data("nats-config", "nats-auth.conf");
+        let shipped = std::fs::read_to_string(k8s_dir().join("base/nats-auth.conf")).unwrap();
+        assert_eq!(
+            auth, shipped,
+            "overlay {ctx}: nats-auth.conf differs from deploy/k8s/base/nats-auth.conf"
+        );
+        for (role, _) in NATS_USERS {
+            let user = format!("ASYNCRL_{}", role.to_uppercase());
+            assert!(
+                conf.lines().any(|l| l.trim() == format!("${user}")),
+                "overlay {ctx}: nats.conf does not list the user {user}"
+            );
+        }
+        assert!(
+            !conf.contains("token:"),
+            "overlay {ctx}: a shared token next to the roles' users"
         );
         let sts = r.get("StatefulSet", "nats");
         let replicas = sts["spec"]["replicas"].as_u64().unwrap() as usize;
@@ -527,14 +545,117 @@ fn secrets_ship_only_in_dev() {
         let secret = r.find("Secret", "asyncrl-secrets");
         if r.name == "dev" {
             let s = secret.expect("dev carries its throwaway Secret");
-            for key in ["admin-token", "nats-token"] {
-                assert!(s["stringData"][key].is_string(), "dev Secret key {key}");
+            let mut keys = vec!["admin-token".to_owned()];
+            keys.extend(
+                NATS_USERS
+                    .iter()
+                    .map(|(role, _)| format!("nats-{role}-password")),
+            );
+            for key in &keys {
+                assert!(
+                    s["stringData"][key.as_str()].is_string(),
+                    "dev Secret key {key}"
+                );
             }
         } else {
             assert!(
                 secret.is_none(),
                 "overlay {}: ships placeholder tokens; the real Secret is created by hand",
                 r.name
+            );
+        }
+    }
+}
+
+/// The NATS user of each role (deploy/k8s/base/nats-auth.conf) and the
+/// workload that runs it.
+const NATS_USERS: &[(&str, &str)] = &[
+    ("coordinator", "coordinator"),
+    ("buffer", "buffer"),
+    ("learner", "learner"),
+    ("worker", "rollout-worker"),
+];
+
+#[test]
+fn each_role_connects_as_its_own_nats_user_and_mounts_only_its_own_password() {
+    for r in rendered() {
+        let cfg = config(&r);
+        let ctx = &r.name;
+        // No shared credentials for the role processes to fall back on.
+        assert!(
+            cfg.bus.user.is_none()
+                && cfg.bus.token.is_none()
+                && cfg.bus.token_file.is_none()
+                && cfg.bus.credentials_file.is_none(),
+            "overlay {ctx}: [bus] sets credentials every role would share"
+        );
+        let secrets_dir = "/etc/asyncrl/secrets";
+        for (role, workload) in NATS_USERS {
+            let auth = cfg
+                .bus
+                .roles
+                .get(*role)
+                .unwrap_or_else(|| panic!("overlay {ctx}: no [bus.roles.{role}]"));
+            assert_eq!(
+                auth.user.as_deref(),
+                Some(*role),
+                "overlay {ctx}: [bus.roles.{role}] user"
+            );
+            let key = format!("nats-{role}-password");
+            assert_eq!(
+                auth.password_file.as_deref(),
+                Some(Path::new(&format!("{secrets_dir}/{key}"))),
+                "overlay {ctx}: [bus.roles.{role}] password_file"
+            );
+            // The pod mounts the Secret's keys it needs, by name: its own
+            // password (and the coordinator the admin token), no other.
+            let w = role_workload(&r, workload);
+            let pod = &w["spec"]["template"]["spec"];
+            let mut mounted: Vec<String> = Vec::new();
+            for v in pod["volumes"].as_array().unwrap() {
+                if v["secret"]["secretName"] == "asyncrl-secrets" {
+                    let items = v["secret"]["items"].as_array().unwrap_or_else(|| {
+                        panic!("overlay {ctx} {workload}: mounts every key of the Secret")
+                    });
+                    for item in items {
+                        assert_eq!(item["key"], item["path"], "overlay {ctx} {workload}");
+                        mounted.push(item["key"].as_str().unwrap().to_owned());
+                    }
+                }
+            }
+            let mut expected = vec![key];
+            if *role == "coordinator" {
+                expected.insert(0, "admin-token".to_owned());
+            }
+            assert_eq!(
+                mounted, expected,
+                "overlay {ctx} {workload}: the Secret's keys in the pod"
+            );
+        }
+        // The server reads every role's password from the Secret.
+        let sts = r.get("StatefulSet", "nats");
+        let env = sts["spec"]["template"]["spec"]["containers"][0]["env"]
+            .as_array()
+            .expect("nats env");
+        let conf = r.config_map_data("nats-config", "nats-auth.conf");
+        for (role, _) in NATS_USERS {
+            let var = format!("NATS_{}_PASSWORD", role.to_uppercase());
+            let e = env
+                .iter()
+                .find(|e| e["name"] == var.as_str())
+                .unwrap_or_else(|| panic!("overlay {ctx}: nats has no env {var}"));
+            assert_eq!(
+                e["valueFrom"]["secretKeyRef"]["name"], "asyncrl-secrets",
+                "overlay {ctx} {var}"
+            );
+            assert_eq!(
+                e["valueFrom"]["secretKeyRef"]["key"],
+                format!("nats-{role}-password"),
+                "overlay {ctx} {var}"
+            );
+            assert!(
+                conf.contains(&format!("password: ${var}")),
+                "overlay {ctx}: nats-auth.conf does not take {var}"
             );
         }
     }

@@ -1,0 +1,344 @@
+//! The roles' NATS users and permissions (deploy/k8s/base/nats-auth.conf,
+//! the file the Kubernetes deployment ships) on a real nats-server:
+//! - every role runs end to end with its own credentials and the run's
+//!   invariants hold;
+//! - the worker's credentials cannot write `policy.version`, the knobs, the
+//!   coordinator's state or a weights object, nor serve a coordinator
+//!   subject: the server refuses, and the bus reports it as
+//!   `PermissionDenied` naming the subject, at once (not after a timeout);
+//! - a role process started with credentials that lack what it must do
+//!   exits with one error line naming the permission and the subject.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use asyncrl_config::{BusConfig, Secret};
+use asyncrl_protos::subjects::{
+    CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, POLICY_VERSION_KEY,
+    TASKS_ACQUIRE, WEIGHTS_BUCKET, weights_object_name,
+};
+use asyncrl_testkit::{NatsServer, ServerConfig, workspace_root};
+use asyncrl_transport::{Bus, NatsBus, TransportError, TransportMetrics};
+use bytes::Bytes;
+use common::{Cluster, Expect, NatsSetup, Spec};
+use futures::StreamExt as _;
+
+const ROLES: [&str; 4] = ["coordinator", "buffer", "learner", "worker"];
+const OBSERVER: (&str, &str) = ("observer", "observer-pw");
+
+fn password(role: &str) -> String {
+    format!("{role}-pw-{}", std::process::id())
+}
+
+/// The shipped permission file.
+fn nats_auth_conf() -> String {
+    let path = workspace_root().join("deploy/k8s/base/nats-auth.conf");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// nats-server with the roles' users of the shipped permission file (their
+/// passwords in its environment, as nats.yaml sets them), plus the test's
+/// own unrestricted observer.
+fn server_config() -> ServerConfig {
+    let mut config = ServerConfig::new(format!(
+        "include nats-auth.conf\n\
+         authorization {{\n  users: [\n    $ASYNCRL_COORDINATOR\n    $ASYNCRL_BUFFER\n    \
+         $ASYNCRL_LEARNER\n    $ASYNCRL_WORKER\n    {{ user: {}, password: {} }}\n  ]\n}}\n",
+        OBSERVER.0, OBSERVER.1
+    ))
+    .file("nats-auth.conf", nats_auth_conf());
+    for role in ROLES {
+        config = config.env(
+            format!("NATS_{}_PASSWORD", role.to_uppercase()),
+            password(role),
+        );
+    }
+    config
+}
+
+/// `[bus.roles.*]` of every role: `as_user[role]` is the user it connects
+/// as (its own unless a test swaps them). The learner reads its password
+/// from a file, the others inline.
+fn role_tables(secrets: &Path, as_user: impl Fn(&str) -> &'static str) -> String {
+    let mut text = String::new();
+    for role in ROLES {
+        let user = as_user(role);
+        if role == "learner" {
+            let file = secrets.join(format!("{role}-password"));
+            std::fs::write(&file, format!("{}\n", password(user))).unwrap();
+            text += &format!(
+                "\n[bus.roles.{role}]\nuser = \"{user}\"\npassword_file = \"{}\"\n",
+                file.display()
+            );
+        } else {
+            text += &format!(
+                "\n[bus.roles.{role}]\nuser = \"{user}\"\npassword = \"{}\"\n",
+                password(user)
+            );
+        }
+    }
+    text
+}
+
+fn setup(secrets: &Path, as_user: impl Fn(&str) -> &'static str) -> NatsSetup {
+    NatsSetup {
+        server: Some(server_config()),
+        bus_tables: role_tables(secrets, as_user),
+        observer: Some((OBSERVER.0.into(), OBSERVER.1.into())),
+        ..NatsSetup::default()
+    }
+}
+
+fn own_user(role: &str) -> &'static str {
+    ROLES.into_iter().find(|r| *r == role).expect("a role")
+}
+
+/// The lines of a role's log where the server refused something.
+fn refusals(log: &str) -> Vec<&str> {
+    log.lines().filter(|l| l.contains("NATS refused")).collect()
+}
+
+#[test]
+fn every_role_runs_end_to_end_with_its_own_credentials() {
+    let secrets = tempfile::tempdir().unwrap();
+    let mut cluster = Cluster::start_with(
+        Spec {
+            max_steps: 8,
+            ..Spec::default()
+        },
+        setup(secrets.path(), own_user),
+    );
+    let report = cluster.finish(&Expect::default());
+    assert_eq!(report.steps, 8);
+    assert!(report.trained_trajectories > 0, "{report:?}");
+    for role in ["coordinator", "buffer", "learner"] {
+        let log = cluster.log(role);
+        assert_eq!(
+            refusals(&log),
+            Vec::<&str>::new(),
+            "{role} was refused something its role needs"
+        );
+    }
+    // A worker that starts before the coordinator has created the control
+    // bucket may try to create it, and is refused: workers create nothing.
+    for worker in cluster.workers() {
+        let log = cluster.log(&worker);
+        for line in refusals(&log) {
+            assert!(
+                line.contains("`$JS.API.STREAM.CREATE.KV_asyncrl_control`"),
+                "{worker} was refused something its role needs: {line}"
+            );
+        }
+    }
+}
+
+/// A bus connection of `user` (a role's user, or the observer).
+async fn connect(server: &NatsServer, user: &str, password: &str) -> (NatsBus, TransportMetrics) {
+    let config = BusConfig {
+        user: Some(user.into()),
+        password: Some(Secret::new(password)),
+        // Long: a refusal must not wait for it.
+        request_timeout: Duration::from_secs(30),
+        ..BusConfig::nats(server.url())
+    };
+    let metrics = TransportMetrics::new();
+    let bus = NatsBus::connect(&config, metrics.clone())
+        .await
+        .unwrap_or_else(|e| panic!("connect as {user}: {e}"));
+    (bus, metrics)
+}
+
+/// `result` is the server's refusal of a publish on a subject `subject`
+/// matches (a NATS wildcard), with the message an operator reads.
+fn assert_refused<T: std::fmt::Debug>(
+    what: &str,
+    result: Result<T, TransportError>,
+    subject: &str,
+) {
+    match result {
+        Err(e @ TransportError::PermissionDenied { .. }) => {
+            let TransportError::PermissionDenied { op, subject: got } = &e else {
+                unreachable!()
+            };
+            assert_eq!(*op, "publish", "{what}");
+            assert!(
+                asyncrl_transport::subject_matches(subject, got),
+                "{what}: refused on {got}, expected {subject}"
+            );
+            assert!(!e.is_transient(), "{what}: a refusal is not retried");
+            let message = e.to_string();
+            assert!(
+                message.starts_with(&format!("NATS refused publish on `{got}`"))
+                    && message.contains("lack the permission")
+                    && message.contains("deploy/k8s/base/nats-auth.conf"),
+                "{what}: {message}"
+            );
+        }
+        other => panic!("{what}: expected PermissionDenied on {subject}, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_credentials_cannot_write_what_other_roles_own() {
+    let server = NatsServer::start_with_config(&server_config()).expect("start nats-server");
+    // What the other roles would have created: the control bucket with a
+    // version, the weights of that version.
+    let (observer, _) = connect(&server, OBSERVER.0, OBSERVER.1).await;
+    let control = observer.kv(CONTROL_BUCKET).await.unwrap();
+    control
+        .put(POLICY_VERSION_KEY, Bytes::from_static(b"v1"))
+        .await
+        .unwrap();
+    let state_revision = control
+        .put(COORDINATOR_STATE_KEY, Bytes::from_static(b"state"))
+        .await
+        .unwrap();
+    let weights = observer.object_store(WEIGHTS_BUCKET).await.unwrap();
+    weights
+        .put(&weights_object_name(1), Bytes::from_static(b"weights v1"))
+        .await
+        .unwrap();
+
+    let (worker, metrics) = connect(&server, "worker", &password("worker")).await;
+    // What a worker may do: read the version and the weights.
+    let kv = worker.kv(CONTROL_BUCKET).await.unwrap();
+    assert_eq!(
+        kv.get(POLICY_VERSION_KEY).await.unwrap().map(|e| e.value),
+        Some(Bytes::from_static(b"v1"))
+    );
+    let objects = worker.object_store(WEIGHTS_BUCKET).await.unwrap();
+    assert_eq!(
+        objects.get(&weights_object_name(1)).await.unwrap(),
+        Bytes::from_static(b"weights v1")
+    );
+
+    // What it may not: each refused by the server, reported at once.
+    let started = Instant::now();
+    assert_refused(
+        "worker writes policy.version",
+        kv.put(POLICY_VERSION_KEY, Bytes::from_static(b"v999"))
+            .await,
+        &format!("$KV.{CONTROL_BUCKET}.{POLICY_VERSION_KEY}"),
+    );
+    assert_refused(
+        "worker writes the knobs",
+        kv.put(KNOBS_KEY, Bytes::from_static(b"lr=1")).await,
+        &format!("$KV.{CONTROL_BUCKET}.{KNOBS_KEY}"),
+    );
+    assert_refused(
+        "worker overwrites the coordinator's state",
+        kv.update(
+            COORDINATOR_STATE_KEY,
+            Bytes::from_static(b"forged"),
+            state_revision,
+        )
+        .await,
+        &format!("$KV.{CONTROL_BUCKET}.{COORDINATOR_STATE_KEY}"),
+    );
+    assert_refused(
+        "worker puts a weights object",
+        objects
+            .put(
+                &weights_object_name(2),
+                Bytes::from_static(b"forged weights"),
+            )
+            .await,
+        &format!("$O.{WEIGHTS_BUCKET}.>"),
+    );
+    assert_refused(
+        "worker deletes a weights object",
+        objects.delete(&weights_object_name(1)).await,
+        &format!("$O.{WEIGHTS_BUCKET}.>"),
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "refusals took {:?}: they waited for the 30 s request timeout",
+        started.elapsed()
+    );
+    assert_eq!(metrics.permission_violation_count("publish"), 5);
+    assert_eq!(metrics.error_count("kv_put"), 2);
+
+    // Nothing changed.
+    assert_eq!(
+        control
+            .get(POLICY_VERSION_KEY)
+            .await
+            .unwrap()
+            .map(|e| e.value),
+        Some(Bytes::from_static(b"v1"))
+    );
+    assert_eq!(control.get(KNOBS_KEY).await.unwrap(), None);
+    assert_eq!(
+        control
+            .get(COORDINATOR_STATE_KEY)
+            .await
+            .unwrap()
+            .map(|e| e.value),
+        Some(Bytes::from_static(b"state"))
+    );
+    let names: Vec<String> = weights
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.name)
+        .collect();
+    assert_eq!(names, [weights_object_name(1)]);
+
+    // A worker cannot pose as the coordinator: its subscription to a
+    // coordinator subject is refused and ends, so requests reach the real one.
+    let mut served = worker
+        .serve(TASKS_ACQUIRE, Some(COORDINATOR_QUEUE_GROUP))
+        .await
+        .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), served.next())
+        .await
+        .expect("the refused subscription ends");
+    assert!(ended.is_none(), "a worker served {TASKS_ACQUIRE}");
+    assert_eq!(metrics.permission_violation_count("subscribe"), 1);
+}
+
+#[test]
+fn a_learner_with_worker_credentials_exits_with_one_error_naming_the_permission() {
+    let secrets = tempfile::tempdir().unwrap();
+    let mut cluster = Cluster::start_with(
+        Spec {
+            max_steps: 4,
+            workers: 1,
+            ..Spec::default()
+        },
+        setup(secrets.path(), |role| {
+            if role == "learner" {
+                "worker"
+            } else {
+                own_user(role)
+            }
+        }),
+    );
+    let status = cluster.wait_exit("learner", Duration::from_secs(120));
+    assert!(!status.success(), "the learner exited with {status}");
+    let log = cluster.current_log("learner");
+    let errors: Vec<&str> = log.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "one error line:\n{log}");
+    let line = errors[0];
+    assert!(
+        line.contains("NATS refused publish on `$")
+            && line.contains("the credentials of this role lack the permission"),
+        "{line}"
+    );
+    // It names the subject the learner needed: creating the WEIGHTS store
+    // (or the control bucket, when it starts before the coordinator), or
+    // writing a weights object or its control keys.
+    let needed = [
+        format!("`$JS.API.STREAM.CREATE.OBJ_{WEIGHTS_BUCKET}`"),
+        format!("`$JS.API.STREAM.CREATE.KV_{CONTROL_BUCKET}`"),
+        format!("`$O.{WEIGHTS_BUCKET}."),
+        format!("`$KV.{CONTROL_BUCKET}."),
+    ];
+    assert!(
+        needed.iter().any(|subject| line.contains(subject.as_str())),
+        "{line}"
+    );
+}

@@ -1,0 +1,193 @@
+//! The roles over TLS: a CA, a server certificate for 127.0.0.1/localhost
+//! and a client certificate, generated here (rcgen); nats-server with a
+//! `tls {}` block that verifies clients (mutual TLS); every role connects to
+//! `tls://127.0.0.1:PORT` with `bus.tls` (CA, client certificate and key),
+//! and the run's invariants hold. A client that does not trust the CA, or
+//! has no client certificate, is refused with an error that says so.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use asyncrl_config::{BusConfig, TlsConfig};
+use asyncrl_testkit::{NatsServer, ServerConfig};
+use asyncrl_transport::{NatsBus, TransportError, TransportMetrics};
+use common::{Cluster, Expect, NatsSetup, Spec};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+
+/// PEM files of a test PKI.
+struct Pki {
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+}
+
+fn write(dir: &Path, name: &str, pem: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, pem).unwrap();
+    path
+}
+
+/// A CA and, signed by it, a server certificate for 127.0.0.1 and
+/// localhost and a client certificate.
+fn make_pki(dir: &Path, ca_name: &str) -> Pki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, ca_name);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+
+    let server_key = KeyPair::generate().unwrap();
+    let mut server =
+        CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    server
+        .distinguished_name
+        .push(DnType::CommonName, "nats-server");
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let server_cert = server.signed_by(&server_key, &issuer).unwrap();
+
+    let client_key = KeyPair::generate().unwrap();
+    let mut client = CertificateParams::new(Vec::<String>::new()).unwrap();
+    client
+        .distinguished_name
+        .push(DnType::CommonName, "asyncrl-role");
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_cert = client.signed_by(&client_key, &issuer).unwrap();
+
+    Pki {
+        ca: write(dir, "ca.pem", &ca_cert.pem()),
+        server_cert: write(dir, "server.pem", &server_cert.pem()),
+        server_key: write(dir, "server-key.pem", &server_key.serialize_pem()),
+        client_cert: write(dir, "client.pem", &client_cert.pem()),
+        client_key: write(dir, "client-key.pem", &client_key.serialize_pem()),
+    }
+}
+
+/// nats-server that speaks TLS only and verifies client certificates.
+fn tls_server(pki: &Pki) -> ServerConfig {
+    ServerConfig::new(format!(
+        "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  ca_file: \"{}\"\n  verify: true\n  timeout: 5\n}}\n",
+        pki.server_cert.display(),
+        pki.server_key.display(),
+        pki.ca.display()
+    ))
+}
+
+#[test]
+fn the_roles_run_end_to_end_over_mutual_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = make_pki(dir.path(), "asyncrl test CA");
+    let mut cluster = Cluster::start_with(
+        Spec {
+            max_steps: 6,
+            ..Spec::default()
+        },
+        NatsSetup {
+            server: Some(tls_server(&pki)),
+            tls: true,
+            bus_tables: format!(
+                "\n[bus.tls]\nca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+                pki.ca.display(),
+                pki.client_cert.display(),
+                pki.client_key.display()
+            ),
+            observer_ca: Some(pki.ca.clone()),
+            observer_cert: Some((pki.client_cert.clone(), pki.client_key.clone())),
+            ..NatsSetup::default()
+        },
+    );
+    assert!(cluster.bus_url().starts_with("tls://127.0.0.1:"));
+    let report = cluster.finish(&Expect::default());
+    assert_eq!(report.steps, 6);
+    assert!(report.trained_trajectories > 0, "{report:?}");
+}
+
+async fn connect(config: &BusConfig) -> Result<NatsBus, TransportError> {
+    NatsBus::connect(config, TransportMetrics::new()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_do_not_trust_the_ca_or_bring_no_certificate_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = make_pki(dir.path(), "asyncrl test CA");
+    let other = tempfile::tempdir().unwrap();
+    let stranger = make_pki(other.path(), "some other CA");
+    let server = NatsServer::start_with_config(&tls_server(&pki)).expect("start nats-server");
+    let url = format!("tls://127.0.0.1:{}", server.port());
+    let base = BusConfig {
+        connect_timeout: Duration::from_secs(2),
+        ..BusConfig::nats(url.clone())
+    };
+
+    // The full client settings connect.
+    let good = TlsConfig {
+        required: true,
+        ca_file: Some(pki.ca.clone()),
+        cert_file: Some(pki.client_cert.clone()),
+        key_file: Some(pki.client_key.clone()),
+    };
+    let bus = connect(&BusConfig {
+        tls: Some(good.clone()),
+        ..base.clone()
+    })
+    .await
+    .expect("a client with the CA and a client certificate connects");
+    asyncrl_transport::Bus::flush(&bus).await.unwrap();
+
+    // Without the CA (the system roots only, or another CA), the server's
+    // certificate is not trusted: an error naming the URL and the cause.
+    for (what, tls) in [
+        ("no CA", None),
+        (
+            "another CA",
+            Some(TlsConfig {
+                ca_file: Some(stranger.ca.clone()),
+                cert_file: Some(stranger.client_cert.clone()),
+                key_file: Some(stranger.client_key.clone()),
+                ..good.clone()
+            }),
+        ),
+    ] {
+        let err = connect(&BusConfig {
+            tls,
+            ..base.clone()
+        })
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("{what}: connected to a server it cannot trust"));
+        let message = format!("{:#}", anyhow::Error::from(err.clone()));
+        assert!(
+            matches!(err, TransportError::Connect { .. }),
+            "{what}: {err:?}"
+        );
+        assert!(message.contains(&url), "{what}: {message}");
+        assert!(
+            message.to_lowercase().contains("certificate"),
+            "{what}: the error does not say the certificate is the problem: {message}"
+        );
+    }
+
+    // With the CA but no client certificate, the server refuses the client.
+    let err = connect(&BusConfig {
+        tls: Some(TlsConfig {
+            cert_file: None,
+            key_file: None,
+            ..good
+        }),
+        ..base
+    })
+    .await
+    .err()
+    .expect("a client without a certificate is refused under verify: true");
+    assert!(matches!(err, TransportError::Connect { .. }), "{err:?}");
+}
