@@ -84,13 +84,14 @@ pub struct ChaosBench {
     pub command: String,
 }
 
-/// The step target when none is given: three steps per second of the
-/// duration, at least 20. The tiny model trained about 4–5 steps a second
-/// under faults on two cores (a learner that reaches the target early has
-/// exited, and the faults aimed at it are skipped); on a busy machine the
-/// final wait makes up for the difference.
+/// The step target when none is given: four steps per second of the
+/// duration, at least 20. The tiny model trained about 6 steps a second
+/// under faults on two idle cores (a 5-minute run: 900 steps in 152 s) and
+/// about 3.5 with the cores busy; a learner that reaches the target early
+/// has exited (faults aimed at it are skipped), one that is slow has the
+/// final wait.
 pub fn default_steps(duration: Duration) -> u64 {
-    (duration.as_secs() * 3).max(20)
+    (duration.as_secs() * 4).max(20)
 }
 
 /// The bounded wait for the step target when none is given: half the
@@ -685,28 +686,38 @@ struct Crash {
 /// `policy.version` as seen (watch and polling).
 #[derive(Debug, Default)]
 struct VersionLog {
-    seen: Vec<(f64, i64)>,
+    /// (seconds, KV revision, version) of each distinct version seen.
+    seen: Vec<(f64, u64, i64)>,
+    /// Highest KV revision seen.
+    revision: u64,
     backwards: Vec<String>,
 }
 
 impl VersionLog {
-    fn record(&mut self, t: f64, version: i64) {
+    /// Records the value of `policy.version` at KV `revision`. The watch
+    /// and the per-sample reads arrive in any order: a revision at or below
+    /// one seen already is old news, not a step back.
+    fn record(&mut self, t: f64, revision: u64, version: i64) {
+        if revision <= self.revision {
+            return;
+        }
+        self.revision = revision;
         match self.seen.last() {
-            Some(&(_, last)) if last == version => {}
-            Some(&(_, last)) => {
+            Some(&(_, _, last)) if last == version => {}
+            Some(&(_, _, last)) => {
                 if version < last {
                     self.backwards.push(format!(
-                        "policy.version went from {last} to {version} at t={t:.1}s"
+                        "policy.version went from {last} to {version} (KV revision {revision}) at t={t:.1}s"
                     ));
                 }
-                self.seen.push((t, version));
+                self.seen.push((t, revision, version));
             }
-            None => self.seen.push((t, version)),
+            None => self.seen.push((t, revision, version)),
         }
     }
 
     fn last(&self) -> Option<i64> {
-        self.seen.last().map(|v| v.1)
+        self.seen.last().map(|v| v.2)
     }
 }
 
@@ -729,7 +740,7 @@ async fn watch_versions(bus: Arc<dyn Bus>, log: Arc<Mutex<VersionLog>>, start: I
                 if let Some(v) = event.value.as_deref().and_then(decode_version) {
                     log.lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .record(start.elapsed().as_secs_f64(), v);
+                        .record(start.elapsed().as_secs_f64(), event.revision, v);
                 }
             }
         }
@@ -1104,18 +1115,18 @@ impl Chaos<'_> {
             let version = tokio::time::timeout(limit, async {
                 let kv = bus.kv(CONTROL_BUCKET).await.ok()?;
                 let entry = kv.get(POLICY_VERSION_KEY).await.ok()??;
-                decode_version(&entry.value)
+                Some((entry.revision, decode_version(&entry.value)?))
             })
             .await
             .ok()
             .flatten();
             (len, version)
         });
-        if let Some(v) = kv_version {
+        if let Some((revision, v)) = kv_version {
             self.versions
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .record(t, v);
+                .record(t, revision, v);
         }
         let mut rss: Vec<Option<(u32, u64)>> = self
             .procs
@@ -1398,7 +1409,15 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
         }
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let bin = std::env::current_exe().context("cannot find the asyncrl binary")?;
+    // The roles run this very binary: /proc/self/exe names it even after a
+    // rebuild has replaced the file at its path (a restart mid-run must not
+    // start other code, or fail).
+    let proc_exe = PathBuf::from("/proc/self/exe");
+    let bin = if proc_exe.exists() {
+        proc_exe
+    } else {
+        std::env::current_exe().context("cannot find the asyncrl binary")?
+    };
 
     // Enough tasks that the run never wraps an epoch.
     let n_tasks = ((spec.steps + u64::from(spec.eta) + 8) * u64::from(spec.groups_per_step) * 2
@@ -2080,6 +2099,21 @@ mod tests {
             memory_trend("x", &leak[..4], 0.0, 600.0, 5, 32.0, 0.1).flat,
             None
         );
+    }
+
+    #[test]
+    fn versions_are_ordered_by_kv_revision() {
+        let mut log = VersionLog::default();
+        log.record(0.0, 3, 1);
+        log.record(0.1, 5, 2);
+        // A read answered before revision 5 arrives late: old news.
+        log.record(0.2, 3, 1);
+        log.record(0.3, 5, 2);
+        assert!(log.backwards.is_empty(), "{:?}", log.backwards);
+        assert_eq!((log.seen.len(), log.last()), (2, Some(2)));
+        // A newer revision with a lower version is a step back.
+        log.record(0.4, 9, 1);
+        assert_eq!(log.backwards.len(), 1, "{:?}", log.backwards);
     }
 
     #[test]

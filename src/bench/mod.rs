@@ -122,7 +122,7 @@ pub(crate) struct ChaosArgs {
     /// Rollout workers (2 or more).
     #[arg(long, default_value_t = 2)]
     workers: usize,
-    /// Learner steps to reach; default: 3 per second of --duration, at least 20.
+    /// Learner steps to reach; default: 4 per second of --duration, at least 20.
     #[arg(long)]
     steps: Option<u64>,
     /// Mean gap between faults (each gap uniform in 0.5..1.5 times it).
