@@ -252,6 +252,10 @@ async fn worker_credentials_cannot_write_what_other_roles_own() {
         objects.delete(&weights_object_name(1)).await,
         &format!("$O.{WEIGHTS_BUCKET}.>"),
     );
+    eprintln!(
+        "5 refusals reported in {:?} (request timeout 30 s)",
+        started.elapsed()
+    );
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "refusals took {:?}: they waited for the 30 s request timeout",

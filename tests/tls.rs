@@ -166,6 +166,7 @@ async fn clients_that_do_not_trust_the_ca_or_bring_no_certificate_are_refused() 
         .err()
         .unwrap_or_else(|| panic!("{what}: connected to a server it cannot trust"));
         let message = format!("{:#}", anyhow::Error::from(err.clone()));
+        eprintln!("{what}: {message}");
         assert!(
             matches!(err, TransportError::Connect { .. }),
             "{what}: {err:?}"
