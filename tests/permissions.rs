@@ -346,3 +346,96 @@ fn a_learner_with_worker_credentials_exits_with_one_error_naming_the_permission(
         "{line}"
     );
 }
+
+/// What the end-to-end run may not reach in a few steps: the learner
+/// replacing and deleting weights (old versions pruned), the buffer's batch
+/// objects (batches too large for an inline reply) read by the learner and
+/// deleted by the buffer, the buffer's storage report, the learner's batch
+/// request served by the buffer. Each with its own user, nothing refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owners_credentials_cover_weight_pruning_batch_objects_and_storage_reports() {
+    let server = NatsServer::start_with_config(&server_config()).expect("start nats-server");
+    let (learner, learner_metrics) = connect(&server, "learner", &password("learner")).await;
+    let (buffer, buffer_metrics) = connect(&server, "buffer", &password("buffer")).await;
+    let (coordinator, coordinator_metrics) =
+        connect(&server, "coordinator", &password("coordinator")).await;
+
+    // The learner creates the control bucket and the weights store, writes
+    // its keys, replaces and prunes weights.
+    let control = learner.kv(CONTROL_BUCKET).await.unwrap();
+    for key in [POLICY_VERSION_KEY, "learner.status", KNOBS_KEY] {
+        control.put(key, Bytes::from_static(b"x")).await.unwrap();
+    }
+    let weights = learner.object_store(WEIGHTS_BUCKET).await.unwrap();
+    for v in [1, 2, 2, 3] {
+        let bytes = Bytes::from(vec![u8::try_from(v).unwrap(); 300_000]);
+        weights.put(&weights_object_name(v), bytes).await.unwrap();
+    }
+    weights.delete(&weights_object_name(1)).await.unwrap();
+    let left: Vec<String> = weights
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.name)
+        .collect();
+    assert_eq!(left, [weights_object_name(2), weights_object_name(3)]);
+
+    // The coordinator writes its state and the knobs.
+    let control = coordinator.kv(CONTROL_BUCKET).await.unwrap();
+    control
+        .put(COORDINATOR_STATE_KEY, Bytes::from_static(b"state"))
+        .await
+        .unwrap();
+    control
+        .put(KNOBS_KEY, Bytes::from_static(b"lr"))
+        .await
+        .unwrap();
+
+    // The buffer's batch objects: put by the buffer, read by the learner,
+    // deleted by the buffer; its batch subject served to the learner.
+    let bucket = asyncrl_config::BufferConfig::default().batch_object_bucket;
+    let batches = buffer.object_store(&bucket).await.unwrap();
+    let batch = Bytes::from(vec![7u8; 2_000_000]);
+    batches.put("batch-1", batch.clone()).await.unwrap();
+    let read = learner.object_store(&bucket).await.unwrap();
+    assert_eq!(read.get("batch-1").await.unwrap(), batch);
+    batches.delete("batch-1").await.unwrap();
+    let mut served = buffer
+        .serve(
+            asyncrl_protos::subjects::BUFFER_BATCH,
+            Some(asyncrl_protos::subjects::BUFFER_QUEUE_GROUP),
+        )
+        .await
+        .unwrap();
+    let answer = tokio::spawn(async move {
+        let req = served.next().await.expect("a batch request");
+        req.respond(Bytes::from_static(b"batch")).await.unwrap();
+    });
+    let reply = learner
+        .request(
+            asyncrl_protos::subjects::BUFFER_BATCH,
+            Bytes::from_static(b"next"),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply, Bytes::from_static(b"batch"));
+    answer.await.unwrap();
+    let stores = buffer.storage().await.unwrap();
+    assert!(!stores.is_empty());
+
+    for (role, metrics) in [
+        ("learner", &learner_metrics),
+        ("buffer", &buffer_metrics),
+        ("coordinator", &coordinator_metrics),
+    ] {
+        for op in ["publish", "subscribe"] {
+            assert_eq!(
+                metrics.permission_violation_count(op),
+                0,
+                "{role} was refused a {op}"
+            );
+        }
+    }
+}
