@@ -412,14 +412,25 @@ async fn the_owners_credentials_cover_weight_pruning_batch_objects_and_storage_r
         let req = served.next().await.expect("a batch request");
         req.respond(Bytes::from_static(b"batch")).await.unwrap();
     });
-    let reply = learner
-        .request(
-            asyncrl_protos::subjects::BUFFER_BATCH,
-            Bytes::from_static(b"next"),
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap();
+    // Until the server has the buffer's subscription, nobody responds.
+    let reply = asyncrl_testkit::eventually(
+        "the buffer serving the batch subject",
+        Duration::from_secs(20),
+        || async {
+            match learner
+                .request(
+                    asyncrl_protos::subjects::BUFFER_BATCH,
+                    Bytes::from_static(b"next"),
+                    Duration::from_secs(10),
+                )
+                .await
+            {
+                Err(TransportError::NoResponders { .. }) => None,
+                other => Some(other.unwrap()),
+            }
+        },
+    )
+    .await;
     assert_eq!(reply, Bytes::from_static(b"batch"));
     answer.await.unwrap();
     let stores = buffer.storage().await.unwrap();
