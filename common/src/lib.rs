@@ -19,6 +19,23 @@ pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(sha2::Sha256::digest(data))
 }
 
+/// Bytes of the files under `dir`, recursively (0 when it does not exist;
+/// entries that vanish during the walk are skipped). For reports of what a
+/// store holds on disk, not for accounting that must be exact.
+pub fn dir_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(ft) if ft.is_dir() => dir_bytes(&e.path()),
+            Ok(ft) if ft.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -42,6 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use asyncrl_common::dir_bytes;
 use asyncrl_protos::Message as _;
 use asyncrl_protos::subjects::{CONTROL_BUCKET, POLICY_VERSION_KEY, TRAJECTORY_STREAM};
 use asyncrl_transport::Bus;
@@ -459,22 +460,6 @@ pub fn disk_bound(dir: &str, points: &[(f64, u64)], margin: f64, bound_mib: f64)
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
-
-/// Bytes of the files under `dir` (0 when it does not exist; files that
-/// vanish during the walk are skipped).
-fn dir_bytes(dir: &Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .map(|e| match e.file_type() {
-            Ok(ft) if ft.is_dir() => dir_bytes(&e.path()),
-            Ok(ft) if ft.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
-            _ => 0,
-        })
-        .sum()
-}
 
 /// Bytes per stream directory of a JetStream store (the `streams/<name>`
 /// directories found up to three levels down), largest first.

@@ -69,7 +69,8 @@ pub fn free_port() -> std::io::Result<u16> {
 #[derive(Debug, Clone, Default)]
 pub struct ServerConfig {
     /// The config file's text. The port, the JetStream store and the
-    /// listen address come from the command line (they win over the file).
+    /// listen address come from the command line (they win over the file;
+    /// a `store_dir` in the file is an error of nats-server's).
     pub text: String,
     /// Files written next to the config file (`include`d files,
     /// certificates), by file name.

@@ -58,6 +58,12 @@ pub struct Spec {
     /// `eval.every_steps` (0: no held-out evaluation); the learner then
     /// evaluates the first 16 problems of the task file.
     pub eval_every: u64,
+    /// `bus.storage.trajectories`: "keep" (the default here) keeps every
+    /// published trajectory in the stream, and the invariant check audits
+    /// the buffer against it; "release" (the product's default) lets the
+    /// stream drop each once the buffer has stored it, and the check audits
+    /// the buffer's own segments.
+    pub stream: &'static str,
 }
 
 impl Default for Spec {
@@ -80,6 +86,7 @@ impl Default for Spec {
             tiny: (32, 1, 2, 1, 64),
             reconnect_max_delay: "500ms",
             eval_every: 0,
+            stream: "keep",
         }
     }
 }
@@ -303,6 +310,10 @@ connect_timeout = "10s"
 request_timeout = "3s"
 reconnect_max_delay = "{reconnect}"
 
+[bus.storage]
+trajectories = "{stream}"
+report_every = "500ms"
+
 [telemetry]
 listen = "127.0.0.1:0"
 log_format = "text"
@@ -360,6 +371,7 @@ weight_retry_backoff_max = "1s"
             g = s.group_size,
             url = self.bus_url(),
             reconnect = s.reconnect_max_delay,
+            stream = s.stream,
             max_new = s.max_new_tokens,
             max_seq = s.max_seq_len,
             tasks = self.tasks_file.display(),
@@ -888,8 +900,22 @@ weight_retry_backoff_max = "1s"
             ..Default::default()
         };
 
-        // The stream: every published trajectory, by uuid.
-        let stream = self.stream();
+        // The stream: every published trajectory, by uuid. A stream that
+        // releases what the buffer stored is empty once the run has
+        // settled: then the buffer's segments are the record.
+        let stream = if spec.stream == "keep" {
+            self.stream()
+        } else {
+            let (messages, pending, ack_pending) = self
+                .stream_state()
+                .expect("the TRAJECTORIES stream and its consumer");
+            assert_eq!(
+                (messages, pending, ack_pending),
+                (0, 0, 0),
+                "a releasing stream still holds messages after the buffer consumed everything"
+            );
+            self.stored()
+        };
         report.stream_trajectories = stream.len();
         let mut by_uuid: HashMap<&str, &Trajectory> = HashMap::new();
         for t in &stream {

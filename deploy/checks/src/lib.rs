@@ -607,6 +607,38 @@ pub fn url_encode(s: &str) -> String {
         .collect()
 }
 
+/// A Kubernetes quantity (`4Gi`) or a nats.conf size (`3GB`) in bytes.
+pub fn quantity_bytes(q: &str) -> u64 {
+    let q = q.trim();
+    let split = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
+    let (n, unit) = q.split_at(split);
+    let n: u64 = n.parse().unwrap_or_else(|_| panic!("size {q:?}"));
+    let m: u64 = match unit.trim() {
+        "" => 1,
+        "Ki" | "KiB" => 1 << 10,
+        "Mi" | "MiB" => 1 << 20,
+        "Gi" | "GiB" => 1 << 30,
+        "Ti" => 1 << 40,
+        "K" | "KB" | "k" => 1_000,
+        "M" | "MB" => 1_000_000,
+        "G" | "GB" => 1_000_000_000,
+        "T" | "TB" => 1_000_000_000_000,
+        other => panic!("unit {other:?} in {q:?}"),
+    };
+    n * m
+}
+
+/// `key: value` of a nats.conf (top level or inside a block; comments cut).
+pub fn nats_conf_value(conf: &str, key: &str) -> Option<String> {
+    conf.lines()
+        .map(|l| l.split('#').next().unwrap_or_default().trim())
+        .find_map(|l| {
+            l.strip_prefix(key)
+                .and_then(|rest| rest.trim_start().strip_prefix(':'))
+                .map(|v| v.trim().to_owned())
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

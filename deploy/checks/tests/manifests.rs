@@ -10,7 +10,8 @@ use std::process::Command;
 
 use asyncrl_config::{Config, EngineKind};
 use asyncrl_deploy_checks::{
-    Rendered, containers, k8s_dir, overlays, require_tool, run_ok, selects,
+    Rendered, containers, k8s_dir, nats_conf_value, overlays, quantity_bytes as bytes,
+    require_tool, run_ok, selects,
 };
 use serde_json::Value;
 
@@ -55,38 +56,6 @@ fn config(r: &Rendered) -> Config {
     let text = r.config_map_data("asyncrl-config", "asyncrl.toml");
     Config::parse(&text, Some(Path::new("asyncrl.toml")))
         .unwrap_or_else(|e| panic!("overlay {}: asyncrl.toml: {e}", r.name))
-}
-
-/// The `[kmgt]i?` quantity or `NGB` size as bytes.
-fn bytes(q: &str) -> u64 {
-    let q = q.trim();
-    let split = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
-    let (n, unit) = q.split_at(split);
-    let n: u64 = n.parse().unwrap_or_else(|_| panic!("size {q:?}"));
-    let m: u64 = match unit.trim() {
-        "" => 1,
-        "Ki" | "KiB" => 1 << 10,
-        "Mi" | "MiB" => 1 << 20,
-        "Gi" | "GiB" => 1 << 30,
-        "Ti" => 1 << 40,
-        "K" | "KB" | "k" => 1_000,
-        "M" | "MB" => 1_000_000,
-        "G" | "GB" => 1_000_000_000,
-        "T" | "TB" => 1_000_000_000_000,
-        other => panic!("unit {other:?} in {q:?}"),
-    };
-    n * m
-}
-
-/// `key: value` of nats.conf (top level or inside a block).
-fn nats_conf_value(conf: &str, key: &str) -> Option<String> {
-    conf.lines()
-        .map(|l| l.split('#').next().unwrap_or_default().trim())
-        .find_map(|l| {
-            l.strip_prefix(key)
-                .and_then(|rest| rest.trim_start().strip_prefix(':'))
-                .map(|v| v.trim().to_owned())
-        })
 }
 
 #[test]
