@@ -678,6 +678,7 @@ impl Bus for NatsBus {
         };
         Ok(Arc::new(NatsObjects {
             store,
+            js: self.js.clone(),
             bucket: bucket.to_owned(),
             metrics: self.metrics.clone(),
             link: self.link.clone(),
@@ -944,6 +945,7 @@ impl KvBucket for NatsKv {
 
 struct NatsObjects {
     store: object_store::ObjectStore,
+    js: jetstream::Context,
     bucket: String,
     metrics: TransportMetrics,
     link: Arc<Link>,
@@ -1062,7 +1064,28 @@ impl ObjectStore for NatsObjects {
             self.store.delete(name).await.map_err(|e| match e.kind() {
                 object_store::DeleteErrorKind::NotFound => self.not_found(name),
                 _ => self.err("object_delete", e),
-            })
+            })?;
+            // The client's delete purges the chunks but leaves a "deleted"
+            // metadata message behind, one per name. Names are per version
+            // (`policy-v…`), so those tombstones would pile up for the whole
+            // run and pin the stream's file blocks on disk: purge it too.
+            use base64::Engine as _;
+            let meta = format!(
+                "$O.{}.M.{}",
+                self.bucket,
+                base64::engine::general_purpose::URL_SAFE.encode(name)
+            );
+            let stream = self
+                .js
+                .get_stream_no_info(format!("OBJ_{}", self.bucket))
+                .await
+                .map_err(|e| self.err("object_delete", e))?;
+            stream
+                .purge()
+                .filter(meta)
+                .await
+                .map_err(|e| self.err("object_delete", e))?;
+            Ok(())
         };
         self.write("object_delete", delete).await
     }

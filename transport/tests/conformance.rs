@@ -78,6 +78,7 @@ conformance!(
     missing_object_is_not_found,
     work_queue_releases_a_message_once_acked,
     full_stream_refuses_or_discards_by_its_policy,
+    deleted_objects_leave_nothing_behind,
 );
 
 fn stream_spec(name: &str, subject: &str) -> StreamSpec {
@@ -629,10 +630,14 @@ async fn work_queue_releases_a_message_once_acked(env: Env) {
         d.ack().await.unwrap();
     }
     let held = |bus: Arc<dyn Bus>, n: u64| async move {
-        asyncrl_testkit::eventually("the stream to let go of acked messages", Duration::from_secs(10), || {
-            let bus = bus.clone();
-            async move { (bus.stream_len("WORK").await.unwrap() == n).then_some(()) }
-        })
+        asyncrl_testkit::eventually(
+            "the stream to let go of acked messages",
+            Duration::from_secs(10),
+            || {
+                let bus = bus.clone();
+                async move { (bus.stream_len("WORK").await.unwrap() == n).then_some(()) }
+            },
+        )
         .await
     };
     held(env.bus.clone(), 1).await;
@@ -652,7 +657,13 @@ async fn work_queue_releases_a_message_once_acked(env: Env) {
         .unwrap();
     assert!(dup.duplicate);
     assert_eq!(env.bus.stream_len("WORK").await.unwrap(), 0);
-    assert!(consumer.fetch(10, Duration::from_millis(200)).await.unwrap().is_empty());
+    assert!(
+        consumer
+            .fetch(10, Duration::from_millis(200))
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 async fn full_stream_refuses_or_discards_by_its_policy(env: Env) {
@@ -672,7 +683,10 @@ async fn full_stream_refuses_or_discards_by_its_policy(env: Env) {
             Ok(_) => stored += 1,
             Err(e) => break e,
         }
-        assert!(stored < 10, "a 1 MiB stream took {stored} messages of 300 KiB");
+        assert!(
+            stored < 10,
+            "a 1 MiB stream took {stored} messages of 300 KiB"
+        );
     };
     assert_eq!(stored, 3, "three fit in 1 MiB");
     assert!(
@@ -727,4 +741,60 @@ async fn full_stream_refuses_or_discards_by_its_policy(env: Env) {
         .map(|d| d.msg_id.clone().unwrap_or_default())
         .collect();
     assert_eq!(ids, ["o3", "o4", "o5"]);
+}
+
+/// A run puts and deletes one weights object per version: what is deleted
+/// must not stay behind (no per-name tombstone), or the store grows with
+/// the number of versions however few are kept.
+async fn deleted_objects_leave_nothing_behind(env: Env) {
+    let store = env.bus.object_store("CHURN").await.unwrap();
+    let data = Bytes::from(vec![3u8; 200 * 1024]);
+    for v in 0..40 {
+        store
+            .put(&format!("policy-v{v:08}.safetensors"), data.clone())
+            .await
+            .unwrap();
+        if v >= 2 {
+            store
+                .delete(&format!("policy-v{:08}.safetensors", v - 2))
+                .await
+                .unwrap();
+        }
+    }
+    let names: Vec<String> = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(
+        store
+            .info("policy-v00000000.safetensors")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(matches!(
+        store.get("policy-v00000000.safetensors").await,
+        Err(TransportError::ObjectNotFound { .. })
+    ));
+    // Two objects of two chunks... plus their two metadata messages: nothing
+    // of the 38 deleted ones.
+    let (messages, bytes, _) = usage(env.bus.as_ref(), "OBJ_CHURN").await;
+    assert!(bytes < 3 * 200 * 1024, "{bytes} bytes held for two objects");
+    assert!(
+        messages <= 2 * 4,
+        "{messages} messages held for two objects"
+    );
+    // A deleted name can be used again.
+    store
+        .put("policy-v00000000.safetensors", data.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get("policy-v00000000.safetensors").await.unwrap(),
+        data
+    );
 }
