@@ -161,20 +161,37 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.bus.storage.trajectories, TrajectoryRetention::Keep);
-        assert_eq!(c.bus.storage.trajectories_max_age, Duration::from_secs(7200));
+        assert_eq!(
+            c.bus.storage.trajectories_max_age,
+            Duration::from_secs(7200)
+        );
         assert_eq!(c.bus.storage.object_store_max_bytes, 1 << 30);
 
         for (text, key) in [
             ("trajectories = \"forever\"", "trajectories"),
-            ("trajectories_max_bytes = 10", "bus.storage.trajectories_max_bytes"),
-            ("dead_letters_max_bytes = 0", "bus.storage.dead_letters_max_bytes"),
+            (
+                "trajectories_max_bytes = 10",
+                "bus.storage.trajectories_max_bytes",
+            ),
+            (
+                "dead_letters_max_bytes = 0",
+                "bus.storage.dead_letters_max_bytes",
+            ),
             ("kv_max_bytes = 5", "bus.storage.kv_max_bytes"),
-            ("object_store_max_bytes = 1000", "bus.storage.object_store_max_bytes"),
-            ("dead_letters_max_age = \"0s\"", "bus.storage.dead_letters_max_age"),
+            (
+                "object_store_max_bytes = 1000",
+                "bus.storage.object_store_max_bytes",
+            ),
+            (
+                "dead_letters_max_age = \"0s\"",
+                "bus.storage.dead_letters_max_age",
+            ),
             ("report_every = \"1ms\"", "bus.storage.report_every"),
             ("max_everything = 1", "max_everything"),
         ] {
-            let err = load(&format!("[bus.storage]\n{text}\n")).unwrap_err().to_string();
+            let err = load(&format!("[bus.storage]\n{text}\n"))
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(key), "{text}: {err}");
         }
     }

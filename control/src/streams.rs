@@ -82,7 +82,10 @@ mod tests {
 
         bus.storage.trajectories = TrajectoryRetention::Keep;
         let kept = trajectory_stream_spec(&bus);
-        assert_eq!((kept.retention, kept.discard), (Retention::Limits, Discard::New));
+        assert_eq!(
+            (kept.retention, kept.discard),
+            (Retention::Limits, Discard::New)
+        );
         assert_eq!(kept.max_age, bus.storage.trajectories_max_age);
     }
 }

@@ -36,7 +36,6 @@ pub use metrics::TransportMetrics;
 pub use nats::NatsBus;
 pub use subject::subject_matches;
 
-
 pub type Result<T> = std::result::Result<T, TransportError>;
 
 /// What can go wrong on the bus. Callers branch on the kind: a `Timeout` is

@@ -19,10 +19,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::subject::{subject_matches, validate_publish_subject};
 use crate::{
-    Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, KvBucket, KvEntry, KvEvent, Message,
-    Discard, ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, Retention, StoreUsage,
-    StreamSpec, TransportError,
-    sha256_hex,
+    Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, Discard, KvBucket, KvEntry, KvEvent,
+    Message, ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, Retention, StoreUsage,
+    StreamSpec, TransportError, sha256_hex,
 };
 
 /// Chunk size reported for objects, the same as NATS' default.
@@ -240,8 +239,7 @@ impl Bus for LocalBus {
 
     async fn storage(&self) -> Result<Vec<StoreUsage>> {
         let mut out = Vec::new();
-        let streams: Vec<Arc<LocalStream>> =
-            lock(&self.inner.streams).values().cloned().collect();
+        let streams: Vec<Arc<LocalStream>> = lock(&self.inner.streams).values().cloned().collect();
         for stream in streams {
             let mut s = lock(&stream.state);
             s.expire(Instant::now());
