@@ -369,9 +369,13 @@ async fn handle(inner: &Mutex<Inner>, bus: &dyn Bus, subject: &str, payload: &[u
 }
 
 /// Creates the trajectory stream (the buffer's job in a real deployment)
-/// with the spec the buffer uses.
+/// with the spec the buffer uses under `bus.storage.trajectories = "keep"`:
+/// the tests read what the worker published with consumers of their own,
+/// more than one per stream, which a releasing (work-queue) stream refuses.
 pub async fn ensure_trajectory_stream(bus: &dyn Bus) -> Result<(), TransportError> {
-    let spec = asyncrl_control::streams::trajectory_stream_spec(&BusConfig::default());
+    let mut config = BusConfig::default();
+    config.storage.trajectories = asyncrl_config::TrajectoryRetention::Keep;
+    let spec = asyncrl_control::streams::trajectory_stream_spec(&config);
     bus.ensure_stream(&spec).await
 }
 

@@ -284,6 +284,25 @@ impl Bus for LocalBus {
         let s = self.stream(stream)?;
         {
             let mut state = lock(&s.state);
+            // As JetStream: a work queue hands each message to one consumer,
+            // so two consumers whose subjects overlap are refused.
+            if state.spec.retention == Retention::WorkQueue {
+                let overlaps = |a: &Option<String>, b: &Option<String>| match (a, b) {
+                    (Some(a), Some(b)) => subject_matches(a, b) || subject_matches(b, a),
+                    _ => true,
+                };
+                if let Some((other, _)) = state.consumers.iter().find(|(name, c)| {
+                    **name != spec.durable_name
+                        && overlaps(&c.spec.filter_subject, &spec.filter_subject)
+                }) {
+                    return Err(TransportError::backend(
+                        "consumer",
+                        format!(
+                            "work-queue stream `{stream}` already has consumer `{other}` on these subjects"
+                        ),
+                    ));
+                }
+            }
             let next = state.last_seq + 1;
             state
                 .consumers

@@ -621,6 +621,15 @@ async fn work_queue_releases_a_message_once_acked(env: Env) {
     let mut cspec = ConsumerSpec::new("only");
     cspec.ack_wait = Duration::from_secs(1);
     let consumer = env.bus.consumer("WORK", &cspec).await.unwrap();
+    // A work queue hands each message to one consumer: a second one on the
+    // same subjects is refused; the first binds again.
+    assert!(
+        env.bus
+            .consumer("WORK", &ConsumerSpec::new("another"))
+            .await
+            .is_err()
+    );
+    env.bus.consumer("WORK", &cspec).await.unwrap();
     let got = consumer.fetch(10, Duration::from_secs(2)).await.unwrap();
     assert_eq!(got.len(), 4);
     // Delivered but not acked: still held (a crash now redelivers them).
