@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use asyncrl_config::{BusConfig, Secret};
 use asyncrl_protos::subjects::{
-    CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, POLICY_VERSION_KEY,
-    TASKS_ACQUIRE, WEIGHTS_BUCKET, weights_object_name,
+    CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, LEARNER_STATUS_KEY,
+    POLICY_VERSION_KEY, TASKS_ACQUIRE, WEIGHTS_BUCKET, weights_object_name,
 };
 use asyncrl_testkit::{NatsServer, ServerConfig, workspace_root};
 use asyncrl_transport::{Bus, NatsBus, TransportError, TransportMetrics};
@@ -363,7 +363,7 @@ async fn the_owners_credentials_cover_weight_pruning_batch_objects_and_storage_r
     // The learner creates the control bucket and the weights store, writes
     // its keys, replaces and prunes weights.
     let control = learner.kv(CONTROL_BUCKET).await.unwrap();
-    for key in [POLICY_VERSION_KEY, "learner.status", KNOBS_KEY] {
+    for key in [POLICY_VERSION_KEY, LEARNER_STATUS_KEY, KNOBS_KEY] {
         control.put(key, Bytes::from_static(b"x")).await.unwrap();
     }
     let weights = learner.object_store(WEIGHTS_BUCKET).await.unwrap();

@@ -13,6 +13,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use asyncrl_common::dir_bytes;
+use asyncrl_protos::subjects::{
+    CONTROL_BUCKET, DEAD_LETTER_STREAM, TRAJECTORY_STREAM, WEIGHTS_BUCKET,
+};
 use common::{Cluster, Expect, Spec};
 
 #[derive(Debug, Clone, Copy)]
@@ -59,7 +62,7 @@ fn the_trajectory_stream_does_not_grow_with_trained_steps() {
                     step,
                     messages,
                     disk: dir_bytes(store),
-                    stream_disk: dir_bytes(&streams_dir(store).join("TRAJECTORIES")),
+                    stream_disk: dir_bytes(&streams_dir(store).join(TRAJECTORY_STREAM)),
                 });
             }
             step >= max_steps
@@ -112,13 +115,19 @@ fn the_trajectory_stream_does_not_grow_with_trained_steps() {
     // The buffer exports the size and the limit of every store.
     let metrics = c.metrics("buffer").expect("the buffer's /metrics");
     let limit = metrics
-        .get("asyncrl_nats_store_max_bytes{store=\"TRAJECTORIES\"}")
+        .get(&format!(
+            "asyncrl_nats_store_max_bytes{{store=\"{TRAJECTORY_STREAM}\"}}"
+        ))
         .expect("asyncrl_nats_store_max_bytes of TRAJECTORIES");
     assert_eq!(
         limit,
         asyncrl_config::StorageConfig::default().trajectories_max_bytes as f64
     );
-    for store in ["TRAJECTORIES_DLQ", "KV_asyncrl_control", "OBJ_WEIGHTS"] {
+    for store in [
+        DEAD_LETTER_STREAM.to_owned(),
+        format!("KV_{CONTROL_BUCKET}"),
+        format!("OBJ_{WEIGHTS_BUCKET}"),
+    ] {
         assert!(
             metrics
                 .get(&format!("asyncrl_nats_store_bytes{{store=\"{store}\"}}"))

@@ -126,16 +126,16 @@ mod tests {
         let m = Metrics::new();
         let r = StorageReporter::register(&m, Duration::from_secs(1)).unwrap();
         let near = r.record(&[
-            store("TRAJECTORIES", 900, Some(1000)),
-            store("TRAJECTORIES_DLQ", 100, Some(1000)),
+            store("STREAM_A", 900, Some(1000)),
+            store("STREAM_B", 100, Some(1000)),
             store("OBJ_WEIGHTS", 5000, None),
         ]);
-        assert_eq!(near, vec!["TRAJECTORIES".to_owned()]);
+        assert_eq!(near, vec!["STREAM_A".to_owned()]);
         let text = m.encode_prometheus_text().unwrap();
         for line in [
-            "asyncrl_nats_store_bytes{store=\"TRAJECTORIES\"} 900",
-            "asyncrl_nats_store_max_bytes{store=\"TRAJECTORIES\"} 1000",
-            "asyncrl_nats_store_messages{store=\"TRAJECTORIES_DLQ\"} 10",
+            "asyncrl_nats_store_bytes{store=\"STREAM_A\"} 900",
+            "asyncrl_nats_store_max_bytes{store=\"STREAM_A\"} 1000",
+            "asyncrl_nats_store_messages{store=\"STREAM_B\"} 10",
             "asyncrl_nats_store_bytes{store=\"OBJ_WEIGHTS\"} 5000",
         ] {
             assert!(text.contains(line), "{line} in\n{text}");

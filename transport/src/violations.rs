@@ -152,9 +152,9 @@ mod tests {
         );
         assert_eq!(
             parse(
-                r#"Permissions Violation for Subscription to "asyncrl.tasks.acquire" using queue "asyncrl-coordinator""#
+                r#"Permissions Violation for Subscription to "svc.tasks.take" using queue "svc-workers""#
             ),
-            Some((Denied::Subscribe, "asyncrl.tasks.acquire".into()))
+            Some((Denied::Subscribe, "svc.tasks.take".into()))
         );
         assert_eq!(parse("Authorization Violation"), None);
         assert_eq!(parse("Permissions Violation for Publish to"), None);

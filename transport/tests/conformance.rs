@@ -760,12 +760,12 @@ async fn deleted_objects_leave_nothing_behind(env: Env) {
     let data = Bytes::from(vec![3u8; 200 * 1024]);
     for v in 0..40 {
         store
-            .put(&format!("policy-v{v:08}.safetensors"), data.clone())
+            .put(&format!("obj-v{v:08}.bin"), data.clone())
             .await
             .unwrap();
         if v >= 2 {
             store
-                .delete(&format!("policy-v{:08}.safetensors", v - 2))
+                .delete(&format!("obj-v{:08}.bin", v - 2))
                 .await
                 .unwrap();
         }
@@ -778,15 +778,9 @@ async fn deleted_objects_leave_nothing_behind(env: Env) {
         .map(|i| i.name)
         .collect();
     assert_eq!(names.len(), 2, "{names:?}");
-    assert!(
-        store
-            .info("policy-v00000000.safetensors")
-            .await
-            .unwrap()
-            .is_none()
-    );
+    assert!(store.info("obj-v00000000.bin").await.unwrap().is_none());
     assert!(matches!(
-        store.get("policy-v00000000.safetensors").await,
+        store.get("obj-v00000000.bin").await,
         Err(TransportError::ObjectNotFound { .. })
     ));
     // Two objects of two chunks... plus their two metadata messages: nothing
@@ -798,12 +792,6 @@ async fn deleted_objects_leave_nothing_behind(env: Env) {
         "{messages} messages held for two objects"
     );
     // A deleted name can be used again.
-    store
-        .put("policy-v00000000.safetensors", data.clone())
-        .await
-        .unwrap();
-    assert_eq!(
-        store.get("policy-v00000000.safetensors").await.unwrap(),
-        data
-    );
+    store.put("obj-v00000000.bin", data.clone()).await.unwrap();
+    assert_eq!(store.get("obj-v00000000.bin").await.unwrap(), data);
 }
