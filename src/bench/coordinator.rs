@@ -282,12 +282,23 @@ pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBench
         .echo(&echo_subject, grant_sized_payload())
         .await?;
     let acquire = acquire_payload();
-    // The echo's subscription reached the server when `echo` returned; one
-    // warm-up request checks the path.
-    raw_client
-        .request_burst(&echo_subject, &acquire, 1, 1)
-        .await
-        .context("raw echo warm-up")?;
+    // The echo's subscription (another connection) may not have reached the
+    // server yet: the client's flush writes, it does not wait for the
+    // server. Warm up until the path answers.
+    let mut attempts = 0;
+    loop {
+        match raw_client
+            .request_burst(&echo_subject, &acquire, 1, 1)
+            .await
+        {
+            Ok(_) => break,
+            Err(_) if attempts < 100 => {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(e).context("raw echo warm-up"),
+        }
+    }
 
     let mut rows = Vec::new();
     let result: Result<()> = async {
