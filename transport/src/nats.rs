@@ -38,6 +38,11 @@ fn stream_full(e: &jetstream::context::PublishError) -> Option<String> {
     full.then(|| js.to_string())
 }
 
+/// JetStream's form of a byte limit: -1 for none.
+fn byte_limit(bytes: Option<u64>) -> i64 {
+    bytes.map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX))
+}
+
 /// Object metadata key under which we record our own sha256 of an object.
 const SHA256_META: &str = "asyncrl-sha256";
 
@@ -49,7 +54,7 @@ pub struct NatsBus {
     replicas: usize,
     request_timeout: Duration,
     /// Byte limits of the KV buckets and object stores this bus creates.
-    kv_max_bytes: Option<u64>,
+    kv_max_bytes: u64,
     objects_max_bytes: Option<u64>,
     metrics: TransportMetrics,
     link: Arc<Link>,
@@ -317,7 +322,7 @@ impl NatsBus {
             js,
             replicas: config.replicas,
             request_timeout: config.request_timeout,
-            kv_max_bytes: Some(config.storage.kv_max_bytes),
+            kv_max_bytes: config.storage.kv_max_bytes,
             objects_max_bytes: (config.storage.object_store_max_bytes > 0)
                 .then_some(config.storage.object_store_max_bytes),
             metrics,
@@ -483,17 +488,15 @@ impl Bus for NatsBus {
             num_replicas: spec.replicas.max(self.replicas),
             storage: stream::StorageType::File,
             retention,
-            max_bytes: spec
-                .max_bytes
-                .map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+            max_bytes: byte_limit(spec.max_bytes),
             discard: match spec.discard {
                 crate::Discard::Old => stream::DiscardPolicy::Old,
                 crate::Discard::New => stream::DiscardPolicy::New,
             },
             ..Default::default()
         };
-        if let Ok(mut existing) = self.js.get_stream(&spec.name).await
-            && let Ok(info) = existing.info().await
+        if let Ok(existing) = self.js.get_stream(&spec.name).await
+            && let info = existing.cached_info()
             && info.config.retention != retention
         {
             // JetStream cannot change a stream's retention in place: say what
@@ -626,9 +629,7 @@ impl Bus for NatsBus {
                 let config = kv::Config {
                     bucket: bucket.to_owned(),
                     history: 1,
-                    max_bytes: self
-                        .kv_max_bytes
-                        .map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+                    max_bytes: byte_limit(Some(self.kv_max_bytes)),
                     storage: stream::StorageType::File,
                     num_replicas: self.replicas,
                     ..Default::default()
@@ -658,9 +659,7 @@ impl Bus for NatsBus {
             Err(_) => {
                 let config = object_store::Config {
                     bucket: bucket.to_owned(),
-                    max_bytes: self
-                        .objects_max_bytes
-                        .map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX)),
+                    max_bytes: byte_limit(self.objects_max_bytes),
                     storage: stream::StorageType::File,
                     num_replicas: self.replicas,
                     ..Default::default()
