@@ -4,8 +4,12 @@
 //! measured on the reference machine (docs/results/), not asserted here.
 #![cfg(feature = "torch")]
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output};
+
+use common::csv_rows;
 
 fn asyncrl(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_asyncrl"))
@@ -23,27 +27,6 @@ fn succeeded(args: &[&str], out: &Output) {
         String::from_utf8_lossy(&out.stderr),
         String::from_utf8_lossy(&out.stdout)
     );
-}
-
-/// Rows of a CSV as maps from column name to field.
-fn csv_rows(path: &Path) -> Vec<std::collections::HashMap<String, String>> {
-    let text = std::fs::read_to_string(path).expect("read csv");
-    let mut lines = text.lines();
-    let header: Vec<String> = lines
-        .next()
-        .expect("header")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
-    lines
-        .map(|l| {
-            header
-                .iter()
-                .cloned()
-                .zip(l.split(',').map(str::to_owned))
-                .collect()
-        })
-        .collect()
 }
 
 fn num(row: &std::collections::HashMap<String, String>, key: &str) -> f64 {

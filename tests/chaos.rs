@@ -7,29 +7,13 @@
 //! bounded disk, clean exits), and the report must be complete.
 #![cfg(feature = "torch")]
 
-use std::collections::{BTreeMap, HashMap};
+mod common;
+
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-fn csv_rows(path: &Path) -> Vec<HashMap<String, String>> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let mut lines = text.lines();
-    let header: Vec<String> = lines
-        .next()
-        .expect("a header")
-        .split(',')
-        .map(str::to_owned)
-        .collect();
-    lines
-        .map(|l| {
-            header
-                .iter()
-                .cloned()
-                .zip(l.split(',').map(str::to_owned))
-                .collect()
-        })
-        .collect()
-}
+use common::csv_rows;
 
 fn png(path: &Path) {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

@@ -1422,3 +1422,25 @@ impl Metrics {
         self.0.iter().find(|(s, _)| s == series).map(|(_, v)| *v)
     }
 }
+
+/// Rows of a CSV the benches write (no quoting: their fields never hold
+/// commas) as maps from column name to field.
+pub fn csv_rows(path: &Path) -> Vec<HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut lines = text.lines();
+    let header: Vec<String> = lines
+        .next()
+        .expect("a header")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    lines
+        .map(|l| {
+            header
+                .iter()
+                .cloned()
+                .zip(l.split(',').map(str::to_owned))
+                .collect()
+        })
+        .collect()
+}
