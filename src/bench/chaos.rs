@@ -101,24 +101,15 @@ pub fn default_final_wait(duration: Duration) -> Duration {
     (duration / 2).max(Duration::from_secs(120))
 }
 
-/// Parses `90`, `90s`, `1500ms`, `30m`, `2h` (the bench's durations).
+/// Parses `90`, `90s`, `1500ms`, `30m`, `2h` (the bench's durations): a bare
+/// number is seconds, anything else is humantime's syntax (as in the config).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("`{text}` is not a duration (e.g. 90s, 30m, 1500ms)"))?;
-    let scale = match unit.trim() {
-        "" | "s" => 1.0,
-        "ms" => 1e-3,
-        "m" | "min" => 60.0,
-        "h" => 3600.0,
-        other => return Err(format!("`{text}`: unknown unit `{other}` (ms, s, m, h)")),
-    };
-    Duration::try_from_secs_f64(value * scale).map_err(|e| format!("`{text}`: {e}"))
+    if let Ok(secs) = t.parse::<f64>() {
+        return Duration::try_from_secs_f64(secs).map_err(|e| format!("`{text}`: {e}"));
+    }
+    humantime::parse_duration(t)
+        .map_err(|e| format!("`{text}` is not a duration (e.g. 90s, 30m, 1500ms): {e}"))
 }
 
 // ------------------------------------------------------------ the schedule
