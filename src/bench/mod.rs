@@ -12,7 +12,11 @@
 //! - `staleness`: reward under η × clip mode × seeds;
 //! - `speedup`: sync (η = 0) against async training;
 //! - `chaos`: every role as a process under random faults, with the
-//!   system's invariants checked throughout (a soak, not a ratio).
+//!   system's invariants checked throughout (a soak, not a ratio);
+//! - `weights`: publish → in use on N workers against raw object-store
+//!   put + N gets of the same bytes;
+//! - `scale`: how each role's cost grows with its work (curves, fitted
+//!   growth).
 //!
 //! The buffer's benches are criterion benches (`cargo bench -p
 //! asyncrl-buffer`).
@@ -28,10 +32,14 @@ mod learner;
 #[cfg(feature = "torch")]
 mod memory;
 #[cfg(feature = "torch")]
+mod scale;
+#[cfg(feature = "torch")]
 mod speedup;
 #[cfg(feature = "torch")]
 mod staleness;
 mod transport;
+#[cfg(feature = "torch")]
+mod weights;
 #[cfg(feature = "torch")]
 mod worker;
 
@@ -109,6 +117,16 @@ pub(crate) enum BenchCommand {
     /// versions, the step target, memory and disk, and writes a report.
     /// Clears OUT/run and OUT/logs first.
     Chaos(ChaosArgs),
+    /// Time from a weight publish to the version in use on N workers, for
+    /// the built-in model and a synthetic bf16 file, against raw
+    /// object-store put + N gets of the same bytes in the same run.
+    #[cfg(feature = "torch")]
+    Weights(weights::WeightsArgs),
+    /// Cost curves: coordinator CPU and grant latency vs workers, buffer
+    /// memory and serve time vs resident trajectories, learner step time vs
+    /// batch tokens; CSV, PNG and a markdown summary with the fitted growth.
+    #[cfg(feature = "torch")]
+    Scale(scale::ScaleArgs),
 }
 
 #[derive(Debug, Args)]
@@ -458,6 +476,16 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 return Ok(());
             }
             let report = chaos::chaos(&rt, &spec)?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
+        BenchCommand::Weights(args) => {
+            let report = weights::run(&rt, args).context("weights bench")?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
+        BenchCommand::Scale(args) => {
+            let report = scale::run(&rt, args).context("scale bench")?;
             print!("{report}");
         }
         #[cfg(not(feature = "torch"))]
