@@ -467,11 +467,12 @@ async fn run_completion(
         bump(&shared.counters.reward_failures);
         tracing::warn!(task_id = %task.task_id, trajectory = %uuid, reason = %why, "reward failed; the trajectory is marked REWARD_STATUS_FAILED");
     }
+    let reward_ms = clamp_ms(reward.latency());
     let timings = Timings {
         started_at_unix_ms: started_ms,
         finished_at_unix_ms: finished_ms,
         generation_ms,
-        reward_ms: clamp_ms(reward.latency()),
+        reward_ms,
         weight_swaps: out.recomputations,
     };
     let trajectory = build_trajectory(
@@ -498,7 +499,14 @@ async fn run_completion(
         };
         match r {
             Ok(ack) => {
-                tracing::trace!(trajectory = %trajectory.uuid, sequence = ack.sequence, duplicate = ack.duplicate, "trajectory published");
+                tracing::debug!(
+                    trajectory = %trajectory.uuid,
+                    sequence = ack.sequence,
+                    duplicate = ack.duplicate,
+                    generation_ms,
+                    reward_ms,
+                    "trajectory published"
+                );
                 break;
             }
             Err(e) if retryable(&e) => {

@@ -612,12 +612,19 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
                 backoff.next_delay()
             }
         };
+        // A refusal mostly means "not before the learner's next version"
+        // (η): a swap to new weights ends the wait at once instead of at the
+        // coordinator's retry_after, which would otherwise sit on the
+        // critical path of every synchronous (η = 0) step.
         let sleep = tokio::time::sleep(delay);
         tokio::pin!(sleep);
+        let mut loaded = shared.loaded.clone();
+        loaded.borrow_and_update();
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = &mut sleep => break,
+                Ok(()) = loaded.changed() => break,
                 Some(r) = run.tasks.join_next() => run.finished(shared, r),
             }
         }

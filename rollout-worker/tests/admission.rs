@@ -1,0 +1,68 @@
+//! A refused acquire waits for the coordinator's `retry_after`, unless new
+//! weights arrive first: with η = 0 every step's tasks are refused until the
+//! learner's next version, and waiting out `retry_after` after the swap
+//! would sit on the critical path of every synchronous step.
+
+mod common;
+
+use std::time::Duration;
+
+use asyncrl_rollout_worker::scripted::{
+    ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream, publish_weights,
+};
+use asyncrl_tasks::BuiltinTask;
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weight_swap_ends_the_wait_after_a_refused_acquire() {
+    const G: u32 = 2;
+    let nats = nats().await;
+    let bus = nats.bus.clone();
+    let section = model_section(8, 48);
+    let config = config(nats.config.clone(), section.clone(), G, 4);
+    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
+    let (p1, p2) = (policy(&section, 1), policy(&section, 2));
+    publish_weights(bus.as_ref(), 1, weights(&p1))
+        .await
+        .unwrap();
+    // Nothing to grant yet, and a refusal asks for a retry in ten minutes.
+    let coordinator = ScriptedCoordinator::start(
+        bus.clone(),
+        Vec::new(),
+        ScriptOptions {
+            group_size: G,
+            admission_version: 2,
+            retry_after_ms: 600_000,
+            ..ScriptOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let RunningWorker {
+        handles,
+        shutdown,
+        task: worker,
+    } = start_worker_at(config, &bus, 1).await;
+    let (refused, log) = coordinator
+        .wait_for(Duration::from_secs(30), |l| !l.acquires.is_empty())
+        .await;
+    assert!(refused, "{log:#?}");
+    let acquires_before = coordinator.log().acquires.len();
+    coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 1, 3));
+
+    // The learner's next version: the worker swaps and asks again at once.
+    publish_weights(bus.as_ref(), 2, weights(&p2))
+        .await
+        .unwrap();
+    let (done, log) = coordinator
+        .wait_for(Duration::from_secs(60), |l| l.completed_leases().len() == 1)
+        .await;
+    assert!(
+        done,
+        "the worker still waits out retry_after after the swap: {log:#?}"
+    );
+    assert!(log.acquires.len() > acquires_before);
+    assert_eq!(handles.policy_version.get(), 2);
+    shutdown.cancel();
+    worker.await.unwrap().unwrap();
+}
