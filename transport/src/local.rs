@@ -784,6 +784,22 @@ struct LocalObjects {
     objects: Mutex<BTreeMap<String, (Bytes, ObjectInfo)>>,
 }
 
+impl LocalObjects {
+    /// The object and its sha256 (hex), checked against the one recorded
+    /// at put time.
+    fn get_checked(&self, name: &str) -> Result<(Bytes, String)> {
+        let (data, info) = lock(&self.objects).get(name).cloned().ok_or_else(|| {
+            TransportError::ObjectNotFound {
+                bucket: self.bucket.clone(),
+                name: name.into(),
+            }
+        })?;
+        let actual = sha256_hex(&data);
+        crate::nats::expect_sha256(name, actual.clone(), &info.sha256)?;
+        Ok((data, actual))
+    }
+}
+
 #[async_trait]
 impl ObjectStore for LocalObjects {
     async fn put(&self, name: &str, data: Bytes) -> Result<ObjectInfo> {
@@ -805,20 +821,14 @@ impl ObjectStore for LocalObjects {
     }
 
     async fn get(&self, name: &str) -> Result<Bytes> {
-        let (data, info) = lock(&self.objects).get(name).cloned().ok_or_else(|| {
-            TransportError::ObjectNotFound {
-                bucket: self.bucket.clone(),
-                name: name.into(),
-            }
-        })?;
-        let actual = sha256_hex(&data);
-        if actual != info.sha256 {
-            return Err(TransportError::ChecksumMismatch {
-                name: name.into(),
-                expected: info.sha256,
-                actual,
-            });
-        }
+        self.get_checked(name).map(|(data, _)| data)
+    }
+
+    /// One hash of the bytes checks them against both the sha256 recorded
+    /// at put time and the announced one.
+    async fn get_expecting(&self, name: &str, sha256: &str) -> Result<Bytes> {
+        let (data, actual) = self.get_checked(name)?;
+        crate::nats::expect_sha256(name, actual, sha256)?;
         Ok(data)
     }
 

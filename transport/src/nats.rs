@@ -1,7 +1,6 @@
 //! The NATS implementation: core NATS for pub/sub and request/reply,
 //! JetStream for durable streams, KV buckets and the object store.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
@@ -43,8 +42,35 @@ fn byte_limit(bytes: Option<u64>) -> i64 {
     bytes.map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX))
 }
 
-/// Object metadata key under which we record our own sha256 of an object.
+/// Object metadata key under which earlier versions recorded their own
+/// sha256 of an object (still checked when present). The client's digest
+/// (`SHA-256=<base64url>`) is the same hash, computed once as it writes.
 const SHA256_META: &str = "asyncrl-sha256";
+
+/// The object's sha256 (hex) from the client's digest, `None` without one.
+fn digest_hex(info: &object_store::ObjectInfo) -> Option<String> {
+    use base64::Engine as _;
+    let encoded = info.digest.as_deref()?.strip_prefix("SHA-256=")?;
+    let raw = base64::engine::general_purpose::URL_SAFE
+        .decode(encoded)
+        .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded))
+        .ok()?;
+    (raw.len() == 32).then(|| raw.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Checks an object's verified sha256 against the one its producer
+/// announced (both hex, any case).
+pub(crate) fn expect_sha256(name: &str, actual: String, expected: &str) -> Result<()> {
+    if actual.eq_ignore_ascii_case(expected) {
+        Ok(())
+    } else {
+        Err(TransportError::ChecksumMismatch {
+            name: name.into(),
+            expected: expected.into(),
+            actual,
+        })
+    }
+}
 
 /// A connection to NATS with JetStream.
 #[derive(Clone)]
@@ -982,11 +1008,81 @@ impl NatsObjects {
         }
     }
 
+    /// Reads an object and returns it with its sha256 (hex), checked once:
+    /// the client hashes the chunks as they arrive and refuses a read whose
+    /// hash differs from the object's digest, so the digest is then the
+    /// bytes' sha256 (an object without a digest is hashed here).
+    async fn get_checked(&self, name: &str) -> Result<(Bytes, String)> {
+        let mut object = self.store.get(name).await.map_err(|e| match e.kind() {
+            object_store::GetErrorKind::NotFound => self.not_found(name),
+            _ => self.err("object_get", e),
+        })?;
+        let size = object.info.size;
+        let digest = digest_hex(&object.info).filter(|_| object.info.chunks > 0);
+        let recorded = object.info.metadata.get(SHA256_META).cloned();
+        // Read into the final buffer (zeroed lazily by the allocator), then
+        // make sure the object ends there. Not `read_to_end`: the client
+        // fills the buffer of the read that fails its digest check.
+        let mut buf = vec![0u8; size];
+        let mut filled = 0;
+        let mut extra = [0u8; 1];
+        loop {
+            let into = if filled < size {
+                &mut buf[filled..]
+            } else {
+                &mut extra[..]
+            };
+            let n = match object.read(into).await {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    self.metrics.error("object_checksum");
+                    return Err(TransportError::ChecksumMismatch {
+                        name: name.into(),
+                        expected: digest.unwrap_or_default(),
+                        actual:
+                            "another hash (the chunks as read do not match the object's digest)"
+                                .into(),
+                    });
+                }
+                Err(e) => return Err(self.err("object_get", e)),
+            };
+            if n == 0 {
+                break;
+            }
+            if filled == size {
+                return Err(self.err(
+                    "object_get",
+                    format!("object `{name}` has more than its {size} bytes"),
+                ));
+            }
+            filled += n;
+        }
+        if filled != size {
+            return Err(self.err(
+                "object_get",
+                format!("object `{name}`: read {filled} of {size} bytes"),
+            ));
+        }
+        let actual = match digest {
+            Some(sha) => sha,
+            None => sha256_hex(&buf),
+        };
+        if let Some(expected) = recorded
+            && let Err(e) = expect_sha256(name, actual.clone(), &expected)
+        {
+            self.metrics.error("object_checksum");
+            return Err(e);
+        }
+        Ok((Bytes::from(buf), actual))
+    }
+
     fn info_of(info: &object_store::ObjectInfo) -> ObjectInfo {
         ObjectInfo {
             name: info.name.clone(),
             size: info.size as u64,
-            sha256: info.metadata.get(SHA256_META).cloned().unwrap_or_default(),
+            sha256: digest_hex(info)
+                .or_else(|| info.metadata.get(SHA256_META).cloned())
+                .unwrap_or_default(),
             chunks: info.chunks,
         }
     }
@@ -1001,20 +1097,20 @@ impl ObjectStore for NatsObjects {
                 reason: "empty object name".into(),
             });
         }
-        let sha256 = sha256_hex(&data);
-        let meta = object_store::ObjectMetadata {
-            name: name.to_owned(),
-            metadata: HashMap::from([(SHA256_META.to_owned(), sha256.clone())]),
-            ..Default::default()
-        };
+        // The client hashes the bytes as it writes them (its digest is the
+        // sha256 we report): one pass over the data, not two.
         let mut reader: &[u8] = &data;
         let put = async {
             self.store
-                .put(meta, &mut reader)
+                .put(name, &mut reader)
                 .await
                 .map_err(|e| self.err("object_put", e))
         };
         let info = self.write("object_put", put).await?;
+        let sha256 = match digest_hex(&info) {
+            Some(sha) => sha,
+            None => sha256_hex(&data),
+        };
         Ok(ObjectInfo {
             name: info.name,
             size: info.size as u64,
@@ -1024,29 +1120,16 @@ impl ObjectStore for NatsObjects {
     }
 
     async fn get(&self, name: &str) -> Result<Bytes> {
-        let mut object = self.store.get(name).await.map_err(|e| match e.kind() {
-            object_store::GetErrorKind::NotFound => self.not_found(name),
-            _ => self.err("object_get", e),
-        })?;
-        let expected = object.info.metadata.get(SHA256_META).cloned();
-        let mut buf = Vec::with_capacity(object.info.size);
-        // The client also checks the server-side digest as it reads.
-        object
-            .read_to_end(&mut buf)
-            .await
-            .map_err(|e| self.err("object_get", e))?;
-        if let Some(expected) = expected {
-            let actual = sha256_hex(&buf);
-            if actual != expected {
-                self.metrics.error("object_checksum");
-                return Err(TransportError::ChecksumMismatch {
-                    name: name.into(),
-                    expected,
-                    actual,
-                });
-            }
+        self.get_checked(name).await.map(|(data, _)| data)
+    }
+
+    async fn get_expecting(&self, name: &str, sha256: &str) -> Result<Bytes> {
+        let (data, actual) = self.get_checked(name).await?;
+        if let Err(e) = expect_sha256(name, actual, sha256) {
+            self.metrics.error("object_checksum");
+            return Err(e);
         }
-        Ok(Bytes::from(buf))
+        Ok(data)
     }
 
     async fn info(&self, name: &str) -> Result<Option<ObjectInfo>> {

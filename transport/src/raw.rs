@@ -132,6 +132,70 @@ impl RawNats {
     }
 }
 
+/// An object-store bucket opened with the client directly: the baseline of
+/// `asyncrl bench weights` (put once, N gets of the same bytes).
+#[derive(Clone)]
+pub struct RawObjects {
+    store: async_nats::jetstream::object_store::ObjectStore,
+}
+
+impl std::fmt::Debug for RawObjects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawObjects").finish_non_exhaustive()
+    }
+}
+
+impl RawNats {
+    /// Opens (creating if needed, without a byte limit) the object-store
+    /// bucket `bucket`.
+    pub async fn object_bucket(&self, bucket: &str) -> Result<RawObjects> {
+        let js = async_nats::jetstream::new(self.client.clone());
+        let store = match js.get_object_store(bucket).await {
+            Ok(store) => store,
+            Err(_) => js
+                .create_object_store(async_nats::jetstream::object_store::Config {
+                    bucket: bucket.to_owned(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| TransportError::backend("raw object bucket", e))?,
+        };
+        Ok(RawObjects { store })
+    }
+}
+
+impl RawObjects {
+    /// Stores `data` as `name` (the client hashes it for its digest).
+    pub async fn put(&self, name: &str, data: &[u8]) -> Result<()> {
+        let mut reader = data;
+        self.store
+            .put(name, &mut reader)
+            .await
+            .map_err(|e| TransportError::backend("raw object put", e))?;
+        Ok(())
+    }
+
+    /// Reads every byte of `name` (the client checks them against the
+    /// object's digest) and drops them as they arrive. Returns the size.
+    pub async fn get_and_drop(&self, name: &str) -> Result<u64> {
+        let mut object = self
+            .store
+            .get(name)
+            .await
+            .map_err(|e| TransportError::backend("raw object get", e))?;
+        tokio::io::copy(&mut object, &mut tokio::io::sink())
+            .await
+            .map_err(|e| TransportError::backend("raw object get", e))
+    }
+
+    pub async fn delete(&self, name: &str) -> Result<()> {
+        self.store
+            .delete(name)
+            .await
+            .map_err(|e| TransportError::backend("raw object delete", e))
+    }
+}
+
 impl NatsBus {
     /// Deletes a stream (benches remove the streams they created).
     pub async fn delete_stream(&self, name: &str) -> Result<()> {
