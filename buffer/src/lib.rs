@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 pub use crate::core::Stats;
 pub use export::{ExportArgs, ExportFormat, ExportSummary, export};
 pub use metrics::{BufferMetrics, LagHistogram};
-pub use reply::{decode_batch, encode_batch};
+pub use reply::{MAX_SLICES, batch_parts, decode_batch, encode_batch, encode_parts};
 pub use service::{
     Buffer, BufferHandle, DISK_HEALTH_CONDITION, HEALTH_CONDITION, Recovered,
     dead_letter_stream_spec, run, trajectory_stream_spec,
