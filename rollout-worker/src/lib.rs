@@ -51,6 +51,8 @@ mod worker;
 pub use error::WorkerError;
 pub use metrics::WorkerMetrics;
 pub use state::CompletionLengths;
+/// The fetch every worker of this process shares (see `weights`).
+pub use weights::fetch as fetch_weights;
 pub use worker::{HEALTH_CONDITION, Worker, WorkerSummary, run};
 
 /// Re-exported: the shutdown token [`run`] takes.

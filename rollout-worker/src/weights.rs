@@ -7,18 +7,28 @@
 //! instead. Bytes that verify but do not load as this model's weights are
 //! not retried (the same bytes would fail again): the worker waits for a
 //! newer version. Versions never go backwards.
+//!
+//! Workers of one process share each fetch ([`fetch`]): the first worker
+//! that wants a version's object (name and announced sha256) fetches it,
+//! the others that want it meanwhile wait for the same bytes instead of
+//! fetching their own copy, and the bytes are held only as long as a worker
+//! still holds them. Every copy handed out is the one checked against the
+//! announced sha256.
 
+use std::collections::HashMap;
 use std::ops::ControlFlow;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use asyncrl_protos::WeightAnnouncement;
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT,
 };
-use asyncrl_transport::TransportError;
+use asyncrl_transport::{Bus, TransportError};
 use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared as SharedFuture, WeakShared};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -215,11 +225,7 @@ async fn fetch_and_load(
     }
     let name = asyncrl_control::weights::object_name(ann);
     let timeout = shared.settings.weight_fetch_timeout;
-    let fetch = async {
-        let store = shared.bus.object_store(WEIGHTS_BUCKET).await?;
-        asyncrl_control::weights::fetch(store.as_ref(), ann).await
-    };
-    let bytes: Bytes = match tokio::time::timeout(timeout, fetch).await {
+    let bytes: Bytes = match tokio::time::timeout(timeout, fetch(&shared.bus, ann)).await {
         Err(_) => {
             return Err(FetchFailure {
                 label: "timeout",
@@ -312,5 +318,159 @@ async fn fetch_and_load(
     }
 }
 
+type FetchFuture = BoxFuture<'static, Result<Bytes, TransportError>>;
+type Fetch = SharedFuture<FetchFuture>;
+
+/// The fetches in flight or still held in this process, by object name and
+/// announced sha256 (lower case).
+type Fetches = HashMap<(String, String), WeakShared<FetchFuture>>;
+static FETCHES: LazyLock<Mutex<Fetches>> = LazyLock::new(Mutex::default);
+
+/// Fetches the weights `ann` announces from the `WEIGHTS` object store of
+/// `bus`, checked against the announced sha256. Callers in this process that
+/// want the same object with the same sha256 while another fetches it (or
+/// still holds its bytes) get those bytes and fetch nothing; a failure is
+/// shared by the calls that waited for it, and the next call fetches again.
+pub async fn fetch(bus: &Arc<dyn Bus>, ann: &WeightAnnouncement) -> Result<Bytes, TransportError> {
+    let key = (
+        asyncrl_control::weights::object_name(ann),
+        ann.sha256.to_ascii_lowercase(),
+    );
+    let bus = bus.clone();
+    let ann = ann.clone();
+    single_flight(key, async move {
+        let store = bus.object_store(WEIGHTS_BUCKET).await?;
+        asyncrl_control::weights::fetch(store.as_ref(), &ann).await
+    })
+    .await
+}
+
+/// Runs `fetch` unless a fetch of `key` is in flight or its bytes are still
+/// held, then returns that one's outcome.
+async fn single_flight(
+    key: (String, String),
+    fetch: impl Future<Output = Result<Bytes, TransportError>> + Send + 'static,
+) -> Result<Bytes, TransportError> {
+    let shared: Fetch = {
+        let mut fetches = FETCHES.lock().unwrap_or_else(PoisonError::into_inner);
+        fetches.retain(|_, weak| weak.upgrade().is_some());
+        match fetches.get(&key).and_then(WeakShared::upgrade) {
+            Some(shared) => shared,
+            None => {
+                let shared = fetch.boxed().shared();
+                if let Some(weak) = shared.downgrade() {
+                    fetches.insert(key.clone(), weak);
+                }
+                shared
+            }
+        }
+    };
+    let result = shared.clone().await;
+    if result.is_err() {
+        // Not kept for later calls: they fetch again.
+        let mut fetches = FETCHES.lock().unwrap_or_else(PoisonError::into_inner);
+        if fetches
+            .get(&key)
+            .and_then(WeakShared::upgrade)
+            .is_some_and(|held| held.ptr_eq(&shared))
+        {
+            fetches.remove(&key);
+        }
+    }
+    result
+}
+
 /// How often the worker logs that it still waits for the first weights.
 pub(crate) const STARTUP_LOG_EVERY: Duration = Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use tokio::sync::Notify;
+
+    fn key(name: &str) -> (String, String) {
+        (name.to_owned(), "ab".repeat(32))
+    }
+
+    /// A fetch that counts its runs and finishes when `go` is notified.
+    fn counted(
+        runs: &Arc<AtomicUsize>,
+        go: &Arc<Notify>,
+        out: Result<Bytes, TransportError>,
+    ) -> impl Future<Output = Result<Bytes, TransportError>> + Send + 'static {
+        let (runs, go) = (runs.clone(), go.clone());
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            go.notified().await;
+            out
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_calls_share_one_fetch_and_release_it() {
+        let (runs, go) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+        let bytes = Bytes::from(vec![7u8; 1000]);
+        let waiters: Vec<_> = (0..8)
+            .map(|_| {
+                tokio::spawn(single_flight(
+                    key("shared"),
+                    counted(&runs, &go, Ok(bytes.clone())),
+                ))
+            })
+            .collect();
+        while runs.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+        go.notify_one();
+        for w in waiters {
+            let got = w.await.unwrap().unwrap();
+            assert_eq!(got.as_ptr(), bytes.as_ptr(), "one copy for every caller");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // Nobody holds the bytes any more: the next call fetches again.
+        go.notify_one();
+        single_flight(key("shared"), counted(&runs, &go, Ok(bytes.clone())))
+            .await
+            .unwrap();
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_failure_is_shared_by_its_waiters_and_not_kept() {
+        let (runs, go) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+        let mismatch = TransportError::ChecksumMismatch {
+            name: "w".into(),
+            expected: "a".into(),
+            actual: "b".into(),
+        };
+        let waiters: Vec<_> = (0..4)
+            .map(|_| {
+                tokio::spawn(single_flight(
+                    key("failing"),
+                    counted(&runs, &go, Err(mismatch.clone())),
+                ))
+            })
+            .collect();
+        while runs.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+        go.notify_one();
+        for w in waiters {
+            assert_eq!(w.await.unwrap().unwrap_err(), mismatch);
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        go.notify_one();
+        let held = Bytes::from_static(b"ok");
+        let got = single_flight(key("failing"), counted(&runs, &go, Ok(held.clone())))
+            .await
+            .unwrap();
+        assert_eq!((got, runs.load(Ordering::SeqCst)), (held, 2));
+    }
+}
