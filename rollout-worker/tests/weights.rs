@@ -338,3 +338,107 @@ async fn a_task_admitted_at_a_newer_version_waits_for_its_weights() {
         );
     }
 }
+
+/// Workers of one process, each on its own connection, share each weight
+/// fetch: all of them swap in the announced version, a checksum mismatch is
+/// every worker's (counted, old weights kept), and a failure is not kept:
+/// a version announced before its object exists is loaded by every worker
+/// once the object appears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_of_one_process_share_fetches_and_each_checks_them() {
+    const WORKERS: usize = 3;
+    let nats = nats().await;
+    let bus = nats.bus.clone();
+    let section = model_section(12, 48);
+    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
+    let (p5, p6, p7) = (
+        policy(&section, 100),
+        policy(&section, 200),
+        policy(&section, 300),
+    );
+    publish_weights(bus.as_ref(), 5, weights(&p5))
+        .await
+        .unwrap();
+    let _coordinator =
+        ScriptedCoordinator::start(bus.clone(), Vec::new(), ScriptOptions::default())
+            .await
+            .unwrap();
+    let mut workers = Vec::new();
+    for i in 0..WORKERS {
+        let mut config = config(nats.config.clone(), section.clone(), 2, 4);
+        config.worker.id = Some(format!("worker-shared-{i}"));
+        let own: std::sync::Arc<dyn asyncrl_transport::Bus> = std::sync::Arc::new(
+            asyncrl_transport::NatsBus::connect(
+                &nats.config,
+                asyncrl_transport::TransportMetrics::new(),
+            )
+            .await
+            .unwrap(),
+        );
+        workers.push(start_worker_at(config, &own, 5).await);
+    }
+
+    // Version 6 announced with a checksum that is not its object's.
+    let good6 = weights(&p6);
+    let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
+    let info = store
+        .put(&weights_object_name(6), good6.clone())
+        .await
+        .unwrap();
+    let mut ann = WeightAnnouncement {
+        version: 6,
+        object_name: weights_object_name(6),
+        sha256: sha256_hex(b"something else"),
+        byte_size: info.size,
+        format: "safetensors".into(),
+        published_at_unix_ms: 1,
+        step: 6,
+    };
+    announce(bus.as_ref(), &ann).await.unwrap();
+    for w in &workers {
+        assert!(
+            eventually(Duration::from_secs(20), || failures(
+                &w.handles.weight_fetch_failures,
+                "checksum"
+            ) >= 2)
+            .await,
+            "every worker counts the mismatch"
+        );
+        assert_eq!(w.handles.policy_version.get(), 5, "old weights kept");
+    }
+
+    // Version 7 announced before its object exists, then stored.
+    let good7 = weights(&p7);
+    ann.version = 7;
+    ann.object_name = weights_object_name(7);
+    ann.sha256 = sha256_hex(&good7);
+    ann.byte_size = good7.len() as u64;
+    announce(bus.as_ref(), &ann).await.unwrap();
+    for w in &workers {
+        assert!(
+            eventually(Duration::from_secs(20), || failures(
+                &w.handles.weight_fetch_failures,
+                "not_found"
+            ) >= 1)
+            .await,
+            "every worker counts the missing object"
+        );
+    }
+    store
+        .put(&weights_object_name(7), good7.clone())
+        .await
+        .unwrap();
+    for w in &workers {
+        assert!(
+            eventually(Duration::from_secs(30), || w.handles.policy_version.get()
+                == 7)
+            .await,
+            "every worker loads version 7 once its object is there"
+        );
+    }
+    for w in workers {
+        w.shutdown.cancel();
+        let summary = w.task.await.unwrap().unwrap();
+        assert_eq!(summary.final_version, Some(7));
+    }
+}
