@@ -1,6 +1,7 @@
 //! The NATS implementation: core NATS for pub/sub and request/reply,
 //! JetStream for durable streams, KV buckets and the object store.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
@@ -46,6 +47,12 @@ fn byte_limit(bytes: Option<u64>) -> i64 {
 /// sha256 of an object (still checked when present). The client's digest
 /// (`SHA-256=<base64url>`) is the same hash, computed once as it writes.
 const SHA256_META: &str = "asyncrl-sha256";
+
+/// Chunk size of the objects we write (the client's default).
+const OBJECT_CHUNK: usize = 128 * 1024;
+
+/// Chunks of one object put awaiting their ack at a time.
+const PUT_CHUNKS_IN_FLIGHT: usize = 32;
 
 /// The object's sha256 (hex) from the client's digest, `None` without one.
 fn digest_hex(info: &object_store::ObjectInfo) -> Option<String> {
@@ -1008,6 +1015,110 @@ impl NatsObjects {
         }
     }
 
+    /// Writes an object the way the client does (chunks on
+    /// `$O.<bucket>.C.<nuid>`, then the metadata with its digest as a rollup
+    /// on `$O.<bucket>.M.<name>`, then the purge of a replaced object's
+    /// chunks), but with up to [`PUT_CHUNKS_IN_FLIGHT`] chunks awaiting their
+    /// ack instead of one, and the sha256 computed on a blocking thread
+    /// meanwhile. The object counts as stored once its metadata is acked,
+    /// which happens only after every chunk was acked. Returns the
+    /// metadata and the sha256 (hex).
+    async fn put_pipelined(
+        &self,
+        name: &str,
+        data: Bytes,
+    ) -> Result<(object_store::ObjectInfo, String)> {
+        use base64::Engine as _;
+        let encoded = base64::engine::general_purpose::URL_SAFE.encode(name);
+        let replaced = self.store.info(name).await.ok().filter(|i| !i.deleted);
+        let hashing = {
+            let data = data.clone();
+            tokio::task::spawn_blocking(move || sha256_hex(&data))
+        };
+        let nuid = self
+            .js
+            .client()
+            .new_inbox()
+            .rsplit('.')
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        let chunk_subject = format!("$O.{}.C.{nuid}", self.bucket);
+        let mut acks = std::collections::VecDeque::with_capacity(PUT_CHUNKS_IN_FLIGHT);
+        let mut chunks = 0;
+        let mut offset = 0;
+        while offset < data.len() {
+            let end = (offset + OBJECT_CHUNK).min(data.len());
+            let ack = self
+                .js
+                .publish(chunk_subject.clone(), data.slice(offset..end))
+                .await
+                .map_err(|e| self.err("object_put", e))?;
+            acks.push_back(ack);
+            if acks.len() >= PUT_CHUNKS_IN_FLIGHT
+                && let Some(ack) = acks.pop_front()
+            {
+                ack.await.map_err(|e| self.err("object_put", e))?;
+            }
+            offset = end;
+            chunks += 1;
+        }
+        while let Some(ack) = acks.pop_front() {
+            ack.await.map_err(|e| self.err("object_put", e))?;
+        }
+        let sha256 = hashing.await.map_err(|e| self.err("object_put", e))?;
+        let digest: Vec<u8> = (0..sha256.len())
+            .step_by(2)
+            .filter_map(|i| u8::from_str_radix(&sha256[i..i + 2], 16).ok())
+            .collect();
+        let info = object_store::ObjectInfo {
+            name: name.to_owned(),
+            description: None,
+            metadata: HashMap::new(),
+            headers: None,
+            options: Some(object_store::ObjectOptions {
+                link: None,
+                max_chunk_size: Some(OBJECT_CHUNK),
+            }),
+            bucket: self.bucket.clone(),
+            nuid,
+            size: data.len(),
+            chunks,
+            modified: None,
+            digest: Some(format!(
+                "SHA-256={}",
+                base64::engine::general_purpose::URL_SAFE.encode(digest)
+            )),
+            deleted: false,
+        };
+        let meta = serde_json::to_vec(&info).map_err(|e| self.err("object_put", e))?;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_ROLLUP, "sub");
+        self.js
+            .publish_with_headers(
+                format!("$O.{}.M.{encoded}", self.bucket),
+                headers,
+                meta.into(),
+            )
+            .await
+            .map_err(|e| self.err("object_put", e))?
+            .await
+            .map_err(|e| self.err("object_put", e))?;
+        if let Some(old) = replaced
+            && old.nuid != info.nuid
+        {
+            self.js
+                .get_stream_no_info(format!("OBJ_{}", self.bucket))
+                .await
+                .map_err(|e| self.err("object_put", e))?
+                .purge()
+                .filter(format!("$O.{}.C.{}", self.bucket, old.nuid))
+                .await
+                .map_err(|e| self.err("object_put", e))?;
+        }
+        Ok((info, sha256))
+    }
+
     /// Reads an object and returns it with its sha256 (hex), checked once:
     /// the client hashes the chunks as they arrive and refuses a read whose
     /// hash differs from the object's digest, so the digest is then the
@@ -1097,20 +1208,8 @@ impl ObjectStore for NatsObjects {
                 reason: "empty object name".into(),
             });
         }
-        // The client hashes the bytes as it writes them (its digest is the
-        // sha256 we report): one pass over the data, not two.
-        let mut reader: &[u8] = &data;
-        let put = async {
-            self.store
-                .put(name, &mut reader)
-                .await
-                .map_err(|e| self.err("object_put", e))
-        };
-        let info = self.write("object_put", put).await?;
-        let sha256 = match digest_hex(&info) {
-            Some(sha) => sha,
-            None => sha256_hex(&data),
-        };
+        let put = self.put_pipelined(name, data);
+        let (info, sha256) = self.write("object_put", put).await?;
         Ok(ObjectInfo {
             name: info.name,
             size: info.size as u64,

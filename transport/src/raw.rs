@@ -183,9 +183,20 @@ impl RawObjects {
             .get(name)
             .await
             .map_err(|e| TransportError::backend("raw object get", e))?;
-        tokio::io::copy(&mut object, &mut tokio::io::sink())
-            .await
-            .map_err(|e| TransportError::backend("raw object get", e))
+        // A buffer larger than a chunk, so that each chunk is copied once.
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0u64;
+        loop {
+            use tokio::io::AsyncReadExt as _;
+            let n = object
+                .read(&mut buf)
+                .await
+                .map_err(|e| TransportError::backend("raw object get", e))?;
+            if n == 0 {
+                return Ok(total);
+            }
+            total += n as u64;
+        }
     }
 
     pub async fn delete(&self, name: &str) -> Result<()> {

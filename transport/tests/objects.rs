@@ -108,3 +108,30 @@ async fn an_object_put_by_the_plain_client_is_read_and_checked() {
         Bytes::new()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_we_put_is_read_by_the_plain_client_and_a_replaced_one_leaves_no_chunks() {
+    let (_server, bus, js) = setup().await;
+    let store = bus.object_store("BLOBS").await.unwrap();
+    let first = data(5 * CHUNK + 3);
+    store.put("w", Bytes::from(first.clone())).await.unwrap();
+    let raw = js.get_object_store("BLOBS").await.unwrap();
+    let mut back = Vec::new();
+    {
+        use tokio::io::AsyncReadExt as _;
+        // The client checks the bytes against the digest we wrote.
+        let mut object = raw.get("w").await.unwrap();
+        object.read_to_end(&mut back).await.unwrap();
+    }
+    assert_eq!(back, first);
+    assert_eq!(raw.info("w").await.unwrap().chunks, 6);
+
+    // Replaced: the new bytes, and only its chunks (plus one metadata
+    // message) stay in the bucket's stream.
+    let second: Vec<u8> = data(2 * CHUNK).into_iter().rev().collect();
+    let info = store.put("w", Bytes::from(second.clone())).await.unwrap();
+    assert_eq!(info.sha256, sha256_hex(&second));
+    assert_eq!(store.get("w").await.unwrap(), second);
+    let mut stream = js.get_stream("OBJ_BLOBS").await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 2 + 1);
+}
