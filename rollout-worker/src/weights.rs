@@ -407,28 +407,42 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn concurrent_calls_share_one_fetch_and_release_it() {
-        let (runs, go) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
-        let bytes = Bytes::from(vec![7u8; 1000]);
-        let waiters: Vec<_> = (0..8)
-            .map(|_| {
-                tokio::spawn(single_flight(
-                    key("shared"),
-                    counted(&runs, &go, Ok(bytes.clone())),
-                ))
-            })
+    /// `n` concurrent calls of `key` whose fetch ends with `out` once every
+    /// call is waiting for it; their outcomes.
+    async fn concurrent(
+        n: usize,
+        name: &str,
+        runs: &Arc<AtomicUsize>,
+        go: &Arc<Notify>,
+        out: Result<Bytes, TransportError>,
+    ) -> Vec<Result<Bytes, TransportError>> {
+        let waiters: Vec<_> = (0..n)
+            .map(|_| tokio::spawn(single_flight(key(name), counted(runs, go, out.clone()))))
             .collect();
         while runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
-        for _ in 0..8 {
+        for _ in 0..n {
             tokio::task::yield_now().await;
         }
         go.notify_one();
+        let mut outcomes = Vec::new();
         for w in waiters {
-            let got = w.await.unwrap().unwrap();
-            assert_eq!(got.as_ptr(), bytes.as_ptr(), "one copy for every caller");
+            outcomes.push(w.await.unwrap());
+        }
+        outcomes
+    }
+
+    #[tokio::test]
+    async fn concurrent_calls_share_one_fetch_and_release_it() {
+        let (runs, go) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+        let bytes = Bytes::from(vec![7u8; 1000]);
+        for got in concurrent(8, "shared", &runs, &go, Ok(bytes.clone())).await {
+            assert_eq!(
+                got.unwrap().as_ptr(),
+                bytes.as_ptr(),
+                "one copy for every caller"
+            );
         }
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         // Nobody holds the bytes any more: the next call fetches again.
@@ -447,23 +461,8 @@ mod tests {
             expected: "a".into(),
             actual: "b".into(),
         };
-        let waiters: Vec<_> = (0..4)
-            .map(|_| {
-                tokio::spawn(single_flight(
-                    key("failing"),
-                    counted(&runs, &go, Err(mismatch.clone())),
-                ))
-            })
-            .collect();
-        while runs.load(Ordering::SeqCst) == 0 {
-            tokio::task::yield_now().await;
-        }
-        for _ in 0..8 {
-            tokio::task::yield_now().await;
-        }
-        go.notify_one();
-        for w in waiters {
-            assert_eq!(w.await.unwrap().unwrap_err(), mismatch);
+        for got in concurrent(4, "failing", &runs, &go, Err(mismatch.clone())).await {
+            assert_eq!(got.unwrap_err(), mismatch);
         }
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         go.notify_one();

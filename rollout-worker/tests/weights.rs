@@ -28,6 +28,31 @@ fn failures(family: &Family<Vec<(String, String)>, Counter>, reason: &str) -> u6
         .get()
 }
 
+/// Stores `bytes` as the object of `version` and announces it with a
+/// checksum that is not theirs.
+async fn announce_with_a_wrong_checksum(
+    bus: &std::sync::Arc<dyn asyncrl_transport::Bus>,
+    version: i32,
+    bytes: bytes::Bytes,
+) -> WeightAnnouncement {
+    let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
+    let info = store
+        .put(&weights_object_name(version), bytes)
+        .await
+        .unwrap();
+    let ann = WeightAnnouncement {
+        version,
+        object_name: weights_object_name(version),
+        sha256: sha256_hex(b"something else"),
+        byte_size: info.size,
+        format: "safetensors".into(),
+        published_at_unix_ms: 1,
+        step: version as u64,
+    };
+    announce(bus.as_ref(), &ann).await.unwrap();
+    ann
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_spanning_a_swap_switches_version_and_weights_mid_sequence() {
     const G: u32 = 4;
@@ -176,22 +201,8 @@ async fn a_bad_checksum_or_missing_object_keeps_the_old_weights_and_is_retried()
     } = start_worker_at(config, &bus, 5).await;
 
     // Version 6: the object is there, but the announced checksum is not its.
-    let good6 = weights(&p6);
+    let mut bad = announce_with_a_wrong_checksum(&bus, 6, weights(&p6)).await;
     let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
-    let info = store
-        .put(&weights_object_name(6), good6.clone())
-        .await
-        .unwrap();
-    let mut bad = WeightAnnouncement {
-        version: 6,
-        object_name: weights_object_name(6),
-        sha256: sha256_hex(b"something else"),
-        byte_size: info.size,
-        format: "safetensors".into(),
-        published_at_unix_ms: 1,
-        step: 6,
-    };
-    announce(bus.as_ref(), &bad).await.unwrap();
     assert!(
         eventually(Duration::from_secs(10), || failures(
             &handles.weight_fetch_failures,
@@ -379,22 +390,8 @@ async fn workers_of_one_process_share_fetches_and_each_checks_them() {
     }
 
     // Version 6 announced with a checksum that is not its object's.
-    let good6 = weights(&p6);
+    let mut ann = announce_with_a_wrong_checksum(&bus, 6, weights(&p6)).await;
     let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
-    let info = store
-        .put(&weights_object_name(6), good6.clone())
-        .await
-        .unwrap();
-    let mut ann = WeightAnnouncement {
-        version: 6,
-        object_name: weights_object_name(6),
-        sha256: sha256_hex(b"something else"),
-        byte_size: info.size,
-        format: "safetensors".into(),
-        published_at_unix_ms: 1,
-        step: 6,
-    };
-    announce(bus.as_ref(), &ann).await.unwrap();
     for w in &workers {
         assert!(
             eventually(Duration::from_secs(20), || failures(
