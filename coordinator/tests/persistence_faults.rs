@@ -10,7 +10,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -30,21 +30,62 @@ use common::{Worker, config, write_tasks};
 
 use futures::stream::BoxStream;
 use prost::Message as _;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 /// The in-process bus, with KV writes of `coordinator.state` that fail on
-/// demand (as when NATS is unreachable), or that land but whose reply is
-/// lost (as when the server restarts at the wrong moment).
+/// demand (as when NATS is unreachable), that land but whose reply is lost
+/// (as when the server restarts at the wrong moment), or that wait for a
+/// permit each (a slow server, under the test's control).
 struct FlakyBus {
     inner: LocalBus,
     fail: Arc<AtomicBool>,
     lose_replies: Arc<AtomicBool>,
+    gate: Arc<Gate>,
 }
 
 struct FlakyKv {
     inner: Arc<dyn KvBucket>,
     fail: Arc<AtomicBool>,
     lose_replies: Arc<AtomicBool>,
+    gate: Arc<Gate>,
+}
+
+/// Holds state writes: each one waits for a permit; counts those started.
+struct Gate {
+    permits: Semaphore,
+    started: AtomicUsize,
+}
+
+impl Gate {
+    fn open() -> Arc<Self> {
+        Arc::new(Self {
+            permits: Semaphore::new(Semaphore::MAX_PERMITS),
+            started: AtomicUsize::new(0),
+        })
+    }
+
+    fn closed() -> Arc<Self> {
+        Arc::new(Self {
+            permits: Semaphore::new(0),
+            started: AtomicUsize::new(0),
+        })
+    }
+
+    async fn pass(&self, key: &str) {
+        if key == STATE_KEY {
+            self.started.fetch_add(1, Ordering::SeqCst);
+            self.permits
+                .acquire()
+                .await
+                .expect("the gate is never closed for good")
+                .forget();
+        }
+    }
+
+    fn started(&self) -> usize {
+        self.started.load(Ordering::SeqCst)
+    }
 }
 
 fn timeout(key: &str) -> TransportError {
@@ -81,11 +122,13 @@ impl KvBucket for FlakyKv {
     }
     async fn create(&self, key: &str, value: Bytes) -> Result<u64> {
         self.check(key)?;
+        self.gate.pass(key).await;
         let r = self.inner.create(key, value).await;
         self.reply(key, r)
     }
     async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64> {
         self.check(key)?;
+        self.gate.pass(key).await;
         let r = self.inner.update(key, value, revision).await;
         self.reply(key, r)
     }
@@ -137,6 +180,7 @@ impl Bus for FlakyBus {
             inner: self.inner.kv(bucket).await?,
             fail: self.fail.clone(),
             lose_replies: self.lose_replies.clone(),
+            gate: self.gate.clone(),
         }))
     }
     async fn object_store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
@@ -159,10 +203,20 @@ async fn start_flaky(
     fail: Arc<AtomicBool>,
     lose_replies: Arc<AtomicBool>,
 ) -> (Arc<dyn Bus>, tempfile::TempDir, Health, Coordinator) {
+    start_gated(fail, lose_replies, Gate::open()).await
+}
+
+/// [`start_flaky`], with state writes that pass `gate`.
+async fn start_gated(
+    fail: Arc<AtomicBool>,
+    lose_replies: Arc<AtomicBool>,
+    gate: Arc<Gate>,
+) -> (Arc<dyn Bus>, tempfile::TempDir, Health, Coordinator) {
     let bus: Arc<dyn Bus> = Arc::new(FlakyBus {
         inner: LocalBus::new(),
         fail,
         lose_replies,
+        gate,
     });
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 20);
@@ -327,4 +381,84 @@ async fn a_second_writer_of_the_state_stops_the_coordinator() {
         "{err}"
     );
     assert!(err.to_string().contains("only one coordinator"), "{err}");
+}
+
+/// Lets every runnable task run until all wait (paused time moves on only
+/// then).
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// While a state write is in flight the coordinator keeps taking requests
+/// (pipelined group commit), yet no reply goes out before a write that
+/// holds every change made before it: a grant handled during the write in
+/// flight is answered only after the next write, which stores its lease,
+/// and so is a heartbeat taken meanwhile.
+#[tokio::test(start_paused = true)]
+async fn replies_wait_for_the_write_that_covers_them_while_the_next_is_prepared() {
+    let gate = Gate::closed();
+    let (bus, _dir, _health, c) = start_gated(Arc::default(), Arc::default(), gate.clone()).await;
+    Worker::new(&bus, "a").register(4).await;
+    Worker::new(&bus, "b").register(4).await;
+    let spawn_acquire = |id: &'static str| {
+        let w = Worker::new(&bus, id);
+        tokio::spawn(async move { w.acquire(1).await })
+    };
+
+    let first = spawn_acquire("a");
+    settle().await;
+    assert_eq!(gate.started(), 1, "the first grant's write is in flight");
+    let second = spawn_acquire("b");
+    let heartbeat = {
+        let w = Worker::new(&bus, "a");
+        tokio::spawn(async move { w.heartbeat(&[], false).await })
+    };
+    settle().await;
+    // The coordinator answers its admin API and has made the second grant,
+    // while the first write is still held.
+    let s = tokio::time::timeout(Duration::from_secs(1), c.status())
+        .await
+        .expect("the coordinator takes events while a write is in flight")
+        .unwrap();
+    assert_eq!(s.running_groups, 2);
+    assert!(!first.is_finished() && !second.is_finished() && !heartbeat.is_finished());
+    assert_eq!(gate.started(), 1, "one write in flight at a time");
+
+    // The first write lands: its grant goes out, the next write starts.
+    gate.permits.add_permits(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.tasks.len(), 1, "{}", first.reason);
+    settle().await;
+    assert_eq!(gate.started(), 2);
+    assert!(
+        !second.is_finished() && !heartbeat.is_finished(),
+        "replies taken during the first write wait for the second"
+    );
+
+    gate.permits.add_permits(1);
+    let second = second.await.unwrap();
+    assert_eq!(second.tasks.len(), 1, "{}", second.reason);
+    heartbeat.await.unwrap();
+    // The stored state holds both leases.
+    let kv = bus
+        .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
+        .await
+        .unwrap();
+    let stored = kv.get(STATE_KEY).await.unwrap().expect("state written");
+    let state = asyncrl_protos::v1::CoordinatorState::decode(stored.value.as_ref()).unwrap();
+    let mut seqs: Vec<String> = state
+        .leases
+        .iter()
+        .map(|l| format!("{}-{}", state.lease_prefix, l.seq))
+        .collect();
+    seqs.sort();
+    let mut granted = vec![
+        first.tasks[0].lease_id.clone(),
+        second.tasks[0].lease_id.clone(),
+    ];
+    granted.sort();
+    assert_eq!(seqs, granted);
+    gate.permits.add_permits(Semaphore::MAX_PERMITS - 2);
+    c.shutdown();
+    c.join().await.unwrap();
 }

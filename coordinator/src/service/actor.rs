@@ -1,7 +1,8 @@
 //! The actor: the coordinator's state, its preparation from the persisted
-//! state and the knobs, and the event loop that handles a batch of events
-//! and writes the state once for it (group commit) before sending the
-//! replies that depend on it.
+//! state and the knobs, and the event loop that handles events and writes
+//! the state once for every change made while the previous write was in
+//! flight (pipelined group commit) before sending the replies that depend
+//! on it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Event;
 use super::knob_admin::{StoredSchedule, load_or_create_schedule};
-use super::persist::PersistError;
+use super::persist::{PersistError, StateWrite};
 use super::requests::Handled;
 use crate::capacity::CapacityEstimator;
 use crate::dataset::TaskSet;
@@ -95,6 +96,36 @@ struct BatchOutcome {
     dirty: bool,
     durable: Vec<DurableReply>,
     ready: Vec<Reply>,
+    /// Events were taken (a failed write is retried on the next events).
+    events: bool,
+}
+
+/// A state write in flight and the replies that wait for it.
+struct InFlight {
+    write: StateWrite,
+    durable: Vec<DurableReply>,
+    ready: Vec<Reply>,
+}
+
+/// The outcome of the write in flight; never resolves when there is none.
+async fn written(in_flight: &mut Option<InFlight>) -> Result<u64, PersistError> {
+    match in_flight {
+        Some(w) => (&mut w.write.done).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends replies, all at once.
+async fn send_replies(replies: Vec<Reply>) {
+    if replies.is_empty() {
+        return;
+    }
+    futures::future::join_all(replies.into_iter().map(|r| async move {
+        if let Err(e) = r.req.respond(r.payload).await {
+            tracing::debug!(error = %e, "could not send a reply");
+        }
+    }))
+    .await;
 }
 
 /// The learner as the persisted state records it; a learner-status event
@@ -299,77 +330,129 @@ impl Actor {
 
     /// The actor loop: ends on shutdown (after a last write of the state) or
     /// on a fatal error.
+    ///
+    /// Group commit, pipelined: while one state write is in flight the actor
+    /// keeps taking events; the next write, started as soon as the one in
+    /// flight is acked, covers every change made meanwhile. A reply goes out
+    /// only once every change made before it was handled is written: a
+    /// durable reply with the write that covers its change, any other reply
+    /// once no write is in flight and nothing is left unwritten.
     pub(crate) async fn run(
         mut self,
         mut rx: mpsc::Receiver<Event>,
         shutdown: CancellationToken,
     ) -> Result<(), CoordinatorError> {
         let mut batch = Vec::with_capacity(256);
+        let mut pending = BatchOutcome::default();
+        let mut in_flight: Option<InFlight> = None;
+        let mut sendable: Vec<Reply> = Vec::new();
         self.update_metrics();
         loop {
-            let n = tokio::select! {
+            if in_flight.is_none() {
+                if pending.dirty || (self.persist_failed && pending.events) {
+                    let outcome = std::mem::take(&mut pending);
+                    in_flight = Some(InFlight {
+                        write: self.begin_write(),
+                        durable: outcome.durable,
+                        ready: outcome.ready,
+                    });
+                } else {
+                    sendable.append(&mut pending.ready);
+                    pending.events = false;
+                }
+            }
+            send_replies(std::mem::take(&mut sendable)).await;
+            tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                n = rx.recv_many(&mut batch, 256) => n,
-            };
-            if n == 0 {
-                break;
-            }
-            let mut out = BatchOutcome::default();
-            for ev in batch.drain(..) {
-                self.handle(ev, &mut out).await?;
-            }
-            let BatchOutcome {
-                dirty,
-                durable,
-                mut ready,
-            } = out;
-            if dirty || self.persist_failed {
-                match self.persist().await {
-                    Ok(()) => {
-                        if self.persist_failed {
-                            tracing::info!("coordinator state written again");
-                            self.health.set_ready("coordinator");
-                        }
-                        self.persist_failed = false;
-                        ready.extend(durable.into_iter().map(DurableReply::written));
-                    }
-                    Err(PersistError::Fatal(e)) => {
-                        self.health
-                            .set_not_ready("coordinator", format!("stopped: {e}"));
-                        for r in durable.into_iter().filter_map(DurableReply::unwritten) {
-                            let _ = r.req.respond(r.payload).await;
-                        }
-                        return Err(e);
-                    }
-                    Err(PersistError::Transient(e)) => {
-                        tracing::warn!(error = %e, "cannot write the coordinator state; refusing requests that change it until it can");
-                        self.health
-                            .set_not_ready("coordinator", format!("cannot persist state: {e}"));
-                        self.persist_failed = true;
-                        // A request without an "unavailable" answer gets none:
-                        // its requester times out and retries.
-                        ready.extend(durable.into_iter().filter_map(DurableReply::unwritten));
+                outcome = written(&mut in_flight) => {
+                    if let Some(done) = in_flight.take() {
+                        sendable = self.end_batch_write(done, outcome).await?;
                     }
                 }
-            } else {
-                ready.extend(durable.into_iter().map(DurableReply::written));
-            }
-            futures::future::join_all(ready.into_iter().map(|r| async move {
-                if let Err(e) = r.req.respond(r.payload).await {
-                    tracing::debug!(error = %e, "could not send a reply");
+                n = rx.recv_many(&mut batch, 256) => {
+                    if n == 0 {
+                        break;
+                    }
+                    for ev in batch.drain(..) {
+                        self.handle(ev, &mut pending).await?;
+                    }
+                    pending.events = true;
                 }
-            }))
-            .await;
+            }
             self.update_metrics();
         }
-        if (self.persist_failed || self.state_rev.is_none())
-            && let Err(e) = self.persist().await
-        {
-            tracing::warn!(error = ?e, "could not write the coordinator state at shutdown");
+        // What was taken is written and answered before the actor ends.
+        if let Some(mut done) = in_flight.take() {
+            let outcome = (&mut done.write.done).await;
+            send_replies(self.end_batch_write(done, outcome).await?).await;
+        }
+        if pending.dirty || self.persist_failed || self.state_rev.is_none() {
+            let mut write = self.begin_write();
+            let outcome = (&mut write.done).await;
+            let done = InFlight {
+                write,
+                durable: pending.durable,
+                ready: pending.ready,
+            };
+            match self.end_batch_write(done, outcome).await {
+                Ok(replies) => send_replies(replies).await,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not write the coordinator state at shutdown")
+                }
+            }
+        } else {
+            send_replies(pending.ready).await;
         }
         self.health.clear("coordinator");
         Ok(())
+    }
+
+    /// Applies a finished write; returns the replies that may go out now.
+    /// A second coordinator stops this one (after the "unavailable"
+    /// answers of the write's requests).
+    async fn end_batch_write(
+        &mut self,
+        done: InFlight,
+        outcome: Result<u64, PersistError>,
+    ) -> Result<Vec<Reply>, CoordinatorError> {
+        let InFlight {
+            write,
+            durable,
+            mut ready,
+        } = done;
+        match self.end_write(&write, outcome) {
+            Ok(()) => {
+                if self.persist_failed {
+                    tracing::info!("coordinator state written again");
+                    self.health.set_ready("coordinator");
+                }
+                self.persist_failed = false;
+                ready.extend(durable.into_iter().map(DurableReply::written));
+            }
+            Err(PersistError::Fatal(e)) => {
+                self.health
+                    .set_not_ready("coordinator", format!("stopped: {e}"));
+                send_replies(
+                    durable
+                        .into_iter()
+                        .filter_map(DurableReply::unwritten)
+                        .collect(),
+                )
+                .await;
+                return Err(e);
+            }
+            Err(PersistError::Transient(e)) => {
+                tracing::warn!(error = %e, "cannot write the coordinator state; refusing requests that change it until it can");
+                self.health
+                    .set_not_ready("coordinator", format!("cannot persist state: {e}"));
+                self.persist_failed = true;
+                // A request without an "unavailable" answer gets none:
+                // its requester times out and retries.
+                ready.extend(durable.into_iter().filter_map(DurableReply::unwritten));
+            }
+        }
+        Ok(ready)
     }
 
     async fn handle(&mut self, ev: Event, out: &mut BatchOutcome) -> Result<(), CoordinatorError> {

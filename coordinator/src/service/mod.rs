@@ -1,16 +1,17 @@
 //! The coordinator process: one task (the actor) owns the state and handles
 //! every event in order — worker requests from NATS, learner announcements,
 //! knob and learner-status updates from the KV bucket, dropped-group reports,
-//! admin commands and a timer. Events are taken in batches; a batch that
-//! changed the persisted state is written to the KV bucket once (group
-//! commit) before any reply that depends on it is sent, so a reply never
+//! admin commands and a timer. Events are taken in batches; the changes to
+//! the persisted state are written to the KV bucket with one write for all
+//! that were made while the previous write was in flight (pipelined group
+//! commit), before any reply that depends on them is sent, so a reply never
 //! promises something a restarted coordinator would not know.
 //!
 //! - [`actor`]: the actor's state, its preparation and the event loop with
-//!   group commit;
+//!   pipelined group commit;
 //! - [`requests`]: worker requests (register, heartbeat, acquire, complete,
 //!   return) turned into replies;
-//! - [`persist`]: writing the state to the KV bucket;
+//! - [`persist`]: writing the state to the KV bucket, one write in flight;
 //! - [`knob_admin`]: knob changes, pause/resume and checkpoints, with the
 //!   journal;
 //! - [`views`]: status, worker list, the capacity model and the metrics;
