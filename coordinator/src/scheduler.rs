@@ -18,7 +18,7 @@
 //! `leases.rs` the life of a lease after its grant, `persisted.rs` the
 //! persisted form.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 
@@ -182,6 +182,10 @@ pub enum StateError {
 
 const EXPIRED_MEMORY: usize = 4096;
 
+/// The worker-id set is pruned when it grows past twice its size after the
+/// last pruning, and never below this.
+const MIN_WORKER_IDS_BOUND: usize = 64;
+
 /// The coordinator's state.
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -204,6 +208,11 @@ pub struct Scheduler {
     /// Recently ended leases (not persisted): lets a refusal say why.
     ended: VecDeque<(u64, i64, &'static str)>,
     ended_seqs: HashMap<u64, (i64, &'static str)>,
+    /// One shared id per worker for its leases and completions, so that
+    /// writing the state interns workers by pointer; ids no lease or
+    /// completion holds any more are dropped as the set grows.
+    worker_ids: HashSet<Arc<str>>,
+    worker_ids_bound: usize,
     pub stale_dropped_total: u64,
     pub admitted_total: u64,
     pub completed_total: u64,
@@ -235,6 +244,8 @@ impl Scheduler {
             completed_counter: 0,
             ended: VecDeque::new(),
             ended_seqs: HashMap::new(),
+            worker_ids: HashSet::new(),
+            worker_ids_bound: MIN_WORKER_IDS_BOUND,
             stale_dropped_total: 0,
             admitted_total: 0,
             completed_total: 0,
@@ -339,7 +350,7 @@ impl Scheduler {
     pub fn acquire(&mut self, worker: &str, n: u32, eta: u32, now_ms: i64) -> Vec<Grant> {
         let room = self.capacity(eta).max(0) as u64;
         let k = u64::from(n).min(room);
-        let worker: Arc<str> = Arc::from(worker);
+        let worker = self.worker_id(worker);
         let mut grants = Vec::with_capacity(k as usize);
         for _ in 0..k {
             let task = self.next_task();
@@ -363,6 +374,21 @@ impl Scheduler {
             self.admitted_total += 1;
         }
         grants
+    }
+
+    /// The shared id of `worker`.
+    fn worker_id(&mut self, worker: &str) -> Arc<str> {
+        if let Some(w) = self.worker_ids.get(worker) {
+            return w.clone();
+        }
+        if self.worker_ids.len() >= self.worker_ids_bound {
+            // Held only by the set: no lease or completion refers to it.
+            self.worker_ids.retain(|w| Arc::strong_count(w) > 1);
+            self.worker_ids_bound = (2 * self.worker_ids.len()).max(MIN_WORKER_IDS_BOUND);
+        }
+        let w: Arc<str> = Arc::from(worker);
+        self.worker_ids.insert(w.clone());
+        w
     }
 
     /// The learner announced version `v`.

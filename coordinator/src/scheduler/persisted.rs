@@ -3,6 +3,7 @@
 //! state belongs to this data set and format.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use asyncrl_protos::v1::{
@@ -14,12 +15,18 @@ use super::{Completed, Lease, STATE_FORMAT, Scheduler, SchedulerParams, StateErr
 impl Scheduler {
     /// The persisted form.
     pub fn to_proto(&self) -> CoordinatorState {
+        // Workers share one id each (`Scheduler::worker_id`): interned by
+        // pointer, by name only the first time a pointer is seen.
         let mut workers: Vec<String> = Vec::new();
-        let mut index: HashMap<Arc<str>, u32> = HashMap::new();
+        let mut by_ptr: HashMap<usize, u32, BuildHasherDefault<PtrHasher>> = HashMap::default();
+        let mut by_name: HashMap<Arc<str>, u32> = HashMap::new();
         let mut intern = |w: &Arc<str>, workers: &mut Vec<String>| -> u32 {
-            *index.entry(w.clone()).or_insert_with(|| {
-                workers.push(w.to_string());
-                (workers.len() - 1) as u32
+            let ptr = Arc::as_ptr(w) as *const u8 as usize;
+            *by_ptr.entry(ptr).or_insert_with(|| {
+                *by_name.entry(w.clone()).or_insert_with(|| {
+                    workers.push(w.to_string());
+                    (workers.len() - 1) as u32
+                })
             })
         };
         let leases = self
@@ -97,11 +104,8 @@ impl Scheduler {
             });
         }
         let corrupt = |what: String| StateError::Corrupt(what);
-        let workers: Vec<Arc<str>> = state
-            .workers
-            .iter()
-            .map(|w| Arc::from(w.as_str()))
-            .collect();
+        let mut s = Scheduler::new(params, dataset_len, fingerprint, &state.lease_prefix);
+        let workers: Vec<Arc<str>> = state.workers.iter().map(|w| s.worker_id(w)).collect();
         let worker = |i: u32| {
             workers
                 .get(i as usize)
@@ -117,7 +121,6 @@ impl Scheduler {
                 Ok(TaskRef { index, epoch })
             }
         };
-        let mut s = Scheduler::new(params, dataset_len, fingerprint, &state.lease_prefix);
         if state.lease_prefix.is_empty() || state.cursor >= dataset_len {
             return Err(corrupt(format!(
                 "lease prefix {:?}, cursor {} of {dataset_len}",
@@ -170,5 +173,25 @@ impl Scheduler {
     /// the not-persisted memory of ended leases aside).
     pub fn same_state(&self, other: &Scheduler) -> bool {
         self.to_proto() == other.to_proto()
+    }
+}
+
+/// Hashes a pointer (already well spread) with one multiplication.
+#[derive(Default)]
+struct PtrHasher(u64);
+
+impl Hasher for PtrHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
     }
 }

@@ -344,3 +344,32 @@ fn completed_memory_is_bounded() {
         Ok(Completion::AlreadyCompleted)
     );
 }
+
+#[test]
+fn the_persisted_state_lists_each_worker_once_however_its_leases_were_granted() {
+    let mut s = sched(1000, 100);
+    // Many acquire calls of interleaved workers, some completed, some
+    // expired: each worker is written once, and a restore gives the same
+    // state back.
+    let mut held = Vec::new();
+    for round in 0..20 {
+        for w in ["w1", "w2", "w3"] {
+            held.extend(s.acquire(w, 1, 4, round).into_iter().map(|g| (w, g)));
+        }
+    }
+    for (w, g) in held.iter().step_by(2) {
+        s.complete(w, &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    s.expire_worker("w3", 50);
+    let proto = s.to_proto();
+    let mut names = proto.workers.clone();
+    names.sort();
+    assert_eq!(names, ["w1", "w2", "w3"]);
+    let back = Scheduler::from_proto(params(1000), &proto, 100, "fp", 0).unwrap();
+    assert!(back.same_state(&s));
+    // New leases of the restored state's workers are written under the
+    // same entries.
+    let mut back = back;
+    back.acquire("w2", 1, 4, 60);
+    assert_eq!(back.to_proto().workers.len(), 3);
+}
