@@ -17,10 +17,10 @@ use prost::Message;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::Event;
 use super::knob_admin::{StoredSchedule, load_or_create_schedule};
 use super::persist::{PersistError, StateWrite};
 use super::requests::Handled;
+use super::{Event, RequestKind};
 use crate::capacity::CapacityEstimator;
 use crate::dataset::TaskSet;
 use crate::journal::Journal;
@@ -347,6 +347,7 @@ impl Actor {
         let mut in_flight: Option<InFlight> = None;
         let mut sendable: Vec<Reply> = Vec::new();
         self.update_metrics();
+        self.update_labelled_metrics();
         loop {
             if in_flight.is_none() {
                 if pending.dirty || (self.persist_failed && pending.events) {
@@ -456,6 +457,28 @@ impl Actor {
     }
 
     async fn handle(&mut self, ev: Event, out: &mut BatchOutcome) -> Result<(), CoordinatorError> {
+        let labelled = !matches!(
+            ev,
+            Event::Request {
+                kind: RequestKind::Acquire
+                    | RequestKind::Complete
+                    | RequestKind::Return
+                    | RequestKind::Heartbeat,
+                ..
+            }
+        );
+        self.handle_event(ev, out).await?;
+        if labelled {
+            self.update_labelled_metrics();
+        }
+        Ok(())
+    }
+
+    async fn handle_event(
+        &mut self,
+        ev: Event,
+        out: &mut BatchOutcome,
+    ) -> Result<(), CoordinatorError> {
         let dirty = &mut out.dirty;
         let now = self.clock.now_unix_ms();
         match ev {

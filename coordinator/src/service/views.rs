@@ -132,6 +132,7 @@ impl Actor {
             .set(inputs.dissemination_seconds);
     }
 
+    /// The gauges of the scheduler's counts: after every batch of events.
     pub(super) fn update_metrics(&self) {
         let m = &self.metrics;
         let eta = self.admission().eta;
@@ -141,6 +142,13 @@ impl Actor {
         m.running_groups.set(self.sched.running() as i64);
         m.requeued_tasks.set(self.sched.queue_len() as i64);
         m.epoch.set(self.sched.epoch() as i64);
+    }
+
+    /// The gauges per worker and per knob (a labelled series each): at
+    /// start, on every tick and after the events that change them other
+    /// than heartbeats, not per request.
+    pub(super) fn update_labelled_metrics(&self) {
+        let m = &self.metrics;
         let now = self.clock.now_unix_ms();
         let (mut alive, mut dead, mut draining) = (0, 0, 0);
         for w in self.registry.iter() {
