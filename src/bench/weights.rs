@@ -198,7 +198,12 @@ pub(crate) fn run(rt: &tokio::runtime::Runtime, args: WeightsArgs) -> Result<Str
         }
     }
     Ok(report(
-        &server, &args, &rows, &notes, load_before, mem_before,
+        &server,
+        &args,
+        &rows,
+        &notes,
+        load_before,
+        mem_before,
     ))
 }
 
@@ -486,11 +491,7 @@ async fn receive(bus: Arc<dyn Bus>, mode: FetchMode, in_use: watch::Sender<i64>)
         let bytes = match mode {
             FetchMode::Shared => asyncrl_rollout_worker::fetch_weights(&bus, &ann).await?,
             // What `asyncrl_control::weights::fetch` does, per receiver.
-            FetchMode::Each => {
-                store
-                    .get_expecting(&ann.object_name, &ann.sha256)
-                    .await?
-            }
+            FetchMode::Each => store.get_expecting(&ann.object_name, &ann.sha256).await?,
         };
         ensure!(
             bytes.len() as u64 == ann.byte_size,
