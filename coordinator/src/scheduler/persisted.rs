@@ -15,20 +15,7 @@ use super::{Completed, Lease, STATE_FORMAT, Scheduler, SchedulerParams, StateErr
 impl Scheduler {
     /// The persisted form.
     pub fn to_proto(&self) -> CoordinatorState {
-        // Workers share one id each (`Scheduler::worker_id`): interned by
-        // pointer, by name only the first time a pointer is seen.
-        let mut workers: Vec<String> = Vec::new();
-        let mut by_ptr: HashMap<usize, u32, BuildHasherDefault<PtrHasher>> = HashMap::default();
-        let mut by_name: HashMap<Arc<str>, u32> = HashMap::new();
-        let mut intern = |w: &Arc<str>, workers: &mut Vec<String>| -> u32 {
-            let ptr = Arc::as_ptr(w) as *const u8 as usize;
-            *by_ptr.entry(ptr).or_insert_with(|| {
-                *by_name.entry(w.clone()).or_insert_with(|| {
-                    workers.push(w.to_string());
-                    (workers.len() - 1) as u32
-                })
-            })
-        };
+        let mut workers = Interner::default();
         let leases = self
             .leases
             .values()
@@ -36,7 +23,7 @@ impl Scheduler {
                 seq: l.seq,
                 index: l.task.index,
                 epoch: l.task.epoch,
-                worker: intern(&l.worker, &mut workers),
+                worker: workers.index(&l.worker),
                 admission_version: l.admission_version,
                 granted_at_unix_ms: l.granted_at_ms,
             })
@@ -48,7 +35,7 @@ impl Scheduler {
                 seq: c.seq,
                 index: c.task.index,
                 epoch: c.task.epoch,
-                worker: intern(&c.worker, &mut workers),
+                worker: workers.index(&c.worker),
             })
             .collect();
         CoordinatorState {
@@ -72,12 +59,93 @@ impl Scheduler {
             learner_version: self.version,
             learner_session: self.learner_session.clone(),
             completed,
-            workers,
+            workers: workers.names.iter().map(|w| w.to_string()).collect(),
             stale_dropped_total: self.stale_dropped_total,
             admitted_total: self.admitted_total,
             completed_total: self.completed_total,
             expired_total: self.expired_total,
         }
+    }
+
+    /// The persisted form, encoded: the bytes of
+    /// `to_proto().encode_to_vec()`, written straight from the scheduler
+    /// (what every state write costs, so without building the message
+    /// first).
+    pub fn encode_state(&self) -> Vec<u8> {
+        use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, string};
+
+        /// A varint field (left out when zero, as protobuf does): its
+        /// length, and written.
+        fn field_len(v: u64) -> usize {
+            if v == 0 { 0 } else { 1 + encoded_len_varint(v) }
+        }
+        fn put(buf: &mut Vec<u8>, tag: u32, v: u64) {
+            if v != 0 {
+                encode_key(tag, WireType::Varint, buf);
+                encode_varint(v, buf);
+            }
+        }
+        fn put_str(buf: &mut Vec<u8>, tag: u32, v: &String) {
+            if !v.is_empty() {
+                string::encode(tag, v, buf);
+            }
+        }
+        fn put_message(buf: &mut Vec<u8>, tag: u32, fields: &[u64]) {
+            let len: usize = fields.iter().map(|v| field_len(*v)).sum();
+            encode_key(tag, WireType::LengthDelimited, buf);
+            encode_varint(len as u64, buf);
+            for (i, v) in fields.iter().enumerate() {
+                put(buf, i as u32 + 1, *v);
+            }
+        }
+        let mut buf = Vec::with_capacity(
+            256 + 24 * (self.leases.len() + self.completed.len() + self.queue.len()),
+        );
+        let mut workers = Interner::default();
+        put(&mut buf, 1, u64::from(STATE_FORMAT));
+        put_str(&mut buf, 2, &self.lease_prefix);
+        put(&mut buf, 3, self.next_seq);
+        put_str(&mut buf, 4, &self.fingerprint);
+        put(&mut buf, 5, self.dataset_len);
+        put(&mut buf, 6, self.epoch);
+        put(&mut buf, 7, self.cursor);
+        for t in &self.queue {
+            put_message(&mut buf, 8, &[t.index, t.epoch]);
+        }
+        for l in self.leases.values() {
+            // int32 and int64 are written as their two's-complement u64.
+            let fields = [
+                l.seq,
+                l.task.index,
+                l.task.epoch,
+                u64::from(workers.index(&l.worker)),
+                i64::from(l.admission_version) as u64,
+                l.granted_at_ms as u64,
+            ];
+            put_message(&mut buf, 9, &fields);
+        }
+        put(&mut buf, 10, self.accepted);
+        put(&mut buf, 11, i64::from(self.version) as u64);
+        put_str(&mut buf, 12, &self.learner_session);
+        for c in self.completed.values() {
+            let fields = [
+                c.seq,
+                c.task.index,
+                c.task.epoch,
+                u64::from(workers.index(&c.worker)),
+            ];
+            put_message(&mut buf, 13, &fields);
+        }
+        for w in &workers.names {
+            encode_key(14, WireType::LengthDelimited, &mut buf);
+            encode_varint(w.len() as u64, &mut buf);
+            buf.extend_from_slice(w.as_bytes());
+        }
+        put(&mut buf, 15, self.stale_dropped_total);
+        put(&mut buf, 16, self.admitted_total);
+        put(&mut buf, 17, self.completed_total);
+        put(&mut buf, 18, self.expired_total);
+        buf
     }
 
     /// Restores a persisted state. Every restored lease gets a fresh
@@ -173,6 +241,29 @@ impl Scheduler {
     /// the not-persisted memory of ended leases aside).
     pub fn same_state(&self, other: &Scheduler) -> bool {
         self.to_proto() == other.to_proto()
+    }
+}
+
+/// The workers of the persisted form, in order of first reference. Workers
+/// share one id each (`Scheduler::worker_id`): interned by pointer, by name
+/// only the first time a pointer is seen.
+#[derive(Default)]
+struct Interner<'a> {
+    names: Vec<&'a str>,
+    by_ptr: HashMap<usize, u32, BuildHasherDefault<PtrHasher>>,
+    by_name: HashMap<&'a str, u32>,
+}
+
+impl<'a> Interner<'a> {
+    fn index(&mut self, w: &'a Arc<str>) -> u32 {
+        let ptr = Arc::as_ptr(w) as *const u8 as usize;
+        let (names, by_name) = (&mut self.names, &mut self.by_name);
+        *self.by_ptr.entry(ptr).or_insert_with(|| {
+            *by_name.entry(w).or_insert_with(|| {
+                names.push(w);
+                (names.len() - 1) as u32
+            })
+        })
     }
 }
 

@@ -373,3 +373,37 @@ fn the_persisted_state_lists_each_worker_once_however_its_leases_were_granted() 
     back.acquire("w2", 1, 4, 60);
     assert_eq!(back.to_proto().workers.len(), 3);
 }
+
+#[test]
+fn the_state_is_written_as_its_protobuf_message() {
+    use prost::Message;
+
+    // Everything set: queue, leases (a negative version), completions,
+    // several workers, counters; and the empty state.
+    let mut s = sched(1000, 50);
+    assert_eq!(s.encode_state(), s.to_proto().encode_to_vec());
+    s.on_learner_session("sess", 0);
+    let mut held = Vec::new();
+    for (i, w) in ["w1", "w2", "w3", "w2"].iter().enumerate() {
+        held.extend(
+            s.acquire(w, 3, 4, 1_700_000_000_000 + i as i64)
+                .into_iter()
+                .map(|g| (*w, g)),
+        );
+    }
+    for (w, g) in held.iter().take(4) {
+        s.complete(w, &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    s.expire_worker("w3", 1_700_000_000_100);
+    s.on_group_dropped(&held[0].1.lease_id, true);
+    s.on_version(2);
+    s.on_version(-1);
+    s.acquire("w4", 2, 4, 1_700_000_000_200);
+    let proto = s.to_proto();
+    assert!(!proto.queue.is_empty() && !proto.completed.is_empty() && proto.workers.len() >= 3);
+    assert!(proto.leases.iter().any(|l| l.admission_version < 0));
+    assert_eq!(s.encode_state(), proto.encode_to_vec());
+    let decoded =
+        asyncrl_protos::v1::CoordinatorState::decode(s.encode_state().as_slice()).unwrap();
+    assert_eq!(decoded, proto);
+}

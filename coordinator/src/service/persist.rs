@@ -15,7 +15,6 @@ use std::time::Instant;
 use asyncrl_transport::{KvBucket, TransportError};
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use prost::Message;
 
 use super::actor::Actor;
 use asyncrl_protos::subjects::COORDINATOR_STATE_KEY as STATE_KEY;
@@ -48,7 +47,7 @@ pub(super) struct StateWrite {
 impl Actor {
     /// Encodes the state as it is now and starts writing it.
     pub(super) fn begin_write(&mut self) -> StateWrite {
-        let bytes = Bytes::from(self.sched.to_proto().encode_to_vec());
+        let bytes = Bytes::from(self.sched.encode_state());
         self.metrics.state_bytes.set(bytes.len() as i64);
         if self.unconfirmed.last() != Some(&bytes) {
             self.unconfirmed.push(bytes.clone());
