@@ -3,6 +3,9 @@
 //! KV bucket before it replies), next to a raw async-nats request/reply echo
 //! on the same server in the same run. Rounds alternate between the two
 //! sides so that machine noise hits both; the best round of each counts.
+//! With the figures, the coordinator's own account of its state writes in
+//! the timed rounds (its metrics): how many grants one write covered (group
+//! commit), how long a write took and how large the state was.
 
 use std::fmt;
 use std::sync::Arc;
@@ -53,6 +56,51 @@ pub struct AcquireBenchRow {
     pub mode: String,
     pub raw_per_s: f64,
     pub coordinator_per_s: f64,
+    /// State writes in the timed coordinator rounds, all rounds together.
+    pub writes: StateWrites,
+}
+
+/// The coordinator's state writes, from its metrics
+/// (`asyncrl_coordinator_state_persist_seconds`, `..._state_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StateWrites {
+    pub count: f64,
+    pub seconds: f64,
+    /// Size of the last state written.
+    pub state_bytes: f64,
+}
+
+impl StateWrites {
+    fn read(metrics: &Metrics) -> Result<Self> {
+        let text = metrics
+            .encode_prometheus_text()
+            .context("read the coordinator's metrics")?;
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        Ok(Self {
+            count: value("asyncrl_coordinator_state_persist_seconds_count"),
+            seconds: value("asyncrl_coordinator_state_persist_seconds_sum"),
+            state_bytes: value("asyncrl_coordinator_state_bytes"),
+        })
+    }
+
+    /// What was written between `before` and `self`.
+    fn since(self, before: Self) -> Self {
+        Self {
+            count: self.count - before.count,
+            seconds: self.seconds - before.seconds,
+            state_bytes: self.state_bytes,
+        }
+    }
+
+    fn add(&mut self, other: Self) {
+        self.count += other.count;
+        self.seconds += other.seconds;
+        self.state_bytes = other.state_bytes;
+    }
 }
 
 impl AcquireBenchRow {
@@ -79,17 +127,28 @@ impl fmt::Display for AcquireBenchReport {
         )?;
         writeln!(
             f,
-            "{:<16} {:>16} {:>18} {:>16}",
-            "mode", "raw echo rt/s", "coordinator rt/s", "coordinator/raw"
+            "{:<16} {:>16} {:>18} {:>16} {:>16} {:>14} {:>12}",
+            "mode",
+            "raw echo rt/s",
+            "coordinator rt/s",
+            "coordinator/raw",
+            "grants / write",
+            "write ms",
+            "state KiB"
         )?;
+        let grants = (o.round_trips * o.rounds.max(1)) as f64;
         for r in &self.rows {
+            let w = &r.writes;
             writeln!(
                 f,
-                "{:<16} {:>16.0} {:>18.0} {:>16.3}",
+                "{:<16} {:>16.0} {:>18.0} {:>16.3} {:>16.1} {:>14.3} {:>12.1}",
                 r.mode,
                 r.raw_per_s,
                 r.coordinator_per_s,
-                r.ratio()
+                r.ratio(),
+                grants / w.count.max(1.0),
+                1e3 * w.seconds / w.count.max(1.0),
+                w.state_bytes / 1024.0
             )?;
         }
         Ok(())
@@ -244,8 +303,15 @@ pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBench
     config.coordinator.journal_path = Some(dir.join("journal.jsonl"));
     config.run.output_dir = dir.clone();
     let shutdown = CancellationToken::new();
-    let coordinator =
-        Coordinator::start(config, server_bus, Metrics::new(), Health::new(), &shutdown).await?;
+    let metrics = Metrics::new();
+    let coordinator = Coordinator::start(
+        config,
+        server_bus,
+        metrics.clone(),
+        Health::new(),
+        &shutdown,
+    )
+    .await?;
 
     let worker = format!("bench-{}", std::process::id());
     let register = Bytes::from(
@@ -309,14 +375,17 @@ pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBench
                 format!("concurrent x{concurrency}")
             };
             let (mut best_raw, mut best_ours) = (Duration::MAX, Duration::MAX);
+            let mut writes = StateWrites::default();
             for _ in 0..opts.rounds.max(1) {
                 best_raw = best_raw.min(
                     raw_client
                         .request_burst(&echo_subject, &acquire, opts.round_trips, concurrency)
                         .await?,
                 );
+                let before = StateWrites::read(&metrics)?;
                 let (d, tasks) =
                     coordinator_round(&client_bus, &worker, opts.round_trips, concurrency).await?;
+                writes.add(StateWrites::read(&metrics)?.since(before));
                 best_ours = best_ours.min(d);
                 complete_all(&client_bus, &worker, tasks).await?;
             }
@@ -325,6 +394,7 @@ pub async fn run_acquire_bench(opts: AcquireBenchOptions) -> Result<AcquireBench
                 mode,
                 raw_per_s: rate(best_raw),
                 coordinator_per_s: rate(best_ours),
+                writes,
             });
         }
         Ok(())
@@ -374,10 +444,18 @@ mod tests {
         for r in &report.rows {
             assert!(r.raw_per_s > 0.0 && r.coordinator_per_s > 0.0, "{r:?}");
             assert!(r.ratio().is_finite());
+            // Every grant was written before its reply: at least one write,
+            // at most one per grant.
+            assert!(
+                r.writes.count >= 1.0 && r.writes.count <= 50.0 && r.writes.state_bytes > 0.0,
+                "{r:?}"
+            );
         }
         let text = report.to_string();
         assert!(
-            text.contains("coordinator/raw") && text.contains("concurrent x4"),
+            text.contains("coordinator/raw")
+                && text.contains("concurrent x4")
+                && text.contains("grants / write"),
             "{text}"
         );
     }
