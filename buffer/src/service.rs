@@ -233,6 +233,12 @@ impl BufferHandle {
     pub fn stats(&self) -> Stats {
         self.shared.core().stats()
     }
+
+    /// Trajectories stored since the start (`asyncrl_buffer_ingested_trajectories_total`),
+    /// without locking the buffer's state.
+    pub fn ingested(&self) -> u64 {
+        self.shared.metrics.ingested.get()
+    }
 }
 
 /// What recovery found on disk.
@@ -654,7 +660,10 @@ impl Ingest {
         // Dead letters (index, kind, reason), duplicates, and the rest.
         let mut dead: Vec<(usize, &'static str, String)> = Vec::new();
         let mut duplicates = 0u64;
-        let mut fresh: Vec<(usize, Trajectory, RowMeta)> = Vec::new();
+        // The stored ones: delivery index and row metadata, and (apart, to
+        // move them into the writer without a copy) the trajectories.
+        let mut fresh: Vec<(usize, RowMeta)> = Vec::new();
+        let mut trajs: Vec<Trajectory> = Vec::new();
         {
             let core = self.shared.core();
             let mut seen = HashSet::new();
@@ -666,7 +675,10 @@ impl Ingest {
                         Some(m) if core.is_known(&m) || !seen.insert(m.uuid) => {
                             duplicates += 1;
                         }
-                        Some(m) => fresh.push((i, t, m)),
+                        Some(m) => {
+                            fresh.push((i, m));
+                            trajs.push(t);
+                        }
                     },
                 }
             }
@@ -677,7 +689,6 @@ impl Ingest {
                 .writer
                 .take()
                 .ok_or_else(|| BufferError::Lost("the segment writer"))?;
-            let trajs: Vec<Trajectory> = fresh.iter().map(|(_, t, _)| t.clone()).collect();
             let cfg = self.config.clone();
             let started = Instant::now();
             let (writer, rotated_to, result) = tokio::task::spawn_blocking(move || {
@@ -729,7 +740,7 @@ impl Ingest {
                 .metrics
                 .disk_bytes
                 .set(written.disk_bytes as i64);
-            let metas: Vec<RowMeta> = fresh.iter().map(|(_, _, m)| m.clone()).collect();
+            let metas: Vec<RowMeta> = fresh.iter().map(|(_, m)| m.clone()).collect();
             {
                 // One lock: the batch's segment is live before a rotation
                 // makes it inactive (and so deletable).
@@ -782,23 +793,24 @@ impl Ingest {
                 }
             }
         }
-        let acks = futures::future::join_all(deliveries.iter().enumerate().map(|(i, d)| {
-            let failed = failed_dlq.contains(&i);
-            async move {
-                if failed {
-                    d.nak(Duration::from_secs(1)).await
-                } else {
-                    d.ack().await
-                }
-            }
-        }))
-        .await;
-        let ack_errors = acks.iter().filter(|r| r.is_err()).count();
-        if ack_errors > 0 {
+        // One confirmation for the batch's acks, not one per message.
+        let (nak, ack): (Vec<_>, Vec<_>) = deliveries
+            .iter()
+            .enumerate()
+            .partition(|(i, _)| failed_dlq.contains(i));
+        let ack: Vec<&Delivery> = ack.into_iter().map(|(_, d)| d).collect();
+        let naks =
+            futures::future::join_all(nak.iter().map(|(_, d)| d.nak(Duration::from_secs(1))));
+        let (acked, naks) = tokio::join!(Delivery::ack_all(&ack), naks);
+        let nak_errors = naks.iter().filter(|r| r.is_err()).count();
+        if let Err(e) = acked {
             // Harmless: the messages come again and are dropped as duplicates.
+            tracing::warn!(error = %e, messages = ack.len(), "acking a batch failed; its messages will be redelivered and deduplicated");
+        }
+        if nak_errors > 0 {
             tracing::warn!(
-                ack_errors,
-                "some acks failed; those messages will be redelivered and deduplicated"
+                nak_errors,
+                "some naks failed; those messages will be redelivered after the ack wait"
             );
         }
         let m = &self.shared.metrics;

@@ -345,6 +345,27 @@ impl Delivery {
         }
     }
 
+    /// Acknowledges all of `deliveries` (messages of one consumer), with
+    /// one confirmation for the lot instead of one per message: each is
+    /// acked without waiting, in order, and the last one waits for the
+    /// server's confirmation, which it sends after handling the earlier
+    /// acks of the same connection. Ok means all were acked.
+    pub async fn ack_all(deliveries: &[&Delivery]) -> Result<()> {
+        let Some((last, rest)) = deliveries.split_last() else {
+            return Ok(());
+        };
+        for d in rest {
+            match &d.acker {
+                Acker::Nats(m) => m
+                    .ack()
+                    .await
+                    .map_err(|e| TransportError::backend("ack", e))?,
+                Acker::Local(a) => a.ack()?,
+            }
+        }
+        last.ack().await
+    }
+
     /// Asks for redelivery after `delay` (immediately when zero).
     pub async fn nak(&self, delay: Duration) -> Result<()> {
         match &self.acker {
