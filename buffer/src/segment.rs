@@ -191,15 +191,28 @@ impl SegmentWriter {
         if self.torn {
             self.cut_back()?;
         }
-        self.ipc.write(batch).map_err(BufferError::Arrow)?;
-        let msg = std::mem::take(self.ipc.get_mut());
-        let framed = frame(&msg);
+        // The frame is built in place: its header, then the IPC message
+        // written after it, in a buffer kept from one append to the next.
+        let buf = self.ipc.get_mut();
+        buf.clear();
+        buf.extend_from_slice(&[0; FRAME_HEADER]);
+        let encoded = self.ipc.write(batch).map_err(BufferError::Arrow);
+        let framed = self.ipc.get_mut();
+        if let Err(e) = encoded {
+            framed.clear();
+            return Err(e);
+        }
+        let payload_len = framed.len() - FRAME_HEADER;
+        let crc = crc32fast::hash(&framed[FRAME_HEADER..]);
+        framed[..4].copy_from_slice(&(payload_len as u32).to_le_bytes());
+        framed[4..FRAME_HEADER].copy_from_slice(&crc.to_le_bytes());
+        let frame_len = framed.len() as u64;
         // Positioned at the end of the last complete frame: after a failed
         // append the file offset may lie past it.
-        let written = self
-            .file
+        let file = &mut self.file;
+        let written = file
             .seek(SeekFrom::Start(self.len))
-            .and_then(|_| self.file.write_all(&framed));
+            .and_then(|_| file.write_all(self.ipc.get_ref()));
         if let Err(e) = written {
             self.torn = true;
             let _ = self.cut_back();
@@ -213,10 +226,10 @@ impl SegmentWriter {
             let _ = self.cut_back();
             return Err(BufferError::io("fsync segment", &self.path, e));
         }
-        self.len += framed.len() as u64;
+        self.len += frame_len;
         Ok(Appended {
             segment: self.id,
-            bytes: framed.len() as u64,
+            bytes: frame_len,
         })
     }
 
