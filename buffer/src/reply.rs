@@ -148,8 +148,13 @@ fn token_lags(parts: &[RecordBatch], version: i32) -> BTreeMap<i64, u64> {
                 usize::try_from(offsets.first()).unwrap_or(0),
                 usize::try_from(offsets.last()).unwrap_or(0),
             );
-            for v in values.values().get(lo..hi).unwrap_or_default() {
-                *lags.entry(i64::from(version) - i64::from(*v)).or_insert(0) += 1;
+            // Runs of one version are counted at once (a trajectory's
+            // tokens mostly share theirs): one map update per run.
+            let mut vs = values.values().get(lo..hi).unwrap_or_default();
+            while let Some(&v) = vs.first() {
+                let run = vs.iter().position(|x| *x != v).unwrap_or(vs.len());
+                *lags.entry(i64::from(version) - i64::from(v)).or_insert(0) += run as u64;
+                vs = &vs[run..];
             }
         }
     }
@@ -277,6 +282,27 @@ mod tests {
         assert_eq!(decode(&enc.ipc), want);
         // Token lags count only the served rows: 100 rows × 50 tokens.
         assert_eq!(enc.lags.values().sum::<u64>(), 100 * 50);
+        // Batches of one row each, one part each.
+        let ones: Vec<RecordBatch> = all[..3]
+            .iter()
+            .map(|t| to_record_batch(std::slice::from_ref(t)).unwrap())
+            .collect();
+        for idx in [vec![(0, 0), (1, 0)], vec![(2, 0), (0, 0), (1, 0)]] {
+            let enc = encode_batch(&ones, &idx, false, 3).unwrap();
+            let want: Vec<_> = idx.iter().map(|&(bi, _)| all[bi].clone()).collect();
+            assert_eq!(decode(&enc.ipc), want);
+        }
+        // Rows of different sizes, each its own slice, in reverse order.
+        let varied: Vec<_> = (0..12)
+            .map(|i| traj(i * 37, 4, 2, 10 + 3 * i as usize))
+            .collect();
+        let one = [to_record_batch(&varied).unwrap()];
+        let idx: Vec<(usize, usize)> = (0..12).rev().map(|r| (0, r)).collect();
+        for zstd in [false, true] {
+            let enc = encode_batch(&one, &idx, zstd, 3).unwrap();
+            let want: Vec<_> = varied.iter().rev().cloned().collect();
+            assert_eq!(decode(&enc.ipc), want);
+        }
         // Rows that are not there are an error, not a panic.
         assert!(encode_batch(&batches, &[(0, 99), (0, 100)], false, 3).is_err());
         assert!(encode_batch(&batches, &[(2, 0)], false, 3).is_err());
