@@ -19,7 +19,7 @@ use asyncrl_protos::v1::{BatchReply, BatchRequest};
 use asyncrl_testkit::NatsServer;
 use asyncrl_transport::{Bus, LocalBus};
 use bytes::Bytes;
-use common::{Running, ask, config, nats, publish, uuids};
+use common::{Running, ask, config, eventually, nats, publish, uuids};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
 
@@ -128,6 +128,12 @@ async fn exercise(bus: Arc<dyn Bus>, url: &str, random: u32) -> usize {
     // Still serving: one group arrives, the learner's request gets it.
     let trajs: Vec<_> = (0..2).map(|i| traj(i, 2, 0, 8)).collect();
     publish(bus.as_ref(), &trajs).await;
+    // Requests wait at most 20 ms here: ask once the group is held (on a
+    // loaded machine ingest may take longer than that).
+    eventually("the group is ready", Duration::from_secs(10), || {
+        running.handle.stats().ready_groups == 1
+    })
+    .await;
     let (reply, got) = ask(bus.as_ref(), 1, 0, 1, 1, 10_000)
         .await
         .expect("the valid request after the hostile ones");
