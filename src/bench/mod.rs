@@ -16,7 +16,8 @@
 //! - `weights`: publish → in use on N workers against raw object-store
 //!   put + N gets of the same bytes;
 //! - `scale`: how each role's cost grows with its work (curves, fitted
-//!   growth).
+//!   growth);
+//! - `sync-step`: where the time of one synchronous (η = 0) step goes.
 //!
 //! The buffer's benches are criterion benches (`cargo bench -p
 //! asyncrl-buffer`).
@@ -37,6 +38,8 @@ mod scale;
 mod speedup;
 #[cfg(feature = "torch")]
 mod staleness;
+#[cfg(feature = "torch")]
+mod sync_step;
 mod transport;
 #[cfg(feature = "torch")]
 mod weights;
@@ -127,6 +130,11 @@ pub(crate) enum BenchCommand {
     /// batch tokens; CSV, PNG and a markdown summary with the fitted growth.
     #[cfg(feature = "torch")]
     Scale(scale::ScaleArgs),
+    /// Where the time of one synchronous (η = 0) step of a job goes:
+    /// generation, scoring, training, weights, admission, trajectories →
+    /// batch; one thread per role pinned against two threads on both cores.
+    #[cfg(feature = "torch")]
+    SyncStep(sync_step::SyncStepArgs),
 }
 
 #[derive(Debug, Args)]
@@ -481,6 +489,11 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
         #[cfg(feature = "torch")]
         BenchCommand::Weights(args) => {
             let report = weights::run(&rt, args).context("weights bench")?;
+            print!("{report}");
+        }
+        #[cfg(feature = "torch")]
+        BenchCommand::SyncStep(args) => {
+            let report = sync_step::run(&rt, args).context("sync-step bench")?;
             print!("{report}");
         }
         #[cfg(feature = "torch")]
