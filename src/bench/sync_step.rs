@@ -227,7 +227,11 @@ fn breakdown(events: &[Event], warmup: u64) -> Vec<Breakdown> {
             .find(|e| e.get("granted").unwrap_or(0.0) > 0.0)
             .map_or(b2, |e| e.at.max(b2));
         let published: Vec<&Event> = of("trajectory published").filter(within).collect();
-        let b4 = published.iter().map(|e| e.at).max().map_or(b3, |t| t.max(b3));
+        let b4 = published
+            .iter()
+            .map(|e| e.at)
+            .max()
+            .map_or(b3, |t| t.max(b3));
         let secs = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
         let train = prev.get("compute_s").unwrap_or(0.0);
         let weights =
@@ -289,7 +293,12 @@ impl Variant {
     }
 }
 
-fn run_config(base: &Config, args: &SyncStepArgs, v: Variant, round: usize) -> anyhow::Result<Config> {
+fn run_config(
+    base: &Config,
+    args: &SyncStepArgs,
+    v: Variant,
+    round: usize,
+) -> anyhow::Result<Config> {
     let mut c = base.clone();
     c.run.name = format!("sync-step-{}-{round}", v.slug());
     c.run.max_steps = args.steps;
@@ -371,13 +380,20 @@ pub(crate) fn run(rt: &tokio::runtime::Runtime, args: SyncStepArgs) -> anyhow::R
 }
 
 const PHASES: [(&str, fn(&Breakdown) -> f64); 7] = [
-    ("generation (first grant → last trajectory acked)", |b| b.generation),
+    ("generation (first grant → last trajectory acked)", |b| {
+        b.generation
+    }),
     ("of which scoring (mean per completion)", |b| b.scoring),
     ("training (learner compute)", |b| b.train),
     ("weights: publish → fetch → swap", |b| b.weights),
     ("admission (swap → first grant)", |b| b.admission),
-    ("trajectories → buffer → batch served", |b| b.trajectories_to_batch),
-    ("learner other (batch transfer, decode, logs, status)", |b| b.learner_other),
+    ("trajectories → buffer → batch served", |b| {
+        b.trajectories_to_batch
+    }),
+    (
+        "learner other (batch transfer, decode, logs, status)",
+        |b| b.learner_other,
+    ),
 ];
 
 fn write_report(
@@ -407,7 +423,8 @@ fn write_report(
         }
     }
     let csv_path = args.out.join("sync-step.csv");
-    std::fs::write(&csv_path, csv).with_context(|| format!("cannot write {}", csv_path.display()))?;
+    std::fs::write(&csv_path, csv)
+        .with_context(|| format!("cannot write {}", csv_path.display()))?;
 
     let mut md = String::new();
     let variants = [Variant::Pinned, Variant::BothCores];
@@ -443,7 +460,11 @@ fn write_report(
     }
     let _ = write!(md, "| **step (batch k−1 served → batch k served)** |");
     for v in variants {
-        let _ = write!(md, " **{:.4}** |", median(all(v).iter().map(|b| b.total).collect()));
+        let _ = write!(
+            md,
+            " **{:.4}** |",
+            median(all(v).iter().map(|b| b.total).collect())
+        );
     }
     let _ = write!(md, "\n| **neither generating, scoring nor training** |");
     for v in variants {
@@ -455,7 +476,10 @@ fn write_report(
             100.0 * median(steps.iter().map(|b| b.overhead() / b.total).collect())
         );
     }
-    let _ = write!(md, "\n| wall-clock per step over the whole run (warm-up included) |");
+    let _ = write!(
+        md,
+        "\n| wall-clock per step over the whole run (warm-up included) |"
+    );
     for v in variants {
         let per_run: Vec<f64> = rows.iter().filter(|r| r.0 == v).map(|r| r.3).collect();
         let _ = write!(md, " {:.4} |", median(per_run));
@@ -489,8 +513,23 @@ mod tests {
         let t0 = Instant::now();
         let events = vec![
             ev(t0, 0, "batch served", &[("step", 1.0), ("replayed", 0.0)]),
-            ev(t0, 40, "step", &[("step", 1.0), ("version", 1.0), ("compute_s", 0.030), ("publish_s", 0.004)]),
-            ev(t0, 50, "weights swapped in", &[("version", 1.0), ("swap_latency_ms", 6.0)]),
+            ev(
+                t0,
+                40,
+                "step",
+                &[
+                    ("step", 1.0),
+                    ("version", 1.0),
+                    ("compute_s", 0.030),
+                    ("publish_s", 0.004),
+                ],
+            ),
+            ev(
+                t0,
+                50,
+                "weights swapped in",
+                &[("version", 1.0), ("swap_latency_ms", 6.0)],
+            ),
             // An empty grant does not count.
             ev(t0, 52, "tasks acquired", &[("granted", 0.0)]),
             ev(t0, 60, "tasks acquired", &[("granted", 16.0)]),
@@ -523,7 +562,12 @@ mod tests {
         let t0 = Instant::now();
         let events = vec![
             ev(t0, 0, "batch served", &[("step", 1.0)]),
-            ev(t0, 20, "step", &[("step", 1.0), ("version", 1.0), ("compute_s", 0.010)]),
+            ev(
+                t0,
+                20,
+                "step",
+                &[("step", 1.0), ("version", 1.0), ("compute_s", 0.010)],
+            ),
             ev(t0, 25, "tasks acquired", &[("granted", 4.0)]),
             ev(t0, 30, "weights swapped in", &[("version", 1.0)]),
             ev(t0, 50, "trajectory published", &[]),
