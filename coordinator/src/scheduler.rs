@@ -57,6 +57,38 @@ pub struct Lease {
     pub admission_version: i32,
     pub granted_at_ms: i64,
     pub deadline_ms: i64,
+    /// Its persisted fields but the worker, encoded once (they never
+    /// change): what every state write copies.
+    persisted: persisted::Fields,
+}
+
+impl Lease {
+    fn new(
+        seq: u64,
+        task: TaskRef,
+        worker: Arc<str>,
+        admission_version: i32,
+        granted_at_ms: i64,
+        deadline_ms: i64,
+    ) -> Self {
+        // int32 and int64 are written as their two's-complement u64.
+        let persisted = persisted::Fields::new(&[
+            (1, seq),
+            (2, task.index),
+            (3, task.epoch),
+            (5, i64::from(admission_version) as u64),
+            (6, granted_at_ms as u64),
+        ]);
+        Self {
+            seq,
+            task,
+            worker,
+            admission_version,
+            granted_at_ms,
+            deadline_ms,
+            persisted,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +96,20 @@ struct Completed {
     seq: u64,
     task: TaskRef,
     worker: Arc<str>,
+    /// As [`Lease::persisted`].
+    persisted: persisted::Fields,
+}
+
+impl Completed {
+    fn new(seq: u64, task: TaskRef, worker: Arc<str>) -> Self {
+        let persisted = persisted::Fields::new(&[(1, seq), (2, task.index), (3, task.epoch)]);
+        Self {
+            seq,
+            task,
+            worker,
+            persisted,
+        }
+    }
 }
 
 /// A granted lease, as the service turns it into a `Task`.
@@ -356,14 +402,14 @@ impl Scheduler {
             let task = self.next_task();
             let seq = self.next_seq;
             self.next_seq += 1;
-            let lease = Lease {
+            let lease = Lease::new(
                 seq,
                 task,
-                worker: worker.clone(),
-                admission_version: self.version,
-                granted_at_ms: now_ms,
-                deadline_ms: now_ms + self.params.lease_timeout_ms,
-            };
+                worker.clone(),
+                self.version,
+                now_ms,
+                now_ms + self.params.lease_timeout_ms,
+            );
             grants.push(Grant {
                 lease_id: self.lease_id(seq),
                 task,

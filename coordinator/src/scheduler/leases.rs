@@ -53,11 +53,7 @@ impl Scheduler {
             .ok_or(CompleteRefusal::UnknownLease)?;
         self.accepted += 1;
         self.completed_total += 1;
-        self.remember_completed(Completed {
-            seq,
-            task: lease.task,
-            worker: lease.worker.clone(),
-        });
+        self.remember_completed(Completed::new(seq, lease.task, lease.worker.clone()));
         Ok(Completion::Accepted { lease })
     }
 

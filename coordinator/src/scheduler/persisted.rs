@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
+use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, string};
+
 use asyncrl_protos::v1::{
     CompletedLease, CoordinatorState, PersistedLease, TaskRef as TaskRefProto,
 };
@@ -67,37 +69,12 @@ impl Scheduler {
         }
     }
 
-    /// The persisted form, encoded: the bytes of
-    /// `to_proto().encode_to_vec()`, written straight from the scheduler
-    /// (what every state write costs, so without building the message
-    /// first).
+    /// The persisted form, encoded (what every state write costs): each
+    /// lease and completion copies its fields encoded at its creation and
+    /// adds its worker's index, so the message is not built first. The
+    /// bytes decode to [`Scheduler::to_proto`]; within a lease the worker
+    /// comes last, which protobuf allows (fields in any order).
     pub fn encode_state(&self) -> Vec<u8> {
-        use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, string};
-
-        /// A varint field (left out when zero, as protobuf does): its
-        /// length, and written.
-        fn field_len(v: u64) -> usize {
-            if v == 0 { 0 } else { 1 + encoded_len_varint(v) }
-        }
-        fn put(buf: &mut Vec<u8>, tag: u32, v: u64) {
-            if v != 0 {
-                encode_key(tag, WireType::Varint, buf);
-                encode_varint(v, buf);
-            }
-        }
-        fn put_str(buf: &mut Vec<u8>, tag: u32, v: &String) {
-            if !v.is_empty() {
-                string::encode(tag, v, buf);
-            }
-        }
-        fn put_message(buf: &mut Vec<u8>, tag: u32, fields: &[u64]) {
-            let len: usize = fields.iter().map(|v| field_len(*v)).sum();
-            encode_key(tag, WireType::LengthDelimited, buf);
-            encode_varint(len as u64, buf);
-            for (i, v) in fields.iter().enumerate() {
-                put(buf, i as u32 + 1, *v);
-            }
-        }
         let mut buf = Vec::with_capacity(
             256 + 24 * (self.leases.len() + self.completed.len() + self.queue.len()),
         );
@@ -110,31 +87,20 @@ impl Scheduler {
         put(&mut buf, 6, self.epoch);
         put(&mut buf, 7, self.cursor);
         for t in &self.queue {
-            put_message(&mut buf, 8, &[t.index, t.epoch]);
+            let len = field_len(t.index) + field_len(t.epoch);
+            encode_key(8, WireType::LengthDelimited, &mut buf);
+            encode_varint(len as u64, &mut buf);
+            put(&mut buf, 1, t.index);
+            put(&mut buf, 2, t.epoch);
         }
         for l in self.leases.values() {
-            // int32 and int64 are written as their two's-complement u64.
-            let fields = [
-                l.seq,
-                l.task.index,
-                l.task.epoch,
-                u64::from(workers.index(&l.worker)),
-                i64::from(l.admission_version) as u64,
-                l.granted_at_ms as u64,
-            ];
-            put_message(&mut buf, 9, &fields);
+            put_entry(&mut buf, 9, &l.persisted, workers.index(&l.worker));
         }
         put(&mut buf, 10, self.accepted);
         put(&mut buf, 11, i64::from(self.version) as u64);
         put_str(&mut buf, 12, &self.learner_session);
         for c in self.completed.values() {
-            let fields = [
-                c.seq,
-                c.task.index,
-                c.task.epoch,
-                u64::from(workers.index(&c.worker)),
-            ];
-            put_message(&mut buf, 13, &fields);
+            put_entry(&mut buf, 13, &c.persisted, workers.index(&c.worker));
         }
         for w in &workers.names {
             encode_key(14, WireType::LengthDelimited, &mut buf);
@@ -210,22 +176,22 @@ impl Scheduler {
             }
             s.leases.insert(
                 l.seq,
-                Lease {
-                    seq: l.seq,
-                    task: task(l.index, l.epoch)?,
-                    worker: worker(l.worker)?,
-                    admission_version: l.admission_version,
-                    granted_at_ms: l.granted_at_unix_ms,
-                    deadline_ms: now_ms + s.params.lease_timeout_ms,
-                },
+                Lease::new(
+                    l.seq,
+                    task(l.index, l.epoch)?,
+                    worker(l.worker)?,
+                    l.admission_version,
+                    l.granted_at_unix_ms,
+                    now_ms + s.params.lease_timeout_ms,
+                ),
             );
         }
         for c in &state.completed {
-            s.remember_completed(Completed {
-                seq: c.seq,
-                task: task(c.index, c.epoch)?,
-                worker: worker(c.worker)?,
-            });
+            s.remember_completed(Completed::new(
+                c.seq,
+                task(c.index, c.epoch)?,
+                worker(c.worker)?,
+            ));
         }
         s.accepted = state.accepted;
         s.version = state.learner_version;
@@ -242,6 +208,50 @@ impl Scheduler {
     pub fn same_state(&self, other: &Scheduler) -> bool {
         self.to_proto() == other.to_proto()
     }
+}
+
+/// The varint fields of a lease or completion but its worker, encoded
+/// (protobuf: a field left out when zero).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Fields(Box<[u8]>);
+
+impl Fields {
+    pub(super) fn new(fields: &[(u32, u64)]) -> Self {
+        let mut buf = Vec::with_capacity(fields.len() * 6);
+        for (tag, v) in fields {
+            put(&mut buf, *tag, *v);
+        }
+        Self(buf.into_boxed_slice())
+    }
+}
+
+/// Length of a varint field (none when zero).
+fn field_len(v: u64) -> usize {
+    if v == 0 { 0 } else { 1 + encoded_len_varint(v) }
+}
+
+/// Writes a varint field (none when zero).
+fn put(buf: &mut Vec<u8>, tag: u32, v: u64) {
+    if v != 0 {
+        encode_key(tag, WireType::Varint, buf);
+        encode_varint(v, buf);
+    }
+}
+
+fn put_str(buf: &mut Vec<u8>, tag: u32, v: &String) {
+    if !v.is_empty() {
+        string::encode(tag, v, buf);
+    }
+}
+
+/// Writes a lease or completion: its encoded fields, then its worker
+/// (field 4).
+fn put_entry(buf: &mut Vec<u8>, tag: u32, fields: &Fields, worker: u32) {
+    let worker = u64::from(worker);
+    encode_key(tag, WireType::LengthDelimited, buf);
+    encode_varint((fields.0.len() + field_len(worker)) as u64, buf);
+    buf.extend_from_slice(&fields.0);
+    put(buf, 4, worker);
 }
 
 /// The workers of the persisted form, in order of first reference. Workers

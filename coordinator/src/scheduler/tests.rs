@@ -381,7 +381,12 @@ fn the_state_is_written_as_its_protobuf_message() {
     // Everything set: queue, leases (a negative version), completions,
     // several workers, counters; and the empty state.
     let mut s = sched(1000, 50);
-    assert_eq!(s.encode_state(), s.to_proto().encode_to_vec());
+    let written = |s: &Scheduler| {
+        let bytes = s.encode_state();
+        assert_eq!(bytes.len(), s.to_proto().encoded_len());
+        asyncrl_protos::v1::CoordinatorState::decode(bytes.as_slice()).unwrap()
+    };
+    assert_eq!(written(&s), s.to_proto());
     s.on_learner_session("sess", 0);
     let mut held = Vec::new();
     for (i, w) in ["w1", "w2", "w3", "w2"].iter().enumerate() {
@@ -402,8 +407,8 @@ fn the_state_is_written_as_its_protobuf_message() {
     let proto = s.to_proto();
     assert!(!proto.queue.is_empty() && !proto.completed.is_empty() && proto.workers.len() >= 3);
     assert!(proto.leases.iter().any(|l| l.admission_version < 0));
-    assert_eq!(s.encode_state(), proto.encode_to_vec());
-    let decoded =
-        asyncrl_protos::v1::CoordinatorState::decode(s.encode_state().as_slice()).unwrap();
-    assert_eq!(decoded, proto);
+    assert_eq!(written(&s), proto);
+    // A restored state writes the same.
+    let back = Scheduler::from_proto(params(1000), &proto, 50, "fp", 0).unwrap();
+    assert_eq!(written(&back), proto);
 }
