@@ -64,13 +64,13 @@ pub struct LoadedCheckpoint {
 
 use asyncrl_common::sha256_hex;
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let mut f = fs::File::create(path).map_err(io(path))?;
     f.write_all(bytes).map_err(io(path))?;
     f.sync_all().map_err(io(path))
 }
 
-fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(io(dir))

@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod eval;
 pub mod metrics;
 pub mod objective;
+pub mod pending;
 pub mod service;
 pub mod sft;
 pub mod trainer;

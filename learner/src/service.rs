@@ -5,10 +5,26 @@
 //! after this), checkpoint first if the coordinator asked for it, request
 //! `B` groups for step `s` at version `v = s − 1` (the buffer long-polls and
 //! replays the same groups if `s` was served before a crash), train on the
-//! trainer thread, publish the weights of version `s` to the object store and
-//! then the announcement to `policy.version`, write `learner.status`, and
-//! checkpoint every `checkpoint_every` steps, on SIGTERM, and after the last
-//! step of the run (`run.max_steps`).
+//! trainer thread, take the trainer's snapshot of the weights of version
+//! `s`, upload them to the object store and then announce them in
+//! `policy.version`, write `learner.status`, and checkpoint every
+//! `checkpoint_every` steps, on SIGTERM, and after the last step of the run
+//! (`run.max_steps`).
+//!
+//! The learner never waits for what it can do ahead:
+//! - Step `s + 1` is sealed and its batch asked for (at version `s`, the
+//!   version that will train it, so its staleness is checked against the
+//!   right floor) while step `s` trains. The buffer takes that request as
+//!   "step `s` is trained" and stops replaying `s`'s groups, so every batch
+//!   is first stored in the checkpoint folder ([`crate::pending`], fsynced)
+//!   and kept until its version is announced: a learner killed before then
+//!   retrains the step from that copy, on the same groups.
+//! - The upload of version `s` runs while step `s + 1` trains. One upload
+//!   at a time: the upload of `s + 1` starts after `s` is announced, so
+//!   versions are announced in order, each after its object is completely
+//!   stored (with the sha256 the store computed); the last one before the
+//!   run ends (also on SIGTERM). An upload's error fails the role after its
+//!   transient errors were retried, as before.
 //!
 //! Resume: the newest complete checkpoint; if `policy.version` announces a
 //! newer version (trained and published before a crash, after the last
@@ -41,6 +57,7 @@ use crate::checkpoint;
 use crate::eval::{EvalRow, Evaluator};
 use crate::metrics::LearnerMetrics;
 use crate::objective::{LossAggregation, ObjectiveConfig, ProximalMode};
+use crate::pending::PendingBatches;
 use crate::trainer::{StepSettings, StepStats, TrainError, Trainer, TrainerOptions};
 use asyncrl_common::{Backoff, unix_ms};
 
@@ -121,10 +138,7 @@ pub fn checkpoint_dir(config: &Config) -> PathBuf {
 
 struct Ctx {
     config: Config,
-    bus: Arc<dyn Bus>,
     kv: Arc<dyn KvBucket>,
-    /// The weights object store (opened once; the learner publishes every step).
-    weights: Arc<dyn ObjectStore>,
     actor: TrainerActor,
     metrics: LearnerMetrics,
     session: String,
@@ -134,6 +148,10 @@ struct Ctx {
     shutdown: CancellationToken,
     progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
     evaluator: Option<Evaluator>,
+    /// Seals steps and gets their batches (also ahead, on its own task).
+    fetcher: Fetcher,
+    /// Uploads and announces weights (also in the background).
+    publisher: Publisher,
 }
 
 /// Runs the learner until `run.max_steps` (0: until shutdown).
@@ -185,14 +203,32 @@ pub async fn run_with_progress(
         .context("cannot start the held-out evaluation ([eval])")?;
     let metrics = LearnerMetrics::register(&metrics)?;
     let (weights, kv) = asyncrl_control::weights::open(bus.as_ref()).await?;
+    let pending = PendingBatches::new(&ckpt_dir);
+    let limits = actor.call(|t| t.batch_limits()).await?;
+    let config = Arc::new(config);
     let mut ctx = Ctx {
         session: uuid::Uuid::new_v4().to_string(),
         started_at: unix_ms(),
         start_version: 0,
-        config,
-        bus,
+        fetcher: Fetcher {
+            config: config.clone(),
+            bus,
+            kv: kv.clone(),
+            metrics: metrics.clone(),
+            shutdown: shutdown.clone(),
+            limits,
+            pending: pending.clone(),
+        },
+        publisher: Publisher {
+            weights,
+            kv: kv.clone(),
+            metrics: metrics.clone(),
+            keep: config.learner.keep_weight_versions,
+            shutdown: shutdown.clone(),
+            pending,
+        },
+        config: Config::clone(&config),
         kv,
-        weights,
         actor,
         metrics,
         ckpt_dir,
@@ -219,7 +255,7 @@ impl Ctx {
                     published_version = a.version,
                     "versions newer than the checkpoint were published before a restart: adopting the published weights"
                 );
-                let bytes = asyncrl_control::weights::fetch(self.weights.as_ref(), &a)
+                let bytes = asyncrl_control::weights::fetch(self.publisher.weights.as_ref(), &a)
                     .await
                     .with_context(|| {
                         format!(
@@ -235,64 +271,32 @@ impl Ctx {
             Some(a) if a.version == local => {}
             _ => {
                 let step = self.actor.call(|t| t.step()).await?;
-                self.publish(local, step).await?;
+                let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
+                self.publisher.clone().publish(local, step, bytes).await?;
             }
         }
-        Ok(())
-    }
-
-    /// Publishes the trainer's weights as `version`; returns the bytes.
-    async fn publish(&self, version: i32, step: u64) -> anyhow::Result<Bytes> {
-        let bytes = self.actor.call(|t| t.weights_bytes()).await??;
-        let bytes = Bytes::from(bytes);
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        loop {
-            match asyncrl_control::weights::publish(
-                self.weights.as_ref(),
-                self.kv.as_ref(),
-                version,
-                step,
-                bytes.clone(),
-            )
+        // Batches kept for steps whose versions are announced are done.
+        let step = self.actor.call(|t| t.step()).await?;
+        let pending = self.publisher.pending.clone();
+        tokio::task::spawn_blocking(move || pending.remove_through(step))
             .await
-            {
-                Ok(_) => break,
-                Err(e) if e.is_transient() && !self.shutdown.is_cancelled() => {
-                    self.metrics.weight_publish_failures.inc();
-                    tracing::warn!(version, error = %e, "publishing weights failed; retrying");
-                    tokio::time::sleep(backoff.next_delay()).await;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        self.metrics.weight_publications.inc();
-        self.metrics.version.set(i64::from(version));
-        tracing::info!(version, step, bytes = bytes.len(), "weights published");
-        // Keep the newest versions; older ones can no longer be asked for.
-        let keep = self.config.learner.keep_weight_versions;
-        if let Err(e) = asyncrl_control::weights::prune(self.weights.as_ref(), version, keep).await
-        {
-            tracing::warn!(version, error = %e, "cannot delete the weights of old versions");
-        }
-        Ok(bytes)
+            .context("the pending-batch cleaner panicked")??;
+        Ok(())
     }
 
     async fn write_status(&self, train_s: f64, wait_s: f64) {
         let step = self.actor.call(|t| t.step()).await.unwrap_or(0);
-        let status = LearnerStatus {
+        write_status(self.kv.as_ref(), &self.status(step, train_s, wait_s)).await;
+    }
+
+    fn status(&self, step: u64, train_s: f64, wait_s: f64) -> LearnerStatus {
+        LearnerStatus {
             session_id: self.session.clone(),
             started_at_unix_ms: self.started_at,
             start_version: self.start_version,
             step,
             step_train_seconds: train_s,
             step_wait_seconds: wait_s,
-        };
-        if let Err(e) = self
-            .kv
-            .put(LEARNER_STATUS_KEY, Bytes::from(status.encode_to_vec()))
-            .await
-        {
-            tracing::warn!(error = %e, "cannot write learner.status");
         }
     }
 
@@ -310,6 +314,273 @@ impl Ctx {
         self.metrics.checkpoints.inc();
         tracing::info!(checkpoint = %path.display(), "checkpoint written");
         Ok(())
+    }
+
+    async fn train_loop(&mut self) -> anyhow::Result<LearnerSummary> {
+        let csv_path = self.config.run.output_dir.join("learner_metrics.csv");
+        let mut csv = MetricsCsv::open(csv_path.clone())?;
+        let mut trained_log = TrainedLog::open(self.config.run.output_dir.join("trained.jsonl"))?;
+        let mut summary = LearnerSummary {
+            metrics_csv: csv_path,
+            checkpoint_dir: self.ckpt_dir.clone(),
+            ..Default::default()
+        };
+        let max_steps = self.config.run.max_steps;
+        let run_start = Instant::now();
+        // The weights the run starts from (the warm start, or a resumed
+        // checkpoint's) are evaluated first, so every curve has its origin.
+        let (step0, version0) = self.actor.call(|t| (t.step(), t.version())).await?;
+        if let Some(ev) = self.evaluator.as_mut()
+            && ev.wants(version0, step0, true)
+        {
+            let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
+            ev.submit(version0, step0, 0.0, bytes);
+        }
+        // The next step's batch, asked for while this one trains.
+        let mut prefetch: Option<(u64, AbortOnDrop<anyhow::Result<Option<Prepared>>>)> = None;
+        // The weights of the last step trained, uploading while the next
+        // one trains (one upload at a time: versions are announced in order).
+        let mut upload: Option<Upload> = None;
+        loop {
+            let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
+            summary.steps = step;
+            summary.version = version;
+            if self.shutdown.is_cancelled() || (max_steps > 0 && step >= max_steps) {
+                break;
+            }
+            let s = step + 1;
+            let wait_start = Instant::now();
+            let prepared = match prefetch.take() {
+                Some((n, task)) if n == s => task.join("batch prefetch").await??,
+                _ => self.fetcher.clone().prepare(s, version).await?,
+            };
+            let Some(Prepared { knobs: k, batches }) = prepared else {
+                break;
+            };
+            let wait_s = wait_start.elapsed().as_secs_f64();
+            if k.checkpoint {
+                self.checkpoint().await?;
+            }
+            // Step s's batch is in the pending folder, so the buffer may
+            // take the request for s + 1 as "s is trained".
+            if max_steps == 0 || s < max_steps {
+                let task = tokio::spawn(self.fetcher.clone().prepare(s + 1, version + 1));
+                prefetch = Some((s + 1, AbortOnDrop(task)));
+            }
+            let ids = trained_ids(&batches);
+            let step_knobs = step_settings(&self.config, &k);
+            let stats = match self
+                .actor
+                .call(move |t| t.train_step(&batches, &step_knobs))
+                .await?
+            {
+                Ok(stats) => stats,
+                Err(TrainError::Batch(e)) => {
+                    // Refused by the trainer though it passed the check: it
+                    // trained on none of it; the step asks the buffer again.
+                    self.fetcher.refuse_batch(s, &e);
+                    prefetch = None;
+                    let pending = self.fetcher.pending.clone();
+                    tokio::task::spawn_blocking(move || pending.remove_through(s))
+                        .await
+                        .context("the pending-batch cleaner panicked")??;
+                    tokio::select! {
+                        () = self.shutdown.cancelled() => break,
+                        () = tokio::time::sleep(self.config.learner.batch_poll_interval) => {}
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            self.metrics.phase("wait", wait_s);
+            // Recorded before the weights are published: a crash in between
+            // retrains the same step (from its kept batch) and the log then
+            // holds the step twice; readers keep the last entry.
+            trained_log.append(&stats, version, &ids)?;
+            self.metrics.phase("compute", stats.compute_seconds);
+            self.metrics.observe_step(&stats);
+
+            // The trainer's snapshot of the weights; the upload runs while
+            // the next step trains, after the previous one is announced.
+            let snapshot_start = Instant::now();
+            let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
+            let snapshot_s = snapshot_start.elapsed().as_secs_f64();
+            if let Some(previous) = upload.take() {
+                self.announced(previous, &mut csv, run_start).await?;
+            }
+            let publisher = self.publisher.clone();
+            let (version_s, step_s, uploading) = (stats.version, stats.step, bytes.clone());
+            let task = tokio::spawn(async move {
+                let start = Instant::now();
+                publisher.publish(version_s, step_s, uploading).await?;
+                Ok(Announced {
+                    at: Instant::now(),
+                    publish_s: start.elapsed().as_secs_f64(),
+                })
+            });
+            upload = Some(Upload {
+                task: AbortOnDrop(task),
+                stats: stats.clone(),
+                wait_s,
+                bytes,
+                last: max_steps > 0 && stats.step >= max_steps,
+            });
+            write_status(
+                self.kv.as_ref(),
+                &self.status(stats.step, stats.compute_seconds + snapshot_s, wait_s),
+            )
+            .await;
+            tracing::info!(
+                step = stats.step,
+                version = stats.version,
+                reward = stats.reward_mean,
+                loss = stats.loss,
+                tokens = stats.tokens,
+                lag_mean = stats.objective.mean_version_lag,
+                wait_s,
+                compute_s = stats.compute_seconds,
+                snapshot_s,
+                "step"
+            );
+            if stats.step % self.config.learner.checkpoint_every == 0 {
+                self.checkpoint().await?;
+            }
+            if let Some(tx) = &self.progress {
+                let _ = tx.send(LearnerEvent::Step(Box::new(stats.clone())));
+            }
+            summary.last = Some(stats);
+        }
+        // A batch asked for ahead and not trained stays with the buffer
+        // (served for its step: a restart gets the same groups).
+        drop(prefetch);
+        // The last version is announced before the run ends.
+        if let Some(last) = upload.take() {
+            self.announced(last, &mut csv, run_start).await?;
+        }
+        // The last step trained in this run, unless `checkpoint_every`
+        // already saved it.
+        let unsaved_last = summary
+            .last
+            .as_ref()
+            .is_some_and(|s| s.step % self.config.learner.checkpoint_every != 0);
+        if self.shutdown.is_cancelled() || unsaved_last {
+            // SIGTERM or the end of the run: leave a checkpoint of exactly
+            // where we are (the model the run produced).
+            self.checkpoint().await?;
+        }
+        let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
+        summary.steps = step;
+        summary.version = version;
+        if let Some(ev) = self.evaluator.take() {
+            // The end of the run is evaluated unless it already was (a
+            // step count that is not a multiple of `every_steps` ends after
+            // the loop's last step); a shutdown does not wait for one more.
+            let mut ev = ev;
+            if !self.shutdown.is_cancelled() && ev.wants(version, step, true) {
+                let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
+                ev.submit(version, step, run_start.elapsed().as_secs_f64(), bytes);
+            }
+            summary.eval_csv = Some(ev.finish().await?);
+        }
+        Ok(summary)
+    }
+
+    /// Waits for an upload to be announced (its error fails the role) and
+    /// writes what follows from it: the metrics row of its step (its
+    /// `wall_seconds` is when the version was announced) and the
+    /// evaluation of its version.
+    async fn announced(
+        &mut self,
+        up: Upload,
+        csv: &mut MetricsCsv,
+        run_start: Instant,
+    ) -> anyhow::Result<()> {
+        let done = up.task.join("weight upload").await??;
+        let wall = done.at.duration_since(run_start).as_secs_f64();
+        self.metrics.phase("publish", done.publish_s);
+        let (stats, version) = (&up.stats, up.stats.version);
+        if let Some(ev) = self.evaluator.as_mut()
+            && ev.wants(version, stats.step, up.last)
+        {
+            ev.submit(version, stats.step, wall, up.bytes);
+        }
+        csv.append(stats, wall, up.wait_s, done.publish_s)
+    }
+}
+
+/// A batch in hand for a step: its sealed knobs and its checked record
+/// batches, also stored in the pending folder.
+struct Prepared {
+    knobs: asyncrl_control::StepKnobs,
+    batches: Vec<RecordBatch>,
+}
+
+/// Seals steps and gets their batches; cheap to clone, so the batch of the
+/// next step can be fetched on its own task while the current one trains.
+#[derive(Clone)]
+struct Fetcher {
+    config: Arc<Config>,
+    bus: Arc<dyn Bus>,
+    kv: Arc<dyn KvBucket>,
+    metrics: LearnerMetrics,
+    shutdown: CancellationToken,
+    /// The model's limits (`max_version` is set per request).
+    limits: crate::batch::BatchLimits,
+    pending: PendingBatches,
+}
+
+impl Fetcher {
+    /// Seals step `s` and gets its batch for the trainer at `version`
+    /// (`s − 1`): the copy in the pending folder if an earlier run of this
+    /// learner fetched it, else the buffer's, which is stored there before
+    /// this returns (so a request for `s + 1` may go out). None on shutdown.
+    async fn prepare(self, s: u64, version: i32) -> anyhow::Result<Option<Prepared>> {
+        let Some(knobs) = self.seal(s).await? else {
+            return Ok(None);
+        };
+        let kept = {
+            let pending = self.pending.clone();
+            tokio::task::spawn_blocking(move || pending.load(s))
+                .await
+                .context("the pending-batch reader panicked")??
+        };
+        if let Some(bytes) = kept {
+            match self.check(bytes, version).await? {
+                Ok(batches) => {
+                    tracing::info!(step = s, "training a batch fetched before the restart");
+                    return Ok(Some(Prepared { knobs, batches }));
+                }
+                Err(e) => {
+                    // Never stored unchecked; a copy damaged on disk is
+                    // asked of the buffer again.
+                    tracing::warn!(step = s, error = %e, "the kept batch of this step is unusable; asking the buffer");
+                }
+            }
+        }
+        let Some(batches) = self.fetch_batch(s, version, knobs.eta).await? else {
+            return Ok(None);
+        };
+        Ok(Some(Prepared { knobs, batches }))
+    }
+
+    /// Decodes IPC bytes and checks them as the trainer at `version` will
+    /// (off the runtime); the inner error is a batch to refuse.
+    async fn check(
+        &self,
+        bytes: Bytes,
+        version: i32,
+    ) -> anyhow::Result<Result<Vec<RecordBatch>, BatchError>> {
+        let limits = crate::batch::BatchLimits {
+            max_version: version,
+            ..self.limits
+        };
+        tokio::task::spawn_blocking(move || {
+            let batches = crate::batch::decode_ipc(&bytes)?;
+            crate::batch::check(&batches, &limits)?;
+            Ok(batches)
+        })
+        .await
+        .context("the batch decoder task failed")
     }
 
     /// Seals step `s`, waiting for the coordinator to create the knob
@@ -395,8 +666,16 @@ impl Ctx {
                             }
                         }
                     } else if reply.num_groups > 0 {
-                        match self.decode_batch(&reply).await? {
-                            Ok(batches) => return Ok(Some(batches)),
+                        let bytes = self.reply_bytes(&reply).await?;
+                        match self.check(bytes.clone(), version).await? {
+                            Ok(batches) => {
+                                // Durable before the next step is asked for.
+                                let pending = self.pending.clone();
+                                tokio::task::spawn_blocking(move || pending.save(s, &bytes))
+                                    .await
+                                    .context("the pending-batch writer panicked")??;
+                                return Ok(Some(batches));
+                            }
                             Err(e) => self.refuse_batch(s, &e),
                         }
                     }
@@ -413,26 +692,17 @@ impl Ctx {
         }
     }
 
-    /// The reply's record batches (inline or from the object store); the
-    /// inner error is a batch that does not decode (refused, asked again),
-    /// the outer one a store that cannot be read.
-    async fn decode_batch(
-        &self,
-        reply: &BatchReply,
-    ) -> anyhow::Result<Result<Vec<RecordBatch>, BatchError>> {
-        let bytes = if reply.object_name.is_empty() {
-            reply.arrow_ipc.clone()
-        } else {
-            self.bus
-                .object_store(&reply.object_bucket)
-                .await?
-                .get(&reply.object_name)
-                .await?
-        };
-        let decoded = tokio::task::spawn_blocking(move || crate::batch::decode_ipc(&bytes))
-            .await
-            .context("the batch decoder task failed")?;
-        Ok(decoded)
+    /// The reply's Arrow IPC bytes (inline or from the object store).
+    async fn reply_bytes(&self, reply: &BatchReply) -> anyhow::Result<Bytes> {
+        if reply.object_name.is_empty() {
+            return Ok(reply.arrow_ipc.clone());
+        }
+        Ok(self
+            .bus
+            .object_store(&reply.object_bucket)
+            .await?
+            .get(&reply.object_name)
+            .await?)
     }
 
     /// A batch the learner will not train on: counted by its field, logged,
@@ -441,135 +711,107 @@ impl Ctx {
         self.metrics.bad_batch(e.field());
         tracing::warn!(step, field = e.field(), error = %e, "refusing a bad batch from the buffer; asking again");
     }
+}
 
-    async fn train_loop(&mut self) -> anyhow::Result<LearnerSummary> {
-        let csv_path = self.config.run.output_dir.join("learner_metrics.csv");
-        let mut csv = MetricsCsv::open(csv_path.clone())?;
-        let mut trained_log = TrainedLog::open(self.config.run.output_dir.join("trained.jsonl"))?;
-        let mut summary = LearnerSummary {
-            metrics_csv: csv_path,
-            checkpoint_dir: self.ckpt_dir.clone(),
-            ..Default::default()
-        };
-        let max_steps = self.config.run.max_steps;
-        let run_start = Instant::now();
-        // The weights the run starts from (the warm start, or a resumed
-        // checkpoint's) are evaluated first, so every curve has its origin.
-        let (step0, version0) = self.actor.call(|t| (t.step(), t.version())).await?;
-        if let Some(ev) = self.evaluator.as_mut()
-            && ev.wants(version0, step0, true)
-        {
-            let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
-            ev.submit(version0, step0, 0.0, bytes);
-        }
+/// Uploads the weights of a version and then announces it; cheap to clone,
+/// so an upload runs on its own task while the next step trains.
+#[derive(Clone)]
+struct Publisher {
+    weights: Arc<dyn ObjectStore>,
+    kv: Arc<dyn KvBucket>,
+    metrics: LearnerMetrics,
+    /// `learner.keep_weight_versions`.
+    keep: usize,
+    shutdown: CancellationToken,
+    pending: PendingBatches,
+}
+
+impl Publisher {
+    /// Stores `bytes` as the object of `version` and announces it (after
+    /// the put: the announcement carries the sha256 the store computed),
+    /// retrying transient errors; then deletes old versions and the kept
+    /// batches of the steps now announced.
+    async fn publish(self, version: i32, step: u64, bytes: Bytes) -> anyhow::Result<()> {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
-            summary.steps = step;
-            summary.version = version;
-            if self.shutdown.is_cancelled() || (max_steps > 0 && step >= max_steps) {
-                break;
-            }
-            let s = step + 1;
-            let Some(k) = self.seal(s).await? else { break };
-            if k.checkpoint {
-                self.checkpoint().await?;
-            }
-            let wait_start = Instant::now();
-            let knobs = step_settings(&self.config, &k);
-            // A batch the trainer refuses (it trained on none of it) is
-            // counted and asked for again; the step stays the same.
-            let trained = loop {
-                let Some(batches) = self.fetch_batch(s, version, k.eta).await? else {
-                    break None;
-                };
-                let waited = wait_start.elapsed().as_secs_f64();
-                let ids = trained_ids(&batches);
-                let step_knobs = knobs.clone();
-                match self
-                    .actor
-                    .call(move |t| t.train_step(&batches, &step_knobs))
-                    .await?
-                {
-                    Ok(stats) => break Some((stats, ids, waited)),
-                    Err(TrainError::Batch(e)) => self.refuse_batch(s, &e),
-                    Err(e) => return Err(e.into()),
-                }
-                tokio::select! {
-                    () = self.shutdown.cancelled() => break None,
-                    () = tokio::time::sleep(self.config.learner.batch_poll_interval) => {}
-                }
-            };
-            let Some((stats, ids, wait_s)) = trained else {
-                break;
-            };
-            self.metrics.phase("wait", wait_s);
-            // Recorded before the weights are published: a crash in between
-            // retrains the same step (the buffer replays its groups) and the
-            // log then holds the step twice; readers keep the last entry.
-            trained_log.append(&stats, version, &ids)?;
-            self.metrics.phase("compute", stats.compute_seconds);
-            self.metrics.observe_step(&stats);
-
-            let publish_start = Instant::now();
-            let published = self.publish(stats.version, stats.step).await?;
-            let publish_s = publish_start.elapsed().as_secs_f64();
-            let wall = run_start.elapsed().as_secs_f64();
-            let last = max_steps > 0 && stats.step >= max_steps;
-            if let Some(ev) = self.evaluator.as_mut()
-                && ev.wants(stats.version, stats.step, last)
+            match asyncrl_control::weights::publish(
+                self.weights.as_ref(),
+                self.kv.as_ref(),
+                version,
+                step,
+                bytes.clone(),
+            )
+            .await
             {
-                ev.submit(stats.version, stats.step, wall, published);
+                Ok(_) => break,
+                Err(e) if e.is_transient() && !self.shutdown.is_cancelled() => {
+                    self.metrics.weight_publish_failures.inc();
+                    tracing::warn!(version, error = %e, "publishing weights failed; retrying");
+                    tokio::time::sleep(backoff.next_delay()).await;
+                }
+                Err(e) => {
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("cannot publish the weights of version {version}")));
+                }
             }
-            self.metrics.phase("publish", publish_s);
-            self.write_status(stats.compute_seconds + publish_s, wait_s)
-                .await;
-            csv.append(&stats, wall, wait_s, publish_s)?;
-            tracing::info!(
-                step = stats.step,
-                version = stats.version,
-                reward = stats.reward_mean,
-                loss = stats.loss,
-                tokens = stats.tokens,
-                lag_mean = stats.objective.mean_version_lag,
-                wait_s,
-                compute_s = stats.compute_seconds,
-                publish_s,
-                "step"
-            );
-            if stats.step % self.config.learner.checkpoint_every == 0 {
-                self.checkpoint().await?;
-            }
-            if let Some(tx) = &self.progress {
-                let _ = tx.send(LearnerEvent::Step(Box::new(stats.clone())));
-            }
-            summary.last = Some(stats);
         }
-        // The last step trained in this run, unless `checkpoint_every`
-        // already saved it.
-        let unsaved_last = summary
-            .last
-            .as_ref()
-            .is_some_and(|s| s.step % self.config.learner.checkpoint_every != 0);
-        if self.shutdown.is_cancelled() || unsaved_last {
-            // SIGTERM or the end of the run: leave a checkpoint of exactly
-            // where we are (the model the run produced).
-            self.checkpoint().await?;
+        self.metrics.weight_publications.inc();
+        self.metrics.version.set(i64::from(version));
+        tracing::info!(version, step, bytes = bytes.len(), "weights published");
+        // Keep the newest versions; older ones can no longer be asked for.
+        if let Err(e) =
+            asyncrl_control::weights::prune(self.weights.as_ref(), version, self.keep).await
+        {
+            tracing::warn!(version, error = %e, "cannot delete the weights of old versions");
         }
-        let (step, version) = self.actor.call(|t| (t.step(), t.version())).await?;
-        summary.steps = step;
-        summary.version = version;
-        if let Some(ev) = self.evaluator.take() {
-            // The end of the run is evaluated unless it already was (a
-            // step count that is not a multiple of `every_steps` ends after
-            // the loop's last step); a shutdown does not wait for one more.
-            let mut ev = ev;
-            if !self.shutdown.is_cancelled() && ev.wants(version, step, true) {
-                let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
-                ev.submit(version, step, run_start.elapsed().as_secs_f64(), bytes);
-            }
-            summary.eval_csv = Some(ev.finish().await?);
-        }
-        Ok(summary)
+        let pending = self.pending.clone();
+        tokio::task::spawn_blocking(move || pending.remove_through(step))
+            .await
+            .context("the pending-batch cleaner panicked")??;
+        Ok(())
+    }
+}
+
+/// A step whose weights are uploading: what is written about it once its
+/// version is announced.
+struct Upload {
+    task: AbortOnDrop<anyhow::Result<Announced>>,
+    stats: StepStats,
+    wait_s: f64,
+    bytes: Bytes,
+    last: bool,
+}
+
+/// When an upload's version was announced and how long the upload took.
+struct Announced {
+    at: Instant,
+    publish_s: f64,
+}
+
+/// A task that is cancelled when its handle is dropped (an error return of
+/// the role leaves nothing running behind it).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<T> AbortOnDrop<T> {
+    async fn join(mut self, what: &str) -> anyhow::Result<T> {
+        (&mut self.0)
+            .await
+            .with_context(|| format!("the {what} task failed"))
+    }
+}
+
+async fn write_status(kv: &dyn KvBucket, status: &LearnerStatus) {
+    if let Err(e) = kv
+        .put(LEARNER_STATUS_KEY, Bytes::from(status.encode_to_vec()))
+        .await
+    {
+        tracing::warn!(error = %e, "cannot write learner.status");
     }
 }
 

@@ -319,3 +319,391 @@ async fn a_buffer_that_keeps_refusing_a_step_stops_the_learner_with_its_reason()
         "it asked again before giving up"
     );
 }
+
+/// What the buffer's contract says about batch requests
+/// (docs/contracts.md, Serving): a request for step `s` means every step
+/// below `s` is trained, their groups are never served again and a request
+/// for one of them is refused; a step served before and not yet trained
+/// gets the same groups again.
+#[derive(Default)]
+struct ContractBuffer {
+    done_through: u64,
+    served: std::collections::BTreeMap<u64, Vec<Trajectory>>,
+    /// Every trajectory ever served, by step.
+    all: std::collections::BTreeMap<u64, Vec<String>>,
+    /// (step, learner_version, eta) of every request.
+    requests: Vec<(u64, i32, u32)>,
+    refusals: Vec<String>,
+}
+
+impl ContractBuffer {
+    fn answer(&mut self, r: &BatchRequest) -> BatchReply {
+        self.requests.push((r.step, r.learner_version, r.eta));
+        let trajs = if let Some(t) = self.served.get(&r.step) {
+            t.clone()
+        } else if r.step <= self.done_through {
+            let e = format!("step {} is already trained", r.step);
+            self.refusals.push(e.clone());
+            return BatchReply {
+                error: e,
+                ..Default::default()
+            };
+        } else {
+            let t: Vec<Trajectory> = (0..r.num_groups).flat_map(|g| group(r.step, g)).collect();
+            self.done_through = r.step - 1;
+            self.served = self.served.split_off(&r.step);
+            self.served.insert(r.step, t.clone());
+            self.all
+                .insert(r.step, t.iter().map(|t| t.uuid.clone()).collect());
+            t
+        };
+        let rb = asyncrl_protos::arrow_schema::to_record_batch(&trajs).unwrap();
+        let mut ipc = Vec::new();
+        {
+            let mut w = arrow::ipc::writer::StreamWriter::try_new(&mut ipc, &rb.schema()).unwrap();
+            w.write(&rb).unwrap();
+            w.finish().unwrap();
+        }
+        BatchReply {
+            arrow_ipc: Bytes::from(ipc),
+            num_groups: r.num_groups,
+            step: r.step,
+            num_trajectories: trajs.len() as u32,
+            ..Default::default()
+        }
+    }
+}
+
+/// A [`LocalBus`] whose weight uploads of one version wait at a gate, and
+/// whose `policy.version` checks, at the moment of every announcement, that
+/// the announced object is completely stored with the announced sha256 and
+/// size.
+struct GatedBus {
+    inner: Arc<LocalBus>,
+    gated_object: std::sync::Mutex<Option<String>>,
+    gate: Arc<tokio::sync::Semaphore>,
+    /// Sent when an upload reaches the gate.
+    at_gate: tokio::sync::mpsc::UnboundedSender<String>,
+    /// (version, the object was complete and matched) of every announcement.
+    announcements: std::sync::Mutex<Vec<(i32, bool)>>,
+}
+
+struct GatedObjects {
+    bus: Arc<GatedBus>,
+    inner: Arc<dyn asyncrl_transport::ObjectStore>,
+}
+
+struct CheckedKv {
+    bus: Arc<GatedBus>,
+    inner: Arc<dyn asyncrl_transport::KvBucket>,
+}
+
+mod gated {
+    use super::*;
+    use asyncrl_transport::{
+        ConsumerSpec, KvBucket, KvEntry, KvEvent, ObjectInfo, ObjectStore, PublishAck, Request,
+        StoreUsage, StreamSpec,
+    };
+    use futures::stream::BoxStream;
+    type Result<T> = std::result::Result<T, asyncrl_transport::TransportError>;
+
+    #[async_trait::async_trait]
+    impl ObjectStore for GatedObjects {
+        async fn put(&self, name: &str, data: Bytes) -> Result<ObjectInfo> {
+            let gated = self.bus.gated_object.lock().unwrap().as_deref() == Some(name);
+            if gated {
+                let _ = self.bus.at_gate.send(name.to_owned());
+                let _permit = self.bus.gate.acquire().await.unwrap();
+            }
+            self.inner.put(name, data).await
+        }
+        async fn get(&self, name: &str) -> Result<Bytes> {
+            self.inner.get(name).await
+        }
+        async fn info(&self, name: &str) -> Result<Option<ObjectInfo>> {
+            self.inner.info(name).await
+        }
+        async fn delete(&self, name: &str) -> Result<()> {
+            self.inner.delete(name).await
+        }
+        async fn list(&self) -> Result<Vec<ObjectInfo>> {
+            self.inner.list().await
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl KvBucket for CheckedKv {
+        async fn get(&self, key: &str) -> Result<Option<KvEntry>> {
+            self.inner.get(key).await
+        }
+        async fn put(&self, key: &str, value: Bytes) -> Result<u64> {
+            if key == subjects::POLICY_VERSION_KEY {
+                let a = WeightAnnouncement::decode(value.as_ref()).unwrap();
+                let store = self
+                    .bus
+                    .inner
+                    .object_store(subjects::WEIGHTS_BUCKET)
+                    .await?;
+                let complete = store
+                    .get_expecting(&a.object_name, &a.sha256)
+                    .await
+                    .is_ok_and(|b| b.len() as u64 == a.byte_size);
+                self.bus
+                    .announcements
+                    .lock()
+                    .unwrap()
+                    .push((a.version, complete));
+            }
+            self.inner.put(key, value).await
+        }
+        async fn create(&self, key: &str, value: Bytes) -> Result<u64> {
+            self.inner.create(key, value).await
+        }
+        async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64> {
+            self.inner.update(key, value, revision).await
+        }
+        async fn delete(&self, key: &str) -> Result<()> {
+            self.inner.delete(key).await
+        }
+        async fn keys(&self) -> Result<Vec<String>> {
+            self.inner.keys().await
+        }
+        async fn watch(&self, key: &str) -> Result<BoxStream<'static, Result<KvEvent>>> {
+            self.inner.watch(key).await
+        }
+    }
+
+    /// The bus the learner is given: `Arc<GatedBus>` (the stores it opens
+    /// point back at it).
+    pub struct Handle(pub Arc<GatedBus>);
+
+    #[async_trait::async_trait]
+    impl Bus for Handle {
+        fn kind(&self) -> &'static str {
+            "gated-local"
+        }
+        async fn publish(&self, subject: &str, payload: Bytes) -> Result<()> {
+            self.0.inner.publish(subject, payload).await
+        }
+        async fn subscribe(
+            &self,
+            subject: &str,
+        ) -> Result<BoxStream<'static, asyncrl_transport::Message>> {
+            self.0.inner.subscribe(subject).await
+        }
+        async fn request(&self, subject: &str, payload: Bytes, timeout: Duration) -> Result<Bytes> {
+            self.0.inner.request(subject, payload, timeout).await
+        }
+        async fn serve(
+            &self,
+            subject: &str,
+            q: Option<&str>,
+        ) -> Result<BoxStream<'static, Request>> {
+            self.0.inner.serve(subject, q).await
+        }
+        async fn ensure_stream(&self, spec: &StreamSpec) -> Result<()> {
+            self.0.inner.ensure_stream(spec).await
+        }
+        async fn publish_durable(
+            &self,
+            subject: &str,
+            id: &str,
+            payload: Bytes,
+        ) -> Result<PublishAck> {
+            self.0.inner.publish_durable(subject, id, payload).await
+        }
+        async fn stream_len(&self, stream: &str) -> Result<u64> {
+            self.0.inner.stream_len(stream).await
+        }
+        async fn storage(&self) -> Result<Vec<StoreUsage>> {
+            self.0.inner.storage().await
+        }
+        async fn consumer(
+            &self,
+            stream: &str,
+            spec: &ConsumerSpec,
+        ) -> Result<Box<dyn asyncrl_transport::Consumer>> {
+            self.0.inner.consumer(stream, spec).await
+        }
+        async fn kv(&self, bucket: &str) -> Result<Arc<dyn KvBucket>> {
+            Ok(Arc::new(CheckedKv {
+                bus: self.0.clone(),
+                inner: self.0.inner.kv(bucket).await?,
+            }))
+        }
+        async fn object_store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+            Ok(Arc::new(GatedObjects {
+                bus: self.0.clone(),
+                inner: self.0.inner.object_store(bucket).await?,
+            }))
+        }
+        async fn flush(&self) -> Result<()> {
+            self.0.inner.flush().await
+        }
+    }
+}
+
+/// The last `trained.jsonl` entry of each step: step → (trained at
+/// version, trajectory ids).
+fn trained_steps(dir: &std::path::Path) -> std::collections::BTreeMap<u64, (i64, Vec<String>)> {
+    let text = std::fs::read_to_string(dir.join("trained.jsonl")).unwrap_or_default();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let ids = v["trajectories"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_owned())
+                .collect();
+            (
+                v["step"].as_u64().unwrap(),
+                (v["trained_at_version"].as_i64().unwrap(), ids),
+            )
+        })
+        .collect()
+}
+
+/// The learner asks for step s + 1 while step s trains and uploads the
+/// weights of s while s + 1 trains. Killed (its task dropped, nothing
+/// graceful) after it has trained steps 2 and 3, with the buffer already
+/// past them (it asked for step 4) and version 2 still uploading, the
+/// restarted learner retrains steps 2 and 3 on exactly the same groups from
+/// its kept copies (the buffer would refuse them), and every trajectory
+/// served is trained exactly once. No announcement ever names an object
+/// that is not completely stored with its sha256, versions are announced in
+/// order (3 never before 2), and every batch is asked for at the version
+/// that trains it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetched_batch_is_trained_exactly_once_across_a_kill_and_uploads_announce_in_order() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (at_gate_tx, mut at_gate) = tokio::sync::mpsc::unbounded_channel();
+    let gated = Arc::new(GatedBus {
+        inner: Arc::new(LocalBus::new()),
+        gated_object: std::sync::Mutex::new(Some(subjects::weights_object_name(2))),
+        gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        at_gate: at_gate_tx,
+        announcements: std::sync::Mutex::new(Vec::new()),
+    });
+    let bus: Arc<dyn Bus> = Arc::new(gated::Handle(gated.clone()));
+    let buffer = Arc::new(std::sync::Mutex::new(ContractBuffer::default()));
+    let (asked_tx, mut asked) = tokio::sync::mpsc::unbounded_channel();
+    {
+        let mut requests = bus.serve(subjects::BUFFER_BATCH, None).await.unwrap();
+        let buffer = buffer.clone();
+        tokio::spawn(async move {
+            while let Some(req) = requests.next().await {
+                let r = BatchRequest::decode(req.payload.as_ref()).unwrap();
+                let reply = buffer.lock().unwrap().answer(&r);
+                let _ = req.respond(Bytes::from(reply.encode_to_vec())).await;
+                let _ = asked_tx.send(r.step);
+            }
+        });
+    }
+    let mut c = config(dir.path(), 6);
+    // No checkpoint before the kill: the restart adopts version 1.
+    c.learner.checkpoint_every = 100;
+    let kv = bus.kv(subjects::CONTROL_BUCKET).await.unwrap();
+    kv.put(KNOBS_KEY, encode_schedule(&new_schedule(initial_knobs(&c))))
+        .await
+        .unwrap();
+
+    let first = tokio::spawn(asyncrl_learner::service::run(
+        c.clone(),
+        bus.clone(),
+        asyncrl_telemetry::Metrics::new(),
+        CancellationToken::new(),
+    ));
+    let deadline = Duration::from_secs(60);
+    let gated_name = tokio::time::timeout(deadline, at_gate.recv())
+        .await
+        .expect("the upload of version 2 reaches the gate")
+        .unwrap();
+    assert_eq!(gated_name, subjects::weights_object_name(2));
+    // Step 4 is asked for when step 3 starts training: the buffer now
+    // takes steps 1..=3 as trained.
+    tokio::time::timeout(deadline, async { while asked.recv().await != Some(4) {} })
+        .await
+        .expect("step 4 is asked for while step 3 trains");
+    // Step 3 trained (it waits for version 2's upload to publish its own).
+    tokio::time::timeout(deadline, async {
+        while !trained_steps(dir.path()).contains_key(&3) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("step 3 is trained while version 2 uploads");
+    assert_eq!(
+        announced(&bus).await.version,
+        1,
+        "version 2 is not announced before its object is stored, nor 3 before 2"
+    );
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+    assert!(
+        buffer.lock().unwrap().done_through >= 3,
+        "the buffer no longer replays steps 2 and 3"
+    );
+
+    // The restart: no more gate.
+    *gated.gated_object.lock().unwrap() = None;
+    let summary = tokio::time::timeout(
+        Duration::from_secs(120),
+        asyncrl_learner::service::run(
+            c.clone(),
+            bus.clone(),
+            asyncrl_telemetry::Metrics::new(),
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("the restarted learner finishes")
+    .unwrap();
+    assert_eq!((summary.steps, summary.version), (6, 6));
+
+    let b = buffer.lock().unwrap();
+    assert!(b.refusals.is_empty(), "refused: {:?}", b.refusals);
+    for &(step, version, _) in &b.requests {
+        assert_eq!(
+            i64::from(version),
+            step as i64 - 1,
+            "step {step} is asked for at the version that trains it"
+        );
+    }
+    let trained = trained_steps(dir.path());
+    assert_eq!(
+        trained.keys().copied().collect::<Vec<_>>(),
+        (1..=6).collect::<Vec<_>>()
+    );
+    let mut seen = std::collections::HashSet::new();
+    for (step, (at, ids)) in &trained {
+        assert_eq!(*at, *step as i64 - 1, "step {step}");
+        assert_eq!(
+            ids, &b.all[step],
+            "step {step} trained on the groups served for it"
+        );
+        for id in ids {
+            assert!(seen.insert(id.clone()), "{id} trained twice");
+        }
+    }
+    let served: usize = b.all.values().map(Vec::len).sum();
+    assert_eq!(seen.len(), served, "every trajectory served is trained");
+
+    let announcements = gated.announcements.lock().unwrap().clone();
+    assert!(
+        announcements.iter().all(|(_, complete)| *complete),
+        "an announcement named an incomplete object: {announcements:?}"
+    );
+    assert_eq!(
+        announcements.iter().map(|a| a.0).collect::<Vec<_>>(),
+        (0..=6).collect::<Vec<_>>(),
+        "versions announced once each, in order"
+    );
+    let pending = summary.checkpoint_dir.join("pending-batches");
+    assert_eq!(
+        std::fs::read_dir(&pending).map(|d| d.count()).unwrap_or(0),
+        0,
+        "kept batches are deleted once their versions are announced"
+    );
+}
