@@ -20,6 +20,7 @@
 //! export`.
 
 pub mod core;
+mod decode;
 mod export;
 mod metrics;
 mod reply;
