@@ -6,7 +6,10 @@
 //! - [`batch`]: the buffer's Arrow groups as right-padded tensors.
 //! - [`trainer`]: one step on the thread that owns the model ([`actor`]),
 //!   with [`adamw`] (checkpointable state) and [`checkpoint`]s.
-//! - [`service`]: the role: knobs, batches, weight publication, resume.
+//! - [`service`]: the role: knobs, batches (the next one fetched while a
+//!   step trains), weight publication (uploaded while the next step
+//!   trains), resume; [`pending`]: the batches it holds until their
+//!   versions are announced.
 //! - [`eval`]: held-out evaluation (`[eval]`, `asyncrl eval`).
 //! - [`sft`]: the supervised warm start of the built-in model.
 //! - [`device_report`]: what libtorch the process linked and what it sees.
