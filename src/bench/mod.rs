@@ -35,6 +35,12 @@ mod memory;
 #[cfg(feature = "torch")]
 mod scale;
 #[cfg(feature = "torch")]
+mod scale_buffer;
+#[cfg(feature = "torch")]
+mod scale_coordinator;
+#[cfg(feature = "torch")]
+mod scale_learner;
+#[cfg(feature = "torch")]
 mod speedup;
 #[cfg(feature = "torch")]
 mod staleness;
