@@ -141,7 +141,11 @@ struct Row {
     n: usize,
     bytes: u64,
     raw_s: f64,
+    /// Of which the raw put.
+    raw_put_s: f64,
     ours_s: f64,
+    /// Of which our publish (put, then announce).
+    ours_publish_s: f64,
     /// Every receiver fetching its own copy (synthetic files), when run.
     each_s: Option<f64>,
 }
@@ -284,6 +288,8 @@ async fn measure(
     // One side at a time (so that one side's receivers never fetch what
     // the other's publish announced); raw rounds alternate with each.
     let mut raw_times = Vec::new();
+    let mut raw_puts = Vec::new();
+    let mut publishes = Vec::new();
     let mut ours = Vec::new();
     for mode in modes {
         let mut side = match weights {
@@ -295,10 +301,15 @@ async fn measure(
             .context("the first weights")?;
         let mut times = Vec::new();
         for round in 0..args.rounds {
-            raw_times.push(raw_round(&publisher, bytes, round).await?);
+            let (raw, raw_put) = raw_round(&publisher, bytes, round).await?;
+            raw_times.push(raw);
+            raw_puts.push(raw_put);
             version += 1;
             let started = Instant::now();
             publish(&publisher, version, bytes.clone()).await?;
+            if mode == FetchMode::Shared {
+                publishes.push(started.elapsed().as_secs_f64());
+            }
             side.wait_for(version, timeout).await?;
             times.push(started.elapsed().as_secs_f64());
             publisher
@@ -315,7 +326,9 @@ async fn measure(
         n,
         bytes: bytes.len() as u64,
         raw_s: median(raw_times),
+        raw_put_s: median(raw_puts),
         ours_s: ours.next().unwrap_or(f64::NAN),
+        ours_publish_s: median(publishes),
         each_s: ours.next(),
     })
 }
@@ -330,11 +343,13 @@ async fn publish(p: &Publisher, version: i32, bytes: Bytes) -> Result<()> {
     Ok(())
 }
 
-/// Raw put + N concurrent gets (each on its own connection); seconds.
-async fn raw_round(p: &Publisher, bytes: &Bytes, round: usize) -> Result<f64> {
+/// Raw put + N concurrent gets (each on its own connection): seconds in
+/// all and of the put.
+async fn raw_round(p: &Publisher, bytes: &Bytes, round: usize) -> Result<(f64, f64)> {
     let name = format!("raw-{round}");
     let started = Instant::now();
     p.raw.put(&name, bytes).await?;
+    let put = started.elapsed().as_secs_f64();
     let gets = p.raw_getters.iter().map(|g| g.get_and_drop(&name));
     for got in futures::future::join_all(gets).await {
         let got = got?;
@@ -346,7 +361,7 @@ async fn raw_round(p: &Publisher, bytes: &Bytes, round: usize) -> Result<f64> {
     }
     let elapsed = started.elapsed().as_secs_f64();
     p.raw.delete(&name).await?;
-    Ok(elapsed)
+    Ok((elapsed, put))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -690,9 +705,9 @@ fn report(
     );
     let _ = writeln!(
         out,
-        "| weights | N | bytes | raw put+N gets (s) | ours publish→all in use (s) | ratio | ours, each fetches (s) | ratio |"
+        "| weights | N | bytes | raw put+N gets (s) | of which put | ours publish→all in use (s) | of which publish | ratio | ours, each fetches (s) | ratio |"
     );
-    let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let (each, each_ratio) = match r.each_s {
             Some(e) => (format!("{e:.3}"), format!("{:.2}", e / r.raw_s)),
@@ -700,12 +715,14 @@ fn report(
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {:.3} | {:.3} | {:.2} | {each} | {each_ratio} |",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {each} | {each_ratio} |",
             r.weights.label(),
             r.n,
             human_bytes(r.bytes),
             r.raw_s,
+            r.raw_put_s,
             r.ours_s,
+            r.ours_publish_s,
             r.ours_s / r.raw_s,
         );
     }
