@@ -491,6 +491,47 @@ fn rss_bytes(pid: u32) -> Option<u64> {
 
 // ------------------------------------------------------------ the processes
 
+/// This very binary, to run roles with: /proc/self/exe names it even after
+/// a rebuild has replaced the file at its path (a restart mid-run must not
+/// start other code, or fail).
+pub(crate) fn this_binary() -> anyhow::Result<PathBuf> {
+    let proc_exe = PathBuf::from("/proc/self/exe");
+    if proc_exe.exists() {
+        Ok(proc_exe)
+    } else {
+        std::env::current_exe().context("cannot find the asyncrl binary")
+    }
+}
+
+/// `bin <role> --config <config>`, stdout and stderr into `log`, killed when
+/// the bench dies (an interrupted bench leaves no process behind).
+pub(crate) fn role_command(
+    bin: &Path,
+    role: &str,
+    config: &Path,
+    log: std::fs::File,
+) -> anyhow::Result<Command> {
+    let err = log.try_clone().context("cannot clone a log handle")?;
+    let mut cmd = Command::new(bin);
+    cmd.arg(role)
+        .arg("--config")
+        .arg(config)
+        .env("NO_COLOR", "1")
+        .env("RUST_BACKTRACE", "1")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(err);
+    // SAFETY: prctl is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
 struct Proc {
     name: String,
     role: &'static str,
@@ -550,26 +591,7 @@ impl Proc {
         )
         .with_context(|| format!("cannot write {}", self.log.display()))?;
         self.log_offset = log.metadata().map(|m| m.len()).unwrap_or(0);
-        let err = log.try_clone().context("cannot clone a log handle")?;
-        let mut cmd = Command::new(bin);
-        cmd.arg(self.role)
-            .arg("--config")
-            .arg(&self.config)
-            .env("NO_COLOR", "1")
-            .env("RUST_BACKTRACE", "1")
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err);
-        // SAFETY: prctl is async-signal-safe; the role dies with the bench,
-        // so an interrupted bench leaves no process behind.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let child = cmd
+        let child = role_command(bin, self.role, &self.config, log)?
             .spawn()
             .with_context(|| format!("cannot start {}", self.name))?;
         self.child = Some(child);
@@ -1385,15 +1407,7 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
         }
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    // The roles run this very binary: /proc/self/exe names it even after a
-    // rebuild has replaced the file at its path (a restart mid-run must not
-    // start other code, or fail).
-    let proc_exe = PathBuf::from("/proc/self/exe");
-    let bin = if proc_exe.exists() {
-        proc_exe
-    } else {
-        std::env::current_exe().context("cannot find the asyncrl binary")?
-    };
+    let bin = this_binary()?;
 
     // Enough tasks that the run never wraps an epoch.
     let n_tasks = ((spec.steps + u64::from(spec.eta) + 8) * u64::from(spec.groups_per_step) * 2

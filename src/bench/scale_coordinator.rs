@@ -7,8 +7,8 @@
 //! time → complete → acquire again (after `retry_after_ms` when refused).
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Child;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -232,28 +232,9 @@ struct CoordinatorProcess(Child);
 
 impl CoordinatorProcess {
     fn start(bin: &Path, config: &Path, log: &Path) -> anyhow::Result<Self> {
-        use std::os::unix::process::CommandExt as _;
         let out = std::fs::File::create(log)
             .with_context(|| format!("cannot create {}", log.display()))?;
-        let err = out.try_clone().context("cannot clone a log handle")?;
-        let mut cmd = Command::new(bin);
-        cmd.arg("coordinator")
-            .arg("--config")
-            .arg(config)
-            .env("NO_COLOR", "1")
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err);
-        // SAFETY: prctl is async-signal-safe; the coordinator dies with the
-        // bench.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let child = cmd
+        let child = super::chaos::role_command(bin, "coordinator", config, out)?
             .spawn()
             .with_context(|| format!("cannot start {} coordinator", bin.display()))?;
         Ok(Self(child))
@@ -374,14 +355,7 @@ async fn point(
 }
 
 pub(crate) fn measure(rt: &tokio::runtime::Runtime, o: &Options) -> anyhow::Result<Curve> {
-    // The coordinator runs this very binary (/proc/self/exe names it even
-    // after a rebuild replaced the file at its path).
-    let proc_exe = PathBuf::from("/proc/self/exe");
-    let bin = if proc_exe.exists() {
-        proc_exe
-    } else {
-        std::env::current_exe().context("cannot find the asyncrl binary")?
-    };
+    let bin = super::chaos::this_binary()?;
     let dir = tempfile::Builder::new()
         .prefix("asyncrl-scale-coordinator-")
         .tempdir()
