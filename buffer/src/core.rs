@@ -223,6 +223,9 @@ pub struct Core {
     late: HashMap<Arc<str>, u32>,
     /// Ready groups by (admission version, completion order).
     ready: BTreeSet<(i32, u64, Arc<str>)>,
+    /// The same groups by (oldest token version, completion order): the
+    /// staleness check of a request reads only the groups below its floor.
+    ready_by_oldest: BTreeSet<(i32, u64, Arc<str>)>,
     reuse_queue: VecDeque<Arc<str>>,
     rng: StdRng,
     served: BTreeMap<u64, ServedStep>,
@@ -251,6 +254,7 @@ impl Core {
             live_uuids: HashSet::new(),
             late: HashMap::new(),
             ready: BTreeSet::new(),
+            ready_by_oldest: BTreeSet::new(),
             reuse_queue: VecDeque::new(),
             rng: StdRng::seed_from_u64(seed),
             served: BTreeMap::new(),
@@ -412,6 +416,8 @@ impl Core {
                 let (task, id, admission) = (group.task.clone(), group.id.clone(), group.admission);
                 self.task_done.insert(task.clone(), (id.clone(), false));
                 self.ready.insert((admission, order, id.clone()));
+                self.ready_by_oldest
+                    .insert((group.oldest(), order, id.clone()));
                 out.newly_ready += 1;
                 if !replay && self.sampling == SamplingPolicy::Reuse {
                     let at = self.rng.random_range(0..=self.reuse_queue.len());
@@ -452,6 +458,8 @@ impl Core {
     fn release(&mut self, id: &Arc<str>) -> Option<Group> {
         let g = self.groups.remove(id)?;
         self.ready.remove(&(g.admission, g.order, g.id.clone()));
+        self.ready_by_oldest
+            .remove(&(g.oldest(), g.order, g.id.clone()));
         if g.state == GroupState::Collecting
             && let Some(list) = self.task_groups.get_mut(&g.task)
         {
@@ -568,6 +576,7 @@ impl Core {
 
     /// Decides what to answer to a batch request, without changing anything.
     pub fn plan(&self, ask: Ask) -> Plan {
+        debug_assert_eq!(self.ready.len(), self.ready_by_oldest.len());
         let mut plan = Plan {
             ask,
             outcome: Outcome::NotReady { ready: 0 },
@@ -611,24 +620,39 @@ impl Core {
         }
         // Staleness: no token older than v − η is ever served.
         let floor = i64::from(ask.version) - i64::from(ask.eta);
+        // Only the groups below the floor are read (the index is by oldest
+        // token version); the drops keep the admission order of `ready`.
         let mut dropped = HashSet::new();
-        for (_, _, id) in &self.ready {
-            if let Some(g) = self.groups.get(id)
-                && i64::from(g.oldest()) < floor
-            {
+        let mut stale: Vec<(i32, u64, &Arc<str>, DropReason)> = Vec::new();
+        for (oldest, _, id) in &self.ready_by_oldest {
+            if i64::from(*oldest) >= floor {
+                break;
+            }
+            if let Some(g) = self.groups.get(id) {
                 let why = if g.serves == 0 {
                     DropReason::Stale
                 } else {
                     DropReason::Expired
                 };
-                plan.drops.push((id.clone(), why));
-                dropped.insert(id.clone());
+                stale.push((g.admission, g.order, id, why));
             }
+        }
+        stale.sort_unstable_by_key(|&(admission, order, _, _)| (admission, order));
+        for (_, _, id, why) in stale {
+            plan.drops.push((id.clone(), why));
+            dropped.insert(id.clone());
         }
         let usable = |id: &Arc<str>| {
             !dropped.contains(id) && self.groups.get(id).is_some_and(|g| self.eligible(g))
         };
-        let ready = self.ready.iter().filter(|(_, _, id)| usable(id)).count();
+        // Counted up to what the request needs: a million resident groups
+        // are not walked to serve 64.
+        let ready = self
+            .ready
+            .iter()
+            .filter(|(_, _, id)| usable(id))
+            .take(ask.num_groups)
+            .count();
         if ready < ask.num_groups {
             plan.outcome = Outcome::NotReady { ready };
             return plan;
@@ -742,6 +766,8 @@ impl Core {
             g.state = GroupState::Exhausted;
             let key = (g.admission, g.order, g.id.clone());
             self.ready.remove(&key);
+            self.ready_by_oldest
+                .remove(&(g.oldest(), g.order, g.id.clone()));
             self.settle(id);
             dropped.push(info);
         }
@@ -764,6 +790,8 @@ impl Core {
                         g.state = GroupState::Exhausted;
                         let key = (g.admission, g.order, g.id.clone());
                         self.ready.remove(&key);
+                        self.ready_by_oldest
+                            .remove(&(g.oldest(), g.order, g.id.clone()));
                     }
                 }
             }
@@ -932,6 +960,8 @@ impl Core {
                 g.state = GroupState::Exhausted;
                 let key = (g.admission, g.order, g.id.clone());
                 self.ready.remove(&key);
+                self.ready_by_oldest
+                    .remove(&(g.oldest(), g.order, g.id.clone()));
             }
             self.settle(&id);
         }
