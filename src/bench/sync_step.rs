@@ -270,6 +270,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// One run: its variant, round, counted steps and wall-clock per step.
+type Run = (Variant, usize, Vec<Breakdown>, f64);
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Variant {
     /// One thread per role, learner on core 0, worker on core 1.
@@ -338,7 +341,7 @@ pub(crate) fn run(rt: &tokio::runtime::Runtime, args: SyncStepArgs) -> anyhow::R
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
     let started = Instant::now();
-    let mut rows: Vec<(Variant, usize, Vec<Breakdown>, f64)> = Vec::new();
+    let mut rows: Vec<Run> = Vec::new();
     for round in 0..args.rounds.max(1) {
         for v in [Variant::Pinned, Variant::BothCores] {
             let config = run_config(&base, &args, v, round)?;
@@ -379,7 +382,10 @@ pub(crate) fn run(rt: &tokio::runtime::Runtime, args: SyncStepArgs) -> anyhow::R
     write_report(&args, &rows, started.elapsed().as_secs_f64())
 }
 
-const PHASES: [(&str, fn(&Breakdown) -> f64); 7] = [
+/// A phase's name in the report and how to read it off a step.
+type Phase = (&'static str, fn(&Breakdown) -> f64);
+
+const PHASES: [Phase; 7] = [
     ("generation (first grant → last trajectory acked)", |b| {
         b.generation
     }),
@@ -396,11 +402,7 @@ const PHASES: [(&str, fn(&Breakdown) -> f64); 7] = [
     ),
 ];
 
-fn write_report(
-    args: &SyncStepArgs,
-    rows: &[(Variant, usize, Vec<Breakdown>, f64)],
-    seconds: f64,
-) -> anyhow::Result<String> {
+fn write_report(args: &SyncStepArgs, rows: &[Run], seconds: f64) -> anyhow::Result<String> {
     let mut csv = String::from(
         "variant,round,step,total_s,generation_s,scoring_s,train_s,weights_s,admission_s,trajectories_to_batch_s,learner_other_s\n",
     );
