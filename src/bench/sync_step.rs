@@ -40,6 +40,7 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt as _;
 
+use super::speedup::median;
 use crate::train::{TrainOptions, train};
 
 #[derive(Debug, Args)]
@@ -259,15 +260,6 @@ fn breakdown(events: &[Event], warmup: u64) -> Vec<Breakdown> {
         });
     }
     out
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 /// One run: its variant, round, counted steps and wall-clock per step.
