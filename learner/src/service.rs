@@ -732,6 +732,7 @@ impl Publisher {
     /// retrying transient errors; then deletes old versions and the kept
     /// batches of the steps now announced.
     async fn publish(self, version: i32, step: u64, bytes: Bytes) -> anyhow::Result<()> {
+        let started = Instant::now();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             match asyncrl_control::weights::publish(
@@ -757,7 +758,13 @@ impl Publisher {
         }
         self.metrics.weight_publications.inc();
         self.metrics.version.set(i64::from(version));
-        tracing::info!(version, step, bytes = bytes.len(), "weights published");
+        tracing::info!(
+            version,
+            step,
+            bytes = bytes.len(),
+            upload_s = started.elapsed().as_secs_f64(),
+            "weights published"
+        );
         // Keep the newest versions; older ones can no longer be asked for.
         if let Err(e) =
             asyncrl_control::weights::prune(self.weights.as_ref(), version, self.keep).await

@@ -17,10 +17,11 @@
 //! 3. its last trajectory of the step is acknowledged (`trajectory published`);
 //! 4. the buffer serves batch k (`batch served`).
 //!
-//! The first segment holds the learner's step k − 1: its compute and
-//! publish come from its `step` event, the announcement → in use part from
-//! the swap's own latency, and the rest (batch transfer and decode, logs,
-//! status) is "learner other".
+//! The first segment holds the learner's step k − 1: its compute comes from
+//! its `step` event, the upload (put + announcement) from its `weights
+//! published` event, the announcement → in use part from the swap's own
+//! latency, and the rest (batch transfer and decode, logs, status) is
+//! "learner other".
 //!
 //! Variants (alternating rounds): one libtorch thread per role on its own
 //! core (as the main job runs), and two threads for each role on both cores
@@ -76,8 +77,9 @@ impl Event {
 }
 
 /// The events the breakdown reads.
-const CAPTURED: [&str; 5] = [
+const CAPTURED: [&str; 6] = [
     "step",
+    "weights published",
     "weights swapped in",
     "tasks acquired",
     "trajectory published",
@@ -235,8 +237,12 @@ fn breakdown(events: &[Event], warmup: u64) -> Vec<Breakdown> {
             .map_or(b3, |t| t.max(b3));
         let secs = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
         let train = prev.get("compute_s").unwrap_or(0.0);
-        let weights =
-            prev.get("publish_s").unwrap_or(0.0) + swap.get("swap_latency_ms").unwrap_or(0.0) / 1e3;
+        let upload = of("weights published")
+            .filter(within)
+            .find(|e| e.get("version") == Some(version))
+            .and_then(|e| e.get("upload_s"))
+            .unwrap_or(0.0);
+        let weights = upload + swap.get("swap_latency_ms").unwrap_or(0.0) / 1e3;
         let scoring = if published.is_empty() {
             0.0
         } else {
@@ -511,12 +517,13 @@ mod tests {
                 t0,
                 40,
                 "step",
-                &[
-                    ("step", 1.0),
-                    ("version", 1.0),
-                    ("compute_s", 0.030),
-                    ("publish_s", 0.004),
-                ],
+                &[("step", 1.0), ("version", 1.0), ("compute_s", 0.030)],
+            ),
+            ev(
+                t0,
+                44,
+                "weights published",
+                &[("version", 1.0), ("upload_s", 0.004)],
             ),
             ev(
                 t0,
