@@ -115,6 +115,48 @@ impl Group {
     }
 }
 
+/// The ready groups, kept in two orders: by (admission version, completion
+/// order), the order they are served and dropped in, and by (oldest token
+/// version, completion order), so that the staleness check of a request
+/// reads only the groups below its floor.
+#[derive(Default)]
+struct ReadyGroups {
+    by_admission: BTreeSet<(i32, u64, Arc<str>)>,
+    by_oldest: BTreeSet<(i32, u64, Arc<str>)>,
+}
+
+impl ReadyGroups {
+    fn insert(&mut self, g: &Group) {
+        self.by_admission
+            .insert((g.admission, g.order, g.id.clone()));
+        self.by_oldest.insert((g.oldest(), g.order, g.id.clone()));
+    }
+
+    fn remove(&mut self, g: &Group) {
+        self.by_admission
+            .remove(&(g.admission, g.order, g.id.clone()));
+        self.by_oldest.remove(&(g.oldest(), g.order, g.id.clone()));
+    }
+
+    fn len(&self) -> usize {
+        debug_assert_eq!(self.by_admission.len(), self.by_oldest.len());
+        self.by_admission.len()
+    }
+
+    /// Ids in admission order.
+    fn ids(&self) -> impl DoubleEndedIterator<Item = &Arc<str>> {
+        self.by_admission.iter().map(|(_, _, id)| id)
+    }
+
+    /// Ids of the groups whose oldest token version is below `floor`.
+    fn older_than(&self, floor: i64) -> impl Iterator<Item = &Arc<str>> {
+        self.by_oldest
+            .iter()
+            .take_while(move |(oldest, _, _)| i64::from(*oldest) < floor)
+            .map(|(_, _, id)| id)
+    }
+}
+
 struct MemBatch {
     batch: RecordBatch,
     /// The group owning each row; `None` for rows that are not live.
@@ -221,11 +263,7 @@ pub struct Core {
     live_uuids: HashSet<u128>,
     /// Trajectories dropped so far of each attempt that lost its task.
     late: HashMap<Arc<str>, u32>,
-    /// Ready groups by (admission version, completion order).
-    ready: BTreeSet<(i32, u64, Arc<str>)>,
-    /// The same groups by (oldest token version, completion order): the
-    /// staleness check of a request reads only the groups below its floor.
-    ready_by_oldest: BTreeSet<(i32, u64, Arc<str>)>,
+    ready: ReadyGroups,
     reuse_queue: VecDeque<Arc<str>>,
     rng: StdRng,
     served: BTreeMap<u64, ServedStep>,
@@ -253,8 +291,7 @@ impl Core {
             task_done: HashMap::new(),
             live_uuids: HashSet::new(),
             late: HashMap::new(),
-            ready: BTreeSet::new(),
-            ready_by_oldest: BTreeSet::new(),
+            ready: ReadyGroups::default(),
             reuse_queue: VecDeque::new(),
             rng: StdRng::seed_from_u64(seed),
             served: BTreeMap::new(),
@@ -413,11 +450,9 @@ impl Core {
                 group.state = GroupState::Ready;
                 group.order = order;
                 group.members.sort_by_key(|x| x.index);
-                let (task, id, admission) = (group.task.clone(), group.id.clone(), group.admission);
+                let (task, id) = (group.task.clone(), group.id.clone());
                 self.task_done.insert(task.clone(), (id.clone(), false));
-                self.ready.insert((admission, order, id.clone()));
-                self.ready_by_oldest
-                    .insert((group.oldest(), order, id.clone()));
+                self.ready.insert(group);
                 out.newly_ready += 1;
                 if !replay && self.sampling == SamplingPolicy::Reuse {
                     let at = self.rng.random_range(0..=self.reuse_queue.len());
@@ -457,9 +492,7 @@ impl Core {
     /// Removes a group and frees its rows. Returns it.
     fn release(&mut self, id: &Arc<str>) -> Option<Group> {
         let g = self.groups.remove(id)?;
-        self.ready.remove(&(g.admission, g.order, g.id.clone()));
-        self.ready_by_oldest
-            .remove(&(g.oldest(), g.order, g.id.clone()));
+        self.ready.remove(&g);
         if g.state == GroupState::Collecting
             && let Some(list) = self.task_groups.get_mut(&g.task)
         {
@@ -576,7 +609,6 @@ impl Core {
 
     /// Decides what to answer to a batch request, without changing anything.
     pub fn plan(&self, ask: Ask) -> Plan {
-        debug_assert_eq!(self.ready.len(), self.ready_by_oldest.len());
         let mut plan = Plan {
             ask,
             outcome: Outcome::NotReady { ready: 0 },
@@ -620,14 +652,11 @@ impl Core {
         }
         // Staleness: no token older than v − η is ever served.
         let floor = i64::from(ask.version) - i64::from(ask.eta);
-        // Only the groups below the floor are read (the index is by oldest
-        // token version); the drops keep the admission order of `ready`.
+        // Only the groups below the floor are read; the drops keep the
+        // admission order.
         let mut dropped = HashSet::new();
         let mut stale: Vec<(i32, u64, &Arc<str>, DropReason)> = Vec::new();
-        for (oldest, _, id) in &self.ready_by_oldest {
-            if i64::from(*oldest) >= floor {
-                break;
-            }
+        for id in self.ready.older_than(floor) {
             if let Some(g) = self.groups.get(id) {
                 let why = if g.serves == 0 {
                     DropReason::Stale
@@ -649,8 +678,8 @@ impl Core {
         // are not walked to serve 64.
         let ready = self
             .ready
-            .iter()
-            .filter(|(_, _, id)| usable(id))
+            .ids()
+            .filter(|id| usable(id))
             .take(ask.num_groups)
             .count();
         if ready < ask.num_groups {
@@ -660,17 +689,15 @@ impl Core {
         let chosen: Vec<Arc<str>> = match self.sampling {
             SamplingPolicy::Fifo => self
                 .ready
-                .iter()
-                .map(|(_, _, id)| id)
+                .ids()
                 .filter(|id| usable(id))
                 .take(ask.num_groups)
                 .cloned()
                 .collect(),
             SamplingPolicy::FreshFirst => self
                 .ready
-                .iter()
+                .ids()
                 .rev()
-                .map(|(_, _, id)| id)
                 .filter(|id| usable(id))
                 .take(ask.num_groups)
                 .cloned()
@@ -692,13 +719,8 @@ impl Core {
                         None => {
                             // The pass is over: a new random permutation of
                             // every eligible group.
-                            let mut pass: Vec<Arc<str>> = self
-                                .ready
-                                .iter()
-                                .map(|(_, _, id)| id)
-                                .filter(|id| usable(id))
-                                .cloned()
-                                .collect();
+                            let mut pass: Vec<Arc<str>> =
+                                self.ready.ids().filter(|id| usable(id)).cloned().collect();
                             pass.shuffle(&mut rng);
                             queue = pass.into();
                             if queue.iter().all(|id| taken.contains(id)) {
@@ -764,10 +786,7 @@ impl Core {
                 trajectories: g.members.len() as u32,
             };
             g.state = GroupState::Exhausted;
-            let key = (g.admission, g.order, g.id.clone());
-            self.ready.remove(&key);
-            self.ready_by_oldest
-                .remove(&(g.oldest(), g.order, g.id.clone()));
+            self.ready.remove(g);
             self.settle(id);
             dropped.push(info);
         }
@@ -788,10 +807,7 @@ impl Core {
                     g.last_step = step;
                     if g.serves >= self.max_serves {
                         g.state = GroupState::Exhausted;
-                        let key = (g.admission, g.order, g.id.clone());
-                        self.ready.remove(&key);
-                        self.ready_by_oldest
-                            .remove(&(g.oldest(), g.order, g.id.clone()));
+                        self.ready.remove(g);
                     }
                 }
             }
@@ -958,19 +974,16 @@ impl Core {
             g.last_step = r.last_step;
             if r.expired || g.serves >= self.max_serves {
                 g.state = GroupState::Exhausted;
-                let key = (g.admission, g.order, g.id.clone());
-                self.ready.remove(&key);
-                self.ready_by_oldest
-                    .remove(&(g.oldest(), g.order, g.id.clone()));
+                self.ready.remove(g);
             }
             self.settle(&id);
         }
         if self.sampling == SamplingPolicy::Reuse {
             let mut pool: Vec<Arc<str>> = self
                 .ready
-                .iter()
-                .filter(|(_, _, id)| self.groups.get(id).is_some_and(|g| self.eligible(g)))
-                .map(|(_, _, id)| id.clone())
+                .ids()
+                .filter(|id| self.groups.get(*id).is_some_and(|g| self.eligible(g)))
+                .cloned()
                 .collect();
             pool.shuffle(&mut self.rng);
             self.reuse_queue = pool.into();
