@@ -20,7 +20,6 @@
 //! export`.
 
 pub mod core;
-mod decode;
 mod export;
 mod metrics;
 mod reply;

@@ -16,7 +16,7 @@ use asyncrl_protos::subjects::{
     TRAJECTORY_SUBJECT_PREFIX,
 };
 use asyncrl_protos::v1::{BatchReply, BatchRequest, DeadLetter, GroupDropped};
-use asyncrl_protos::{ContractError, Message, Trajectory};
+use asyncrl_protos::{ContractError, Message, Trajectory, decode_trajectory};
 use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_transport::{Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, ObjectStore, Request};
 use tokio_util::sync::CancellationToken;
@@ -654,7 +654,7 @@ impl Ingest {
         let payloads: Vec<Bytes> = deliveries.iter().map(|d| d.payload.clone()).collect();
         let decoded: Vec<Result<Trajectory, ContractError>> =
             tokio::task::spawn_blocking(move || {
-                payloads.iter().map(|p| crate::decode::decode(p)).collect()
+                payloads.iter().map(|p| decode_trajectory(p)).collect()
             })
             .await?;
         // Dead letters (index, kind, reason), duplicates, and the rest.
