@@ -13,10 +13,15 @@ pub mod process;
 pub use backoff::Backoff;
 pub use clock::{Clock, SharedClock, SystemClock, TokioClock, unix_ms};
 
+/// The sha256 of `data`.
+pub fn sha256(data: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).into()
+}
+
 /// Lower-case hex sha256 of `data`.
 pub fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(data))
+    hex::encode(sha256(data))
 }
 
 /// Bytes of the files under `dir`, recursively (0 when it does not exist;

@@ -62,7 +62,7 @@ fn digest_hex(info: &object_store::ObjectInfo) -> Option<String> {
         .decode(encoded)
         .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded))
         .ok()?;
-    (raw.len() == 32).then(|| raw.iter().map(|b| format!("{b:02x}")).collect())
+    (raw.len() == 32).then(|| hex::encode(raw))
 }
 
 /// Checks an object's verified sha256 against the one its producer
@@ -1033,7 +1033,7 @@ impl NatsObjects {
         let replaced = self.store.info(name).await.ok().filter(|i| !i.deleted);
         let hashing = {
             let data = data.clone();
-            tokio::task::spawn_blocking(move || sha256_hex(&data))
+            tokio::task::spawn_blocking(move || asyncrl_common::sha256(&data))
         };
         let nuid = self
             .js
@@ -1066,11 +1066,7 @@ impl NatsObjects {
         while let Some(ack) = acks.pop_front() {
             ack.await.map_err(|e| self.err("object_put", e))?;
         }
-        let sha256 = hashing.await.map_err(|e| self.err("object_put", e))?;
-        let digest: Vec<u8> = (0..sha256.len())
-            .step_by(2)
-            .filter_map(|i| u8::from_str_radix(&sha256[i..i + 2], 16).ok())
-            .collect();
+        let digest = hashing.await.map_err(|e| self.err("object_put", e))?;
         let info = object_store::ObjectInfo {
             name: name.to_owned(),
             description: None,
@@ -1116,7 +1112,7 @@ impl NatsObjects {
                 .await
                 .map_err(|e| self.err("object_put", e))?;
         }
-        Ok((info, sha256))
+        Ok((info, hex::encode(digest)))
     }
 
     /// Reads an object and returns it with its sha256 (hex), checked once:
