@@ -49,8 +49,39 @@ impl PendingBatches {
         &self.dir
     }
 
-    /// Stores the batch of `step` durably (blocking: call it off the runtime).
-    pub fn save(&self, step: u64, ipc: &[u8]) -> anyhow::Result<()> {
+    /// Stores the batch of `step` durably.
+    pub async fn save(&self, step: u64, ipc: Bytes) -> anyhow::Result<()> {
+        self.off_runtime("writer", move |p| p.save_blocking(step, &ipc))
+            .await
+    }
+
+    /// The stored batch of `step`, if any.
+    pub async fn load(&self, step: u64) -> anyhow::Result<Option<Bytes>> {
+        self.off_runtime("reader", move |p| p.load_blocking(step))
+            .await
+    }
+
+    /// Deletes the batches of steps `≤ through` (their versions are
+    /// announced) and temporary files of crashed writes.
+    pub async fn remove_through(&self, through: u64) -> anyhow::Result<usize> {
+        self.off_runtime("cleaner", move |p| p.remove_through_blocking(through))
+            .await
+    }
+
+    /// Runs file work on a blocking thread (async code never blocks the
+    /// runtime).
+    async fn off_runtime<T: Send + 'static>(
+        &self,
+        what: &str,
+        work: impl FnOnce(&Self) -> anyhow::Result<T> + Send + 'static,
+    ) -> anyhow::Result<T> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || work(&this))
+            .await
+            .with_context(|| format!("the pending-batch {what} panicked"))?
+    }
+
+    fn save_blocking(&self, step: u64, ipc: &[u8]) -> anyhow::Result<()> {
         std::fs::create_dir_all(&self.dir)
             .with_context(|| format!("cannot create {}", self.dir.display()))?;
         let path = self.dir.join(file_name(step));
@@ -64,8 +95,7 @@ impl PendingBatches {
         Ok(())
     }
 
-    /// The stored batch of `step`, if any (blocking).
-    pub fn load(&self, step: u64) -> anyhow::Result<Option<Bytes>> {
+    fn load_blocking(&self, step: u64) -> anyhow::Result<Option<Bytes>> {
         let path = self.dir.join(file_name(step));
         match std::fs::read(&path) {
             Ok(b) => Ok(Some(Bytes::from(b))),
@@ -74,9 +104,7 @@ impl PendingBatches {
         }
     }
 
-    /// Deletes the batches of steps `≤ through` (their versions are
-    /// announced) and temporary files of crashed writes (blocking).
-    pub fn remove_through(&self, through: u64) -> anyhow::Result<usize> {
+    fn remove_through_blocking(&self, through: u64) -> anyhow::Result<usize> {
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
@@ -105,18 +133,22 @@ impl PendingBatches {
 mod tests {
     use super::*;
 
-    #[test]
-    fn saved_batches_load_back_until_their_step_is_removed() {
+    #[tokio::test]
+    async fn saved_batches_load_back_until_their_step_is_removed() {
         let dir = tempfile::tempdir().unwrap();
         let p = PendingBatches::new(dir.path());
-        assert_eq!(p.load(3).unwrap(), None);
-        assert_eq!(p.remove_through(10).unwrap(), 0, "no folder yet");
-        p.save(3, b"three").unwrap();
-        p.save(4, b"four").unwrap();
+        assert_eq!(p.load(3).await.unwrap(), None);
+        assert_eq!(p.remove_through(10).await.unwrap(), 0, "no folder yet");
+        p.save(3, Bytes::from_static(b"three")).await.unwrap();
+        p.save(4, Bytes::from_static(b"four")).await.unwrap();
         std::fs::write(p.dir().join(".batch-step-00000005.arrow.tmp-1"), b"x").unwrap();
-        assert_eq!(p.load(3).unwrap().as_deref(), Some(&b"three"[..]));
-        assert_eq!(p.remove_through(3).unwrap(), 2, "step 3 and the stray");
-        assert_eq!(p.load(3).unwrap(), None);
-        assert_eq!(p.load(4).unwrap().as_deref(), Some(&b"four"[..]));
+        assert_eq!(p.load(3).await.unwrap().as_deref(), Some(&b"three"[..]));
+        assert_eq!(
+            p.remove_through(3).await.unwrap(),
+            2,
+            "step 3 and the stray"
+        );
+        assert_eq!(p.load(3).await.unwrap(), None);
+        assert_eq!(p.load(4).await.unwrap().as_deref(), Some(&b"four"[..]));
     }
 }

@@ -277,10 +277,7 @@ impl Ctx {
         }
         // Batches kept for steps whose versions are announced are done.
         let step = self.actor.call(|t| t.step()).await?;
-        let pending = self.publisher.pending.clone();
-        tokio::task::spawn_blocking(move || pending.remove_through(step))
-            .await
-            .context("the pending-batch cleaner panicked")??;
+        self.publisher.pending.remove_through(step).await?;
         Ok(())
     }
 
@@ -380,10 +377,7 @@ impl Ctx {
                     // trained on none of it; the step asks the buffer again.
                     self.fetcher.refuse_batch(s, &e);
                     prefetch = None;
-                    let pending = self.fetcher.pending.clone();
-                    tokio::task::spawn_blocking(move || pending.remove_through(s))
-                        .await
-                        .context("the pending-batch cleaner panicked")??;
+                    self.fetcher.pending.remove_through(s).await?;
                     tokio::select! {
                         () = self.shutdown.cancelled() => break,
                         () = tokio::time::sleep(self.config.learner.batch_poll_interval) => {}
@@ -411,11 +405,10 @@ impl Ctx {
             let publisher = self.publisher.clone();
             let (version_s, step_s, uploading) = (stats.version, stats.step, bytes.clone());
             let task = tokio::spawn(async move {
-                let start = Instant::now();
-                publisher.publish(version_s, step_s, uploading).await?;
+                let publish_s = publisher.publish(version_s, step_s, uploading).await?;
                 Ok(Announced {
                     at: Instant::now(),
-                    publish_s: start.elapsed().as_secs_f64(),
+                    publish_s,
                 })
             });
             upload = Some(Upload {
@@ -538,13 +531,7 @@ impl Fetcher {
         let Some(knobs) = self.seal(s).await? else {
             return Ok(None);
         };
-        let kept = {
-            let pending = self.pending.clone();
-            tokio::task::spawn_blocking(move || pending.load(s))
-                .await
-                .context("the pending-batch reader panicked")??
-        };
-        if let Some(bytes) = kept {
+        if let Some(bytes) = self.pending.load(s).await? {
             match self.check(bytes, version).await? {
                 Ok(batches) => {
                     tracing::info!(step = s, "training a batch fetched before the restart");
@@ -670,10 +657,7 @@ impl Fetcher {
                         match self.check(bytes.clone(), version).await? {
                             Ok(batches) => {
                                 // Durable before the next step is asked for.
-                                let pending = self.pending.clone();
-                                tokio::task::spawn_blocking(move || pending.save(s, &bytes))
-                                    .await
-                                    .context("the pending-batch writer panicked")??;
+                                self.pending.save(s, bytes).await?;
                                 return Ok(Some(batches));
                             }
                             Err(e) => self.refuse_batch(s, &e),
@@ -730,8 +714,8 @@ impl Publisher {
     /// Stores `bytes` as the object of `version` and announces it (after
     /// the put: the announcement carries the sha256 the store computed),
     /// retrying transient errors; then deletes old versions and the kept
-    /// batches of the steps now announced.
-    async fn publish(self, version: i32, step: u64, bytes: Bytes) -> anyhow::Result<()> {
+    /// batches of the steps now announced. Returns the seconds it took.
+    async fn publish(self, version: i32, step: u64, bytes: Bytes) -> anyhow::Result<f64> {
         let started = Instant::now();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
@@ -758,11 +742,12 @@ impl Publisher {
         }
         self.metrics.weight_publications.inc();
         self.metrics.version.set(i64::from(version));
+        let upload_s = started.elapsed().as_secs_f64();
         tracing::info!(
             version,
             step,
             bytes = bytes.len(),
-            upload_s = started.elapsed().as_secs_f64(),
+            upload_s,
             "weights published"
         );
         // Keep the newest versions; older ones can no longer be asked for.
@@ -771,11 +756,8 @@ impl Publisher {
         {
             tracing::warn!(version, error = %e, "cannot delete the weights of old versions");
         }
-        let pending = self.pending.clone();
-        tokio::task::spawn_blocking(move || pending.remove_through(step))
-            .await
-            .context("the pending-batch cleaner panicked")??;
-        Ok(())
+        self.pending.remove_through(step).await?;
+        Ok(started.elapsed().as_secs_f64())
     }
 }
 
