@@ -57,6 +57,15 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
 
+/// The 1, 5 and 15 minute load averages of /proc/loadavg, for reports.
+#[cfg_attr(not(feature = "torch"), allow(dead_code))]
+pub(crate) fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|t| t.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// The NATS server a bench measures against: the one at `--nats-url`, or a
 /// private nats-server that lives as long as this value.
 pub(crate) struct BenchServer {

@@ -25,7 +25,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Args;
 
-use super::{scale_buffer, scale_coordinator, scale_learner};
+use super::{load_average, scale_buffer, scale_coordinator, scale_learner};
 use crate::plot::{Series, line_chart};
 
 #[derive(Debug, Args)]
@@ -41,19 +41,19 @@ pub(crate) struct ScaleArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,10,100,300,1000")]
     workers: Vec<usize>,
     /// Untimed time after the workers started, per worker count.
-    #[arg(long, default_value = "5s", value_parser = duration)]
+    #[arg(long, default_value = "5s", value_parser = super::chaos::parse_duration)]
     warmup: Duration,
     /// Measured time per worker count.
-    #[arg(long, default_value = "20s", value_parser = duration)]
+    #[arg(long, default_value = "20s", value_parser = super::chaos::parse_duration)]
     window: Duration,
     /// Mean time a simulated worker holds a task (uniform in 0.5..1.5 × it).
-    #[arg(long, default_value = "4s", value_parser = duration)]
+    #[arg(long, default_value = "4s", value_parser = super::chaos::parse_duration)]
     task_time: Duration,
     /// Tasks each simulated worker holds at once.
     #[arg(long, default_value_t = 2)]
     slots: usize,
     /// The coordinator's heartbeat interval (what workers are told).
-    #[arg(long, default_value = "2s", value_parser = duration)]
+    #[arg(long, default_value = "2s", value_parser = super::chaos::parse_duration)]
     heartbeat: Duration,
     /// NATS connections the simulated workers share.
     #[arg(long, default_value_t = 16)]
@@ -86,10 +86,6 @@ pub(crate) struct ScaleArgs {
     iterations: usize,
     #[arg(long, default_value = "docs/results/scale")]
     out: PathBuf,
-}
-
-fn duration(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text).map_err(|e| e.to_string())
 }
 
 pub(crate) fn run(rt: &tokio::runtime::Runtime, args: ScaleArgs) -> anyhow::Result<String> {
@@ -166,13 +162,6 @@ pub(crate) fn run(rt: &tokio::runtime::Runtime, args: ScaleArgs) -> anyhow::Resu
     let path = args.out.join("scale.md");
     std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(format!("{md}\nwritten: {}\n", args.out.display()))
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .map(|t| t.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|| "unknown".into())
 }
 
 fn hostname() -> String {

@@ -33,6 +33,9 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::load_average;
+use super::speedup::median;
+
 use anyhow::{Context as _, Result, bail, ensure};
 use asyncrl_config::{BusConfig, Config, DeviceName, ModelConfig};
 use asyncrl_protos::subjects::{
@@ -128,12 +131,6 @@ fn human_bytes(n: u64) -> String {
     }
 }
 
-/// The median of one side's rounds, in seconds.
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 /// One row of the table.
 #[derive(Debug, Clone)]
 struct Row {
@@ -162,7 +159,7 @@ pub(crate) fn run(rt: &tokio::runtime::Runtime, args: WeightsArgs) -> Result<Str
     );
     ensure!(args.rounds > 0, "--rounds must be ≥ 1");
     let server = BenchServer::at_or_start(args.nats_url.as_deref())?;
-    let load_before = loadavg();
+    let load_before = load_average();
     let mem_before = mem_available();
     let model = bench_model();
     let mut rows = Vec::new();
@@ -634,16 +631,6 @@ fn builtin_weights(model: &ModelConfig) -> Result<Bytes> {
     Ok(Bytes::from(policy.weights_to_safetensors(dtype)?))
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| {
-            let f: Vec<&str> = s.split_whitespace().take(3).collect();
-            (f.len() == 3).then(|| f.join(" "))
-        })
-        .unwrap_or_else(|| "unknown".into())
-}
-
 /// MemAvailable of /proc/meminfo, in bytes.
 fn mem_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -694,7 +681,7 @@ fn report(
         server.describe(),
         args.rounds,
         load_before,
-        loadavg(),
+        load_average(),
         mem_before.map_or("?".into(), human_bytes),
     );
     let _ = writeln!(
