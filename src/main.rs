@@ -3,24 +3,20 @@
 //! Errors are printed as one line (`error: ...`, with the chain of causes
 //! joined by `: `) and the process exits non-zero; no panic, no backtrace.
 
-mod bench;
-mod check;
+//!
+//! This file is the command line and nothing else: what each subcommand
+//! does is in `asyncrl-app` (the composition root as a library); the
+//! benches are the separate `asyncrl-bench` binary (`harness/`).
+
 mod ctl_cli;
 #[cfg(feature = "torch")]
 mod eval_cli;
-#[cfg(feature = "torch")]
-mod metrics_csv;
-#[cfg(feature = "torch")]
-mod plot;
-mod roles;
-#[cfg(feature = "torch")]
-mod train;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use asyncrl_config::Config;
+use asyncrl_app::commands;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -58,11 +54,6 @@ enum Command {
     Data {
         #[command(subcommand)]
         command: DataCommand,
-    },
-    /// Benchmarks.
-    Bench {
-        #[command(subcommand)]
-        bench: bench::BenchCommand,
     },
     /// Print the version, the linked libtorch and whether CUDA is usable.
     Version,
@@ -185,52 +176,20 @@ fn main() -> ExitCode {
     }
 }
 
-pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")
-}
-
-/// Runs `fut` to completion on a new runtime, then gives the runtime's
-/// blocking tasks (file writes, fsyncs) a bounded time to finish: a stuck
-/// one must not keep the process from exiting once its work is done.
-fn block_on<F: std::future::Future>(fut: F) -> anyhow::Result<F::Output> {
-    let rt = runtime()?;
-    let out = rt.block_on(fut);
-    rt.shutdown_timeout(std::time::Duration::from_secs(10));
-    Ok(out)
-}
-
-/// Loads the config, applies a `--bus` override and sets up logging.
-pub(crate) fn load(path: &Path, bus: Option<&str>) -> anyhow::Result<Config> {
-    let mut config = Config::load(path)?;
-    if let Some(url) = bus {
-        config.bus.url = url.to_owned();
-        config.bus.validate()?;
-    }
-    asyncrl_telemetry::init_tracing(&config.telemetry)?;
-    Ok(config)
-}
-
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => {
-            println!("asyncrl {}", env!("CARGO_PKG_VERSION"));
-            #[cfg(feature = "torch")]
-            println!("{}", asyncrl_learner::device_report());
-            #[cfg(not(feature = "torch"))]
-            println!(
-                "built without the `torch` feature: no libtorch (coordinator, buffer, ctl, data)"
-            );
+            println!("{}", commands::version_report());
             Ok(())
         }
-        Command::Train(args) => train_command(args),
-        Command::Coordinator(args) => role(args, "coordinator", |c, b, m, s| async move {
-            asyncrl_coordinator::run(c, b, m, s)
-                .await
-                .map_err(Into::into)
-        }),
+        Command::Train(a) => commands::train(
+            &a.config,
+            a.bus.as_deref(),
+            a.workers,
+            a.fresh,
+            a.check_config,
+        ),
+        Command::Coordinator(a) => commands::coordinator(&a.config, a.bus.as_deref()),
         Command::Buffer(BufferArgs {
             command:
                 Some(BufferCommand::Export {
@@ -241,44 +200,28 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     to_version,
                 }),
             ..
-        }) => {
-            if format != "parquet" {
-                anyhow::bail!("--format {format:?} is not supported (only parquet)");
-            }
-            let config = Config::load(&config)?;
-            let mut args = asyncrl_buffer::ExportArgs::from_config(&config, out);
-            args.from_version = from_version;
-            args.to_version = to_version;
-            let summary = asyncrl_buffer::export(&args)?;
-            println!("{summary}");
-            Ok(())
-        }
+        }) => commands::buffer_export(&config, &format, out, from_version, to_version),
         Command::Buffer(BufferArgs {
             command: None,
             config,
             bus,
         }) => {
             let config = config.context("asyncrl buffer needs --config FILE")?;
-            role(
-                RoleArgs { config, bus },
-                "buffer",
-                |c, b, m, s| async move { asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into) },
-            )
+            commands::buffer(&config, bus.as_deref())
         }
-        Command::Learner(args) => learner_command(args),
-        Command::Worker(args) => worker_command(args),
-        Command::Ctl(args) => {
-            let config = match &args.config {
-                Some(p) => Config::load(p)?,
-                None => Config::default(),
-            };
-            let out = block_on(asyncrl_coordinator::ctl::ctl(&config, &args.request()))??;
-            print!("{out}");
-            Ok(())
-        }
-        Command::Warmstart(args) => warmstart(args),
+        Command::Learner(a) => commands::learner(&a.config, a.bus.as_deref()),
+        Command::Worker(a) => commands::worker(&a.config, a.bus.as_deref()),
+        Command::Ctl(a) => commands::ctl(a.config.as_deref(), &a.request()),
+        Command::Warmstart(a) => commands::warmstart(&commands::Warmstart {
+            config: a.config,
+            out: a.out,
+            steps: a.steps,
+            batch_size: a.batch_size,
+            lr: a.lr,
+            eval: a.eval,
+        }),
         #[cfg(feature = "torch")]
-        Command::Eval(args) => eval_cli::eval_command(args),
+        Command::Eval(a) => asyncrl_app::eval::eval_command(a.into()),
         Command::Data {
             command:
                 DataCommand::Generate {
@@ -289,161 +232,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     all,
                     out,
                 },
-        } => {
-            let task = asyncrl_tasks::BuiltinTask::from_name(&task).with_context(|| {
-                format!("--task {task:?} is not a built-in task (arith, reverse)")
-            })?;
-            let items = match (all, task) {
-                (true, asyncrl_tasks::BuiltinTask::Arith) => asyncrl_tasks::arith_all(max_operand),
-                (true, _) => anyhow::bail!("--all lists every problem of arith only"),
-                (false, _) => asyncrl_tasks::generate_with(
-                    task,
-                    n,
-                    seed,
-                    asyncrl_tasks::GenerateOptions { max_operand },
-                ),
-            };
-            asyncrl_tasks::write_jsonl(&out, &items)?;
-            println!(
-                "wrote {} {} tasks to {}",
-                items.len(),
-                task.name(),
-                out.display()
-            );
-            Ok(())
-        }
-        Command::Bench { bench } => bench::run(bench),
+        } => commands::data_generate(&commands::DataGenerate {
+            task,
+            n,
+            seed,
+            max_operand,
+            all,
+            out,
+        }),
     }
-}
-
-#[cfg(feature = "torch")]
-fn train_command(args: TrainArgs) -> anyhow::Result<()> {
-    let config = load(&args.config, args.bus.as_deref())?;
-    if args.check_config {
-        return check_config(&config);
-    }
-    let opts = train::TrainOptions {
-        workers: args.workers,
-        fresh: args.fresh,
-        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
-        ..Default::default()
-    };
-    let summary = block_on(train::train(config, opts))??;
-    print!("{summary}");
-    Ok(())
-}
-
-#[cfg(feature = "torch")]
-fn learner_command(args: RoleArgs) -> anyhow::Result<()> {
-    role(args, "learner", |c, b, m, s| async move {
-        asyncrl_learner::service::run(c, b, m, s).await.map(|_| ())
-    })
-}
-
-#[cfg(feature = "torch")]
-fn worker_command(args: RoleArgs) -> anyhow::Result<()> {
-    role(args, "worker", |c, b, m, s| async move {
-        asyncrl_rollout_worker::run(c, b, m, s)
-            .await
-            .map(|_| ())
-            .map_err(Into::into)
-    })
-}
-
-/// The error of a subcommand that needs the tensor roles in a binary built
-/// without them.
-#[cfg(not(feature = "torch"))]
-pub(crate) fn no_torch(command: &str) -> anyhow::Result<()> {
-    anyhow::bail!(
-        "`asyncrl {command}` needs libtorch, and this binary was built without the `torch` feature (the CPU-only control-plane image); use the full image"
-    )
-}
-
-#[cfg(not(feature = "torch"))]
-fn train_command(args: TrainArgs) -> anyhow::Result<()> {
-    if args.check_config {
-        return check_config(&load(&args.config, args.bus.as_deref())?);
-    }
-    no_torch("train")
-}
-
-/// `asyncrl train --check-config`.
-fn check_config(config: &Config) -> anyhow::Result<()> {
-    let report = check::check_tasks(config)?;
-    print!("{report}");
-    Ok(())
-}
-
-#[cfg(not(feature = "torch"))]
-fn learner_command(_: RoleArgs) -> anyhow::Result<()> {
-    no_torch("learner")
-}
-
-#[cfg(not(feature = "torch"))]
-fn worker_command(_: RoleArgs) -> anyhow::Result<()> {
-    no_torch("worker")
-}
-
-#[cfg(not(feature = "torch"))]
-fn warmstart(_: WarmstartArgs) -> anyhow::Result<()> {
-    no_torch("warmstart")
-}
-
-/// Runs one role in its own process until SIGTERM/SIGINT.
-fn role<F, Fut>(args: RoleArgs, name: &'static str, body: F) -> anyhow::Result<()>
-where
-    F: FnOnce(
-        Config,
-        std::sync::Arc<dyn asyncrl_transport::Bus>,
-        asyncrl_telemetry::Metrics,
-        tokio_util::sync::CancellationToken,
-    ) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<()>>,
-{
-    let config = load(&args.config, args.bus.as_deref())?;
-    roles::require_nats(&config, name)?;
-    block_on(async move {
-        let process = roles::start(&config, name).await?;
-        let bus = roles::connect(&config, &process.metrics, roles::BusUser::Role(name)).await?;
-        process.health.set_ready("bus");
-        tracing::info!(role = name, bus = %config.bus.url, telemetry = ?process.telemetry_addr, "started");
-        let result = body(
-            config,
-            bus,
-            process.metrics.clone(),
-            process.shutdown.clone(),
-        )
-        .await;
-        process.shutdown.cancel();
-        result.with_context(|| name.to_string())
-    })?
-}
-
-#[cfg(feature = "torch")]
-fn warmstart(args: WarmstartArgs) -> anyhow::Result<()> {
-    let config = load(&args.config, None)?;
-    let opts = asyncrl_learner::sft::SftOptions {
-        steps: args.steps,
-        batch_size: args.batch_size,
-        learning_rate: args.lr,
-        seed: config.run.seed,
-        temperature: asyncrl_policy::logprob_temperature(config.model.temperature),
-        grad_clip: 1.0,
-    };
-    let report = asyncrl_learner::sft::run_warm_start(&config, &opts, args.eval, &args.out)?;
-    println!(
-        "warm start: {} steps in {:.0}s; accuracy on {} held-out tasks: greedy {:.3} -> {:.3}, sampled (T={}) {:.3} -> {:.3}",
-        args.steps,
-        report.seconds,
-        args.eval,
-        report.before.greedy,
-        report.after.greedy,
-        config.model.temperature,
-        report.before.sampled,
-        report.after.sampled
-    );
-    println!("model: {}", args.out.display());
-    Ok(())
 }
 
 #[cfg(test)]

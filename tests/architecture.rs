@@ -12,8 +12,8 @@ use serde_json::Value;
 struct Graph {
     /// package name → (dependency name, kind: "normal" | "dev" | "build")
     direct: BTreeMap<String, Vec<(String, String)>>,
-    /// package name → whether it has a library target
-    is_lib: BTreeMap<String, bool>,
+    /// package name → whether it may be published (`publish = false`: no)
+    publish: BTreeMap<String, bool>,
 }
 
 fn graph() -> Graph {
@@ -35,7 +35,7 @@ fn graph() -> Graph {
     );
     let meta: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata JSON");
     let mut direct = BTreeMap::new();
-    let mut is_lib = BTreeMap::new();
+    let mut publish = BTreeMap::new();
     for p in meta["packages"].as_array().expect("packages") {
         let name = p["name"].as_str().expect("name").to_owned();
         let deps = p["dependencies"]
@@ -47,15 +47,12 @@ fn graph() -> Graph {
                 (d["name"].as_str().expect("dep name").to_owned(), kind)
             })
             .collect();
-        let lib = p["targets"].as_array().expect("targets").iter().any(|t| {
-            t["kind"]
-                .as_array()
-                .is_some_and(|k| k.iter().any(|k| k == "lib"))
-        });
+        // `publish = false` is an empty list of registries.
+        let publishable = p["publish"].as_array().is_none_or(|r| !r.is_empty());
         direct.insert(name.clone(), deps);
-        is_lib.insert(name, lib);
+        publish.insert(name, publishable);
     }
-    Graph { direct, is_lib }
+    Graph { direct, publish }
 }
 
 impl Graph {
@@ -103,24 +100,79 @@ fn set<'a>(items: &[&'a str]) -> BTreeSet<&'a str> {
 #[test]
 fn only_transport_links_the_nats_client() {
     // Architecture invariant: roles talk only through asyncrl_transport::Bus;
-    // nothing else knows that the bus is NATS.
-    assert_eq!(graph().users_of("async-nats"), set(&["asyncrl-transport"]));
+    // nothing else knows that the bus is NATS. The harness (tests and
+    // benches, never shipped) audits the server from outside.
+    assert_eq!(
+        graph().users_of("async-nats"),
+        set(&["asyncrl-transport", "asyncrl-harness"])
+    );
 }
 
 #[test]
-fn clap_lives_in_the_binary() {
-    assert_eq!(graph().users_of("clap"), set(&["asyncrl"]));
+fn clap_lives_in_the_front_ends() {
+    // The two binaries' command lines: `asyncrl` and `asyncrl-bench`.
+    assert_eq!(
+        graph().users_of("clap"),
+        set(&["asyncrl", "asyncrl-harness"])
+    );
 }
 
 #[test]
 fn test_helpers_are_no_library_dependency() {
-    // testkit (a real nats-server per test) and the test doubles are dev
-    // dependencies; only the binary's benches start a private nats-server.
+    // testkit (a real nats-server per test) is a dependency of the harness
+    // only (publish = false), and a dev-dependency elsewhere.
     let g = graph();
-    for package in g.users_of("asyncrl-testkit") {
+    assert_eq!(g.users_of("asyncrl-testkit"), set(&["asyncrl-harness"]));
+    assert_eq!(g.users_of("asyncrl-harness"), BTreeSet::new());
+    assert!(
+        !g.publish["asyncrl-harness"],
+        "the harness is never published"
+    );
+}
+
+#[test]
+fn production_binary_links_no_test_code() {
+    // Architecture invariant: the `asyncrl` binary (and so the release
+    // image) links neither testkit, the harness, nor any crate's
+    // `testsuite` feature (the test doubles). Read from the resolved
+    // graph, features included, as `cargo tree -p asyncrl -e normal`
+    // shows it.
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "tree",
+            "-p",
+            "asyncrl",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+            "--format",
+            "{p} [{f}]",
+            "--offline",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cargo tree");
+    assert!(
+        out.status.success(),
+        "cargo tree failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        tree.lines().any(|l| l.starts_with("asyncrl-coordinator ")),
+        "cargo tree lists the binary's crates:\n{tree}"
+    );
+    for line in tree.lines() {
+        for test_code in ["asyncrl-testkit ", "asyncrl-harness "] {
+            assert!(
+                !line.starts_with(test_code),
+                "the production binary links {test_code}: {line}"
+            );
+        }
         assert!(
-            !g.is_lib[package] || package == "asyncrl",
-            "library crate {package} depends on asyncrl-testkit outside [dev-dependencies]"
+            !line.contains("testsuite"),
+            "the production binary enables a testsuite feature: {line}"
         );
     }
 }
@@ -139,7 +191,7 @@ fn only_the_model_crates_link_libtorch() {
     assert_eq!(
         users,
         set(&[
-            "asyncrl",
+            "asyncrl-harness",
             "asyncrl-learner",
             "asyncrl-policy",
             "asyncrl-rollout-worker"

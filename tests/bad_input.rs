@@ -11,7 +11,19 @@ use std::time::{Duration, Instant};
 use asyncrl_testkit::NatsServer;
 
 fn asyncrl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+    run(PathBuf::from(env!("CARGO_BIN_EXE_asyncrl")), args)
+}
+
+/// The bench binary, `asyncrl-bench` (the harness's front end).
+fn asyncrl_bench(args: &[&str]) -> Output {
+    run(
+        asyncrl_harness::process::bench_bin().expect("the asyncrl-bench binary"),
+        args,
+    )
+}
+
+fn run(bin: PathBuf, args: &[&str]) -> Output {
+    Command::new(bin)
         .args(args)
         .env("RUST_BACKTRACE", "1")
         .env("NO_COLOR", "1")
@@ -213,9 +225,9 @@ fn speedup_bench_refuses_cores_it_cannot_use_before_running_anything() {
             &["core 1000 is not available"][..],
         ),
     ] {
-        let mut args = vec!["bench", "speedup", "--out", out_str];
+        let mut args = vec!["speedup", "--out", out_str];
         args.extend(cores);
-        let out = asyncrl(&args);
+        let out = asyncrl_bench(&args);
         assert_one_error_line(&args, &out, names);
         assert!(!out_dir.exists(), "nothing is written before the checks");
     }

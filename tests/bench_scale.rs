@@ -5,11 +5,14 @@
 //! the reference machine (docs/results/scale/), not asserted here.
 #![cfg(feature = "torch")]
 
-mod common;
-
 use std::process::Command;
 
-use common::{asyncrl_bin, csv_rows};
+use asyncrl_harness::cluster::csv_rows;
+
+/// The `asyncrl-bench` binary beside the test binaries.
+fn bench_bin() -> std::path::PathBuf {
+    asyncrl_harness::process::bench_bin().expect("the asyncrl-bench binary")
+}
 
 #[test]
 fn scale_bench_writes_every_curve_with_its_fit() {
@@ -17,7 +20,6 @@ fn scale_bench_writes_every_curve_with_its_fit() {
     let out = dir.path().join("scale");
     let out_arg = out.to_str().expect("utf-8");
     let args = [
-        "bench",
         "scale",
         "--workers",
         "1,4",
@@ -42,16 +44,16 @@ fn scale_bench_writes_every_curve_with_its_fit() {
         "--out",
         out_arg,
     ];
-    let output = Command::new(asyncrl_bin())
+    let output = Command::new(bench_bin())
         .args(args)
         .env("NO_COLOR", "1")
         .env_remove("RUST_LOG")
         .output()
-        .expect("run asyncrl");
+        .expect("run asyncrl-bench");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),
-        "asyncrl {args:?} failed\nstderr: {}\nstdout: {stdout}",
+        "asyncrl-bench {args:?} failed\nstderr: {}\nstdout: {stdout}",
         String::from_utf8_lossy(&output.stderr)
     );
 

@@ -5,22 +5,25 @@
 //! are measured on the reference machine (docs/results/sync-step/).
 #![cfg(feature = "torch")]
 
-mod common;
-
 use std::process::Command;
 
-use common::{asyncrl_bin, csv_rows};
+use asyncrl_harness::cluster::csv_rows;
+
+/// The `asyncrl-bench` binary beside the test binaries.
+fn bench_bin() -> std::path::PathBuf {
+    asyncrl_harness::process::bench_bin().expect("the asyncrl-bench binary")
+}
 
 fn run(args: &[&str]) {
-    let out = Command::new(asyncrl_bin())
+    let out = Command::new(bench_bin())
         .args(args)
         .env("NO_COLOR", "1")
         .env_remove("RUST_LOG")
         .output()
-        .expect("run asyncrl");
+        .expect("run asyncrl-bench");
     assert!(
         out.status.success(),
-        "asyncrl {args:?} failed\nstderr: {}\nstdout: {}",
+        "asyncrl-bench {args:?} failed\nstderr: {}\nstdout: {}",
         String::from_utf8_lossy(&out.stderr),
         String::from_utf8_lossy(&out.stdout)
     );
@@ -76,7 +79,6 @@ datasets = [{{ name = "arith", path = "{data_arg}" }}]
     .expect("config");
     let out = dir.path().join("sync-step");
     run(&[
-        "bench",
         "sync-step",
         config.to_str().expect("utf-8"),
         "--steps",

@@ -4,26 +4,29 @@
 //! measured on the reference machine (docs/results/), not asserted here.
 #![cfg(feature = "torch")]
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::csv_rows;
+use asyncrl_harness::cluster::csv_rows;
+
+/// The `asyncrl-bench` binary beside the test binaries.
+fn bench_bin() -> std::path::PathBuf {
+    asyncrl_harness::process::bench_bin().expect("the asyncrl-bench binary")
+}
 
 fn asyncrl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+    Command::new(bench_bin())
         .args(args)
         .env("NO_COLOR", "1")
         .env_remove("RUST_LOG")
         .output()
-        .expect("run asyncrl")
+        .expect("run asyncrl-bench")
 }
 
 fn succeeded(args: &[&str], out: &Output) {
     assert!(
         out.status.success(),
-        "asyncrl {args:?} failed\nstderr: {}\nstdout: {}",
+        "asyncrl-bench {args:?} failed\nstderr: {}\nstdout: {}",
         String::from_utf8_lossy(&out.stderr),
         String::from_utf8_lossy(&out.stdout)
     );
@@ -52,7 +55,6 @@ fn speedup_bench_reports_both_modes_and_the_bound() {
     let out = dir.path().join("speedup");
     let (learner, worker) = (cores[0].to_string(), cores[1].to_string());
     let args = [
-        "bench",
         "speedup",
         "--steps",
         "5",
@@ -190,7 +192,6 @@ dataset = {{ name = "arith", path = "{}" }}
     .expect("config");
     let out = dir.path().join("staleness");
     let args = [
-        "bench",
         "staleness",
         config.to_str().expect("utf-8"),
         "--etas",
@@ -264,13 +265,7 @@ dataset = {{ name = "arith", path = "{}" }}
     let bare = dir.path().join("bare.toml");
     let text = std::fs::read_to_string(&config).expect("config");
     std::fs::write(&bare, &text[..text.find("[eval]").expect("eval")]).expect("bare config");
-    let args = [
-        "bench",
-        "staleness",
-        bare.to_str().expect("utf-8"),
-        "--steps",
-        "1",
-    ];
+    let args = ["staleness", bare.to_str().expect("utf-8"), "--steps", "1"];
     let output = asyncrl(&args);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);

@@ -7,13 +7,16 @@
 //! bounded disk, clean exits), and the report must be complete.
 #![cfg(feature = "torch")]
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use common::csv_rows;
+use asyncrl_harness::cluster::csv_rows;
+
+/// The `asyncrl-bench` binary beside the test binaries.
+fn bench_bin() -> std::path::PathBuf {
+    asyncrl_harness::process::bench_bin().expect("the asyncrl-bench binary")
+}
 
 fn png(path: &Path) {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -39,7 +42,6 @@ fn a_minute_of_chaos_keeps_every_invariant() {
     // through the fault phase (seed 3 kills it at 27 s).
     let steps = "250";
     let args = [
-        "bench",
         "chaos",
         "--duration",
         "60s",
@@ -56,17 +58,17 @@ fn a_minute_of_chaos_keeps_every_invariant() {
         "--out",
         out.to_str().expect("utf-8 path"),
     ];
-    let output = Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+    let output = Command::new(bench_bin())
         .args(args)
         .env("NO_COLOR", "1")
         .env_remove("RUST_LOG")
         .output()
-        .expect("run asyncrl");
+        .expect("run asyncrl-bench");
     let md = std::fs::read_to_string(out.join("chaos.md")).unwrap_or_default();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),
-        "asyncrl {args:?} failed\nstderr: {stderr}\nchaos.md:\n{md}"
+        "asyncrl-bench {args:?} failed\nstderr: {stderr}\nchaos.md:\n{md}"
     );
 
     // Every invariant is reported, and holds.

@@ -1,12 +1,10 @@
 //! The roles as separate processes over a real nats-server: coordinator,
 //! buffer, learner and two rollout workers train for a fixed number of
-//! steps, and the invariants of `common::Cluster::check_invariants` hold.
-
-mod common;
+//! steps, and the invariants of `asyncrl_harness::cluster::Cluster::check_invariants` hold.
 
 use std::time::Duration;
 
-use common::{Cluster, Expect, Spec};
+use asyncrl_harness::cluster::{Cluster, Expect, Spec};
 
 #[test]
 fn a_multi_process_run_trains_every_trajectory_once_within_eta() {

@@ -1,17 +1,15 @@
 //! Fault tests: the roles as separate processes over a real nats-server,
 //! one fault each in the middle of a run, and the same invariants at the end
-//! as the fault-free run (`common::Cluster::check_invariants`): every trained
+//! as the fault-free run (`asyncrl_harness::cluster::Cluster::check_invariants`): every trained
 //! trajectory was published and trained exactly once in complete groups,
 //! every started task has a complete attempt and was trained at most once,
 //! tasks were started in data set order without gaps, versions never went
 //! backwards, nothing trained was staler than η, the buffer stored every
 //! published trajectory once, and every surviving role exits 0 on SIGTERM.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{Cluster, Expect, Spec};
+use asyncrl_harness::cluster::{Cluster, Expect, Spec};
 
 const STEP_WAIT: Duration = Duration::from_secs(60);
 

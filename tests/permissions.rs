@@ -9,12 +9,11 @@
 //! - a role process started with credentials that lack what it must do
 //!   exits with one error line naming the permission and the subject.
 
-mod common;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use asyncrl_config::{BusConfig, Secret};
+use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, LEARNER_STATUS_KEY,
     POLICY_VERSION_KEY, TASKS_ACQUIRE, WEIGHTS_BUCKET, weights_object_name,
@@ -22,7 +21,6 @@ use asyncrl_protos::subjects::{
 use asyncrl_testkit::{NatsServer, ServerConfig, workspace_root};
 use asyncrl_transport::{Bus, NatsBus, TransportError, TransportMetrics};
 use bytes::Bytes;
-use common::{Cluster, Expect, NatsSetup, Spec};
 use futures::StreamExt as _;
 
 const ROLES: [&str; 4] = ["coordinator", "buffer", "learner", "worker"];

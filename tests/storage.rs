@@ -7,16 +7,14 @@
 //! (The other stores are bounded by their `bus.storage` limits; that their
 //! disk levels off over a long run is shown by `asyncrl bench chaos`.)
 
-mod common;
-
 use std::path::Path;
 use std::time::Duration;
 
 use asyncrl_common::dir_bytes;
+use asyncrl_harness::cluster::{Cluster, Expect, Spec};
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, DEAD_LETTER_STREAM, TRAJECTORY_STREAM, WEIGHTS_BUCKET,
 };
-use common::{Cluster, Expect, Spec};
 
 #[derive(Debug, Clone, Copy)]
 struct Sample {

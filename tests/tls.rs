@@ -5,15 +5,13 @@
 //! and the run's invariants hold. A client that does not trust the CA, or
 //! has no client certificate, is refused with an error that says so.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use asyncrl_config::{BusConfig, TlsConfig};
+use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
 use asyncrl_testkit::{NatsServer, ServerConfig};
 use asyncrl_transport::{NatsBus, TransportError, TransportMetrics};
-use common::{Cluster, Expect, NatsSetup, Spec};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,

@@ -268,25 +268,28 @@ fn engine_bench_reports_throughput_overhead_and_swap_ratios() {
     );
     let warm = d.join("warm");
     let port = asyncrl_testkit::free_port().unwrap().to_string();
-    let out = asyncrl(&[
-        "bench",
-        "engine",
-        "--model",
-        warm.to_str().unwrap(),
-        "--vllm-python",
-        root().join(".venv-vllm/bin/python").to_str().unwrap(),
-        "--requests",
-        "32",
-        "--max-new-tokens",
-        "8",
-        "--concurrency",
-        "8",
-        "--swaps",
-        "2",
-        "--port",
-        &port,
-    ]);
-    succeeded("bench engine", &out);
+    let bench = asyncrl_harness::process::bench_bin().expect("the asyncrl-bench binary");
+    let out = Command::new(bench)
+        .args([
+            "engine",
+            "--model",
+            warm.to_str().unwrap(),
+            "--vllm-python",
+            root().join(".venv-vllm/bin/python").to_str().unwrap(),
+            "--requests",
+            "32",
+            "--max-new-tokens",
+            "8",
+            "--concurrency",
+            "8",
+            "--swaps",
+            "2",
+            "--port",
+            &port,
+        ])
+        .output()
+        .expect("run asyncrl-bench");
+    succeeded("asyncrl-bench engine", &out);
     let report = String::from_utf8_lossy(&out.stdout).into_owned();
     eprintln!("{report}");
     let number_after = |label: &str| -> f64 {

@@ -1,4 +1,4 @@
-//! `asyncrl bench coordinator`: acquire → grant round trips per second
+//! `asyncrl-bench coordinator`: acquire → grant round trips per second
 //! through NATS against the coordinator (which persists every grant to the
 //! KV bucket before it replies), next to a raw async-nats request/reply echo
 //! on the same server in the same run. Rounds alternate between the two

@@ -1,4 +1,4 @@
-//! `asyncrl bench transport`: JetStream publish-with-ack throughput through
+//! `asyncrl-bench transport`: JetStream publish-with-ack throughput through
 //! our `Bus` against async-nats used directly (`asyncrl_transport::raw`), same server,
 //! same message size, same run. Each side publishes with a message id and
 //! waits for the stream's ack, once one at a time and once with many

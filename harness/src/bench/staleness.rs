@@ -1,4 +1,4 @@
-//! `asyncrl bench staleness`: the same task, model and budget under
+//! `asyncrl-bench staleness`: the same task, model and budget under
 //! η ∈ {…} × objective ∈ {…} × seeds, each a full one-process run from the
 //! same starting model with held-out evaluation (`[eval]` of the base
 //! config) every few steps. Writes:
@@ -22,9 +22,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use asyncrl_config::{ClipModeName, Config, ProximalName};
 
-use crate::metrics_csv::read_columns;
-use crate::plot::{Series, panel_chart};
-use crate::train::{TrainOptions, read_eval_csv, train};
+use asyncrl_app::metrics_csv::read_columns;
+use asyncrl_app::plot::{Series, panel_chart};
+use asyncrl_app::train::{TrainOptions, read_eval_csv, train};
 
 /// The objectives the study compares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -234,7 +234,7 @@ impl CoordinatorProcess {
     fn start(bin: &Path, config: &Path, log: &Path) -> anyhow::Result<Self> {
         let out = std::fs::File::create(log)
             .with_context(|| format!("cannot create {}", log.display()))?;
-        let child = super::chaos::role_command(bin, "coordinator", config, out)?
+        let child = crate::process::role_command(bin, "coordinator", config, out)?
             .spawn()
             .with_context(|| format!("cannot start {} coordinator", bin.display()))?;
         Ok(Self(child))
@@ -355,7 +355,7 @@ async fn point(
 }
 
 pub(crate) fn measure(rt: &tokio::runtime::Runtime, o: &Options) -> anyhow::Result<Curve> {
-    let bin = super::chaos::this_binary()?;
+    let bin = crate::process::asyncrl_bin()?;
     let dir = tempfile::Builder::new()
         .prefix("asyncrl-scale-coordinator-")
         .tempdir()

@@ -1,4 +1,4 @@
-//! `asyncrl bench memory`: whether a real model size fits, measured on this
+//! `asyncrl-bench memory`: whether a real model size fits, measured on this
 //! machine. A model of Qwen2.5-0.5B's exact shape (its `config.json`
 //! written here, weights random: nothing is downloaded) generates
 //! `completions` × `completion_tokens` tokens with the built-in engine's

@@ -1,4 +1,4 @@
-//! `asyncrl bench sync-step`: where the time of one synchronous (η = 0)
+//! `asyncrl-bench sync-step`: where the time of one synchronous (η = 0)
 //! step goes, on the main job's config (`examples/arith.toml` by default).
 //!
 //! With η = 0 nothing overlaps: the learner trains, publishes version v,
@@ -42,10 +42,10 @@ use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt as _;
 
 use super::speedup::median;
-use crate::train::{TrainOptions, train};
+use asyncrl_app::train::{TrainOptions, train};
 
 #[derive(Debug, Args)]
-pub(crate) struct SyncStepArgs {
+pub struct SyncStepArgs {
     /// The job (its model, data, batch sizes); η is set to 0.
     #[arg(default_value = "examples/arith.toml")]
     config: PathBuf,

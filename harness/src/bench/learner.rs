@@ -11,7 +11,7 @@
 //!    `-mean(A)` and its gradient that of the policy-gradient term), backward,
 //!    global gradient-norm clipping and an [`AdamW`] step.
 //! 2. **PyTorch eager**: the model is saved with [`Policy::save_pretrained`]
-//!    into a temporary folder and `src/bench/torch_eager.py` (embedded in
+//!    into a temporary folder and `harness/src/bench/torch_eager.py` (embedded in
 //!    this crate and written next to it) opens it with
 //!    `transformers.AutoModelForCausalLM` (same weights, same architecture,
 //!    float32) and times the same step with `torch.optim.AdamW` and
@@ -37,7 +37,7 @@ use tch::{Device, Kind, Tensor};
 
 use asyncrl_learner::adamw::{AdamW, AdamWConfig};
 
-/// The Python script of the PyTorch side (`src/bench/torch_eager.py`).
+/// The Python script of the PyTorch side (`harness/src/bench/torch_eager.py`).
 pub const TORCH_EAGER_SCRIPT: &str = include_str!("torch_eager.py");
 
 /// Learning rate of both sides' AdamW (the value hardly matters for speed).

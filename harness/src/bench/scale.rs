@@ -1,4 +1,4 @@
-//! `asyncrl bench scale`: how each role's cost grows with its work.
+//! `asyncrl-bench scale`: how each role's cost grows with its work.
 //!
 //! - **coordinator** (`scale_coordinator.rs`): the real coordinator as its
 //!   own process (`asyncrl coordinator`) over a private nats-server, and W
@@ -26,10 +26,10 @@ use anyhow::Context as _;
 use clap::Args;
 
 use super::{load_average, scale_buffer, scale_coordinator, scale_learner};
-use crate::plot::{Series, line_chart};
+use asyncrl_app::plot::{Series, line_chart};
 
 #[derive(Debug, Args)]
-pub(crate) struct ScaleArgs {
+pub struct ScaleArgs {
     /// Which curves to measure (coordinator, buffer, learner).
     #[arg(
         long,
@@ -133,7 +133,7 @@ pub(crate) fn run(rt: &tokio::runtime::Runtime, args: ScaleArgs) -> anyhow::Resu
         sections.push(curve.write(&args.out)?);
     }
     let mut md = String::new();
-    let _ = writeln!(md, "# Cost curves (`asyncrl bench scale`)\n");
+    let _ = writeln!(md, "# Cost curves (`asyncrl-bench scale`)\n");
     let _ = writeln!(
         md,
         "    {}\n",

@@ -8,8 +8,6 @@
 //! The role logs, the nats-server log and the learner's `trained.jsonl` are
 //! printed when a test fails (the cluster is dropped while panicking).
 
-#![allow(dead_code)] // each test binary uses a different part of it
-
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -24,9 +22,9 @@ use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
 use asyncrl_testkit::{NatsServer, ServerConfig};
 use futures::StreamExt as _;
 
-/// The `asyncrl` binary under test.
+/// The `asyncrl` binary under test (see [`crate::process::asyncrl_bin`]).
 pub fn asyncrl_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_asyncrl"))
+    crate::process::asyncrl_bin().expect("the asyncrl binary (cargo build -p asyncrl)")
 }
 
 /// One cluster at a time per test binary: the machines these run on have two

@@ -93,3 +93,64 @@ pub fn require_nats(config: &Config, role: &str) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A multi-threaded tokio runtime for one command.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")
+}
+
+/// Runs `fut` to completion on a new runtime, then gives the runtime's
+/// blocking tasks (file writes, fsyncs) a bounded time to finish: a stuck
+/// one must not keep the process from exiting once its work is done.
+pub fn block_on<F: std::future::Future>(fut: F) -> anyhow::Result<F::Output> {
+    let rt = runtime()?;
+    let out = rt.block_on(fut);
+    rt.shutdown_timeout(std::time::Duration::from_secs(10));
+    Ok(out)
+}
+
+/// Loads the config, applies a `--bus` override and sets up logging.
+pub fn load(path: &std::path::Path, bus: Option<&str>) -> anyhow::Result<Config> {
+    let mut config = Config::load(path)?;
+    if let Some(url) = bus {
+        config.bus.url = url.to_owned();
+        config.bus.validate()?;
+    }
+    asyncrl_telemetry::init_tracing(&config.telemetry)?;
+    Ok(config)
+}
+
+/// Runs one role in its own process until SIGTERM/SIGINT: loads `config`
+/// (with a `--bus` override), requires NATS, serves telemetry, connects
+/// with the role's credentials, then runs `body`.
+pub fn run_role<F, Fut>(
+    config: &std::path::Path,
+    bus: Option<&str>,
+    name: &'static str,
+    body: F,
+) -> anyhow::Result<()>
+where
+    F: FnOnce(Config, Arc<dyn Bus>, Metrics, CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let config = load(config, bus)?;
+    require_nats(&config, name)?;
+    block_on(async move {
+        let process = start(&config, name).await?;
+        let bus = connect(&config, &process.metrics, BusUser::Role(name)).await?;
+        process.health.set_ready("bus");
+        tracing::info!(role = name, bus = %config.bus.url, telemetry = ?process.telemetry_addr, "started");
+        let result = body(
+            config,
+            bus,
+            process.metrics.clone(),
+            process.shutdown.clone(),
+        )
+        .await;
+        process.shutdown.cancel();
+        result.with_context(|| name.to_string())
+    })?
+}

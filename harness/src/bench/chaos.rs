@@ -1,4 +1,4 @@
-//! `asyncrl bench chaos`: a soak of the whole system under random faults,
+//! `asyncrl-bench chaos`: a soak of the whole system under random faults,
 //! with its invariants checked while it runs and at the end.
 //!
 //! Every role runs as a child process of this binary (coordinator, buffer,
@@ -35,9 +35,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,9 +50,9 @@ use rand::SeedableRng as _;
 use rand::seq::SliceRandom as _;
 use rand::{Rng as _, rngs::StdRng};
 
-use crate::plot::{Series, line_chart};
+use asyncrl_app::plot::{Series, line_chart};
 
-/// What `asyncrl bench chaos` runs.
+/// What `asyncrl-bench chaos` runs.
 #[derive(Debug, Clone)]
 pub struct ChaosBench {
     /// Faults are injected during this long (from the start of the roles).
@@ -491,47 +490,6 @@ fn rss_bytes(pid: u32) -> Option<u64> {
 
 // ------------------------------------------------------------ the processes
 
-/// This very binary, to run roles with: /proc/self/exe names it even after
-/// a rebuild has replaced the file at its path (a restart mid-run must not
-/// start other code, or fail).
-pub(crate) fn this_binary() -> anyhow::Result<PathBuf> {
-    let proc_exe = PathBuf::from("/proc/self/exe");
-    if proc_exe.exists() {
-        Ok(proc_exe)
-    } else {
-        std::env::current_exe().context("cannot find the asyncrl binary")
-    }
-}
-
-/// `bin <role> --config <config>`, stdout and stderr into `log`, killed when
-/// the bench dies (an interrupted bench leaves no process behind).
-pub(crate) fn role_command(
-    bin: &Path,
-    role: &str,
-    config: &Path,
-    log: std::fs::File,
-) -> anyhow::Result<Command> {
-    let err = log.try_clone().context("cannot clone a log handle")?;
-    let mut cmd = Command::new(bin);
-    cmd.arg(role)
-        .arg("--config")
-        .arg(config)
-        .env("NO_COLOR", "1")
-        .env("RUST_BACKTRACE", "1")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(err);
-    // SAFETY: prctl is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
-    Ok(cmd)
-}
-
 struct Proc {
     name: String,
     role: &'static str,
@@ -591,7 +549,7 @@ impl Proc {
         )
         .with_context(|| format!("cannot write {}", self.log.display()))?;
         self.log_offset = log.metadata().map(|m| m.len()).unwrap_or(0);
-        let child = role_command(bin, self.role, &self.config, log)?
+        let child = crate::process::role_command(bin, self.role, &self.config, log)?
             .spawn()
             .with_context(|| format!("cannot start {}", self.name))?;
         self.child = Some(child);
@@ -1407,7 +1365,7 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
         }
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let bin = this_binary()?;
+    let bin = crate::process::asyncrl_bin()?;
 
     // Enough tasks that the run never wraps an epoch.
     let n_tasks = ((spec.steps + u64::from(spec.eta) + 8) * u64::from(spec.groups_per_step) * 2

@@ -1,4 +1,4 @@
-//! `asyncrl bench ...`: every benchmark of the project, with this one front
+//! `asyncrl-bench ...`: every benchmark of the project, with this one front
 //! end. Each prints its figures next to a baseline measured in the same run
 //! (a ratio), never a bare time.
 //!
@@ -22,34 +22,20 @@
 //! The buffer's benches are criterion benches (`cargo bench -p
 //! asyncrl-buffer`).
 
-// The roles it runs need torch; the bench itself does not.
-#[cfg_attr(not(feature = "torch"), allow(dead_code))]
-mod chaos;
+pub mod chaos;
 mod coordinator;
-#[cfg(feature = "torch")]
 mod engine;
-#[cfg(feature = "torch")]
 mod learner;
-#[cfg(feature = "torch")]
 mod memory;
-#[cfg(feature = "torch")]
-mod scale;
-#[cfg(feature = "torch")]
-mod scale_buffer;
-#[cfg(feature = "torch")]
-mod scale_coordinator;
-#[cfg(feature = "torch")]
-mod scale_learner;
-#[cfg(feature = "torch")]
+pub mod scale;
+pub mod scale_buffer;
+pub mod scale_coordinator;
+pub mod scale_learner;
 mod speedup;
-#[cfg(feature = "torch")]
 mod staleness;
-#[cfg(feature = "torch")]
 mod sync_step;
 mod transport;
-#[cfg(feature = "torch")]
 mod weights;
-#[cfg(feature = "torch")]
 mod worker;
 
 use std::path::PathBuf;
@@ -58,7 +44,6 @@ use anyhow::Context as _;
 use clap::{Args, Subcommand};
 
 /// The 1, 5 and 15 minute load averages of /proc/loadavg, for reports.
-#[cfg_attr(not(feature = "torch"), allow(dead_code))]
 pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
@@ -100,7 +85,7 @@ impl BenchServer {
 }
 
 #[derive(Debug, Subcommand)]
-pub(crate) enum BenchCommand {
+pub enum BenchCommand {
     /// JetStream publish-with-ack throughput through asyncrl's transport
     /// against async-nats used directly, as a ratio.
     Transport(TransportBenchArgs),
@@ -138,22 +123,19 @@ pub(crate) enum BenchCommand {
     /// Time from a weight publish to the version in use on N workers, for
     /// the built-in model and a synthetic bf16 file, against raw
     /// object-store put + N gets of the same bytes in the same run.
-    #[cfg(feature = "torch")]
     Weights(weights::WeightsArgs),
     /// Cost curves: coordinator CPU and grant latency vs workers, buffer
     /// memory and serve time vs resident trajectories, learner step time vs
     /// batch tokens; CSV, PNG and a markdown summary with the fitted growth.
-    #[cfg(feature = "torch")]
     Scale(scale::ScaleArgs),
     /// Where the time of one synchronous (η = 0) step of a job goes:
     /// generation, scoring, training, weights, admission, trajectories →
     /// batch; one thread per role pinned against two threads on both cores.
-    #[cfg(feature = "torch")]
     SyncStep(sync_step::SyncStepArgs),
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct ChaosArgs {
+pub struct ChaosArgs {
     /// How long faults are injected (e.g. 60s, 30m).
     #[arg(long, value_parser = chaos_duration)]
     duration: std::time::Duration,
@@ -207,7 +189,7 @@ fn chaos_duration(text: &str) -> Result<std::time::Duration, String> {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct SpeedupArgs {
+pub struct SpeedupArgs {
     /// Learner steps per run.
     #[arg(long, default_value_t = 40)]
     steps: u64,
@@ -240,7 +222,7 @@ pub(crate) struct SpeedupArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct EngineBenchArgs {
+pub struct EngineBenchArgs {
     /// The model both engines serve (a Hugging Face folder; vLLM's CPU
     /// attention needs head_dim 32 or more).
     #[arg(long, default_value = "runs/warmstart-arith")]
@@ -262,7 +244,7 @@ pub(crate) struct EngineBenchArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct MemoryBenchArgs {
+pub struct MemoryBenchArgs {
     #[arg(long, default_value_t = 8)]
     completions: usize,
     #[arg(long, default_value_t = 64)]
@@ -280,7 +262,7 @@ pub(crate) struct MemoryBenchArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct LearnerBenchArgs {
+pub struct LearnerBenchArgs {
     #[arg(long, default_value_t = 64)]
     rows: i64,
     #[arg(long, default_value_t = 32)]
@@ -293,7 +275,7 @@ pub(crate) struct LearnerBenchArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct StalenessArgs {
+pub struct StalenessArgs {
     /// The base config (task, model, batch sizes, learning rate, `[eval]`
     /// data set); η, objective, seed, steps and output directory are set
     /// per run.
@@ -327,7 +309,7 @@ pub(crate) struct StalenessArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct TransportBenchArgs {
+pub struct TransportBenchArgs {
     /// NATS server to benchmark against; default: start a private
     /// nats-server (from the project's .venv or PATH).
     #[arg(long)]
@@ -347,15 +329,15 @@ pub(crate) struct TransportBenchArgs {
 }
 
 #[derive(Debug, Args)]
-pub(crate) struct NatsBenchArgs {
+pub struct NatsBenchArgs {
     /// NATS server to benchmark against; default: a private nats-server.
     #[arg(long)]
     nats_url: Option<String>,
 }
 
 /// Runs one bench and prints its report.
-pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
-    let rt = crate::runtime()?;
+pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
+    let rt = asyncrl_app::runtime()?;
     match bench {
         BenchCommand::Transport(args) => {
             let opts = transport::PublishBenchOptions {
@@ -380,9 +362,8 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 .context("coordinator bench")?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Staleness(args) => {
-            let config = crate::load(&args.config, None)?;
+            let config = asyncrl_app::load(&args.config, None)?;
             let objectives = args
                 .objectives
                 .iter()
@@ -402,7 +383,6 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
             let report = rt.block_on(staleness::staleness(config, spec))?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Speedup(args) => {
             let spec = speedup::SpeedupBench {
                 steps: args.steps,
@@ -420,7 +400,6 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
             let report = rt.block_on(speedup::speedup(spec))?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Worker => {
             let opts = worker::BatchingBenchOptions::default();
             let report = rt
@@ -428,7 +407,6 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 .context("worker bench")?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Learner(args) => {
             let opts = learner::LearnerBenchOptions {
                 rows: args.rows,
@@ -440,7 +418,6 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
             let report = learner::run_learner_bench(opts).context("learner bench")?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Engine(args) => {
             let opts = engine::EngineBenchOptions {
                 model: args.model,
@@ -456,7 +433,6 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 .context("engine bench")?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Memory(args) => {
             let opts = memory::MemoryBenchOptions {
                 completions: args.completions,
@@ -470,7 +446,6 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
             let report = memory::run_memory_bench(opts).context("memory bench")?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Chaos(args) => {
             let spec = chaos::ChaosBench {
                 steps: args
@@ -501,35 +476,18 @@ pub(crate) fn run(bench: BenchCommand) -> anyhow::Result<()> {
             let report = chaos::chaos(&rt, &spec)?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Weights(args) => {
             let report = weights::run(&rt, args).context("weights bench")?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::SyncStep(args) => {
             let report = sync_step::run(&rt, args).context("sync-step bench")?;
             print!("{report}");
         }
-        #[cfg(feature = "torch")]
         BenchCommand::Scale(args) => {
             let report = scale::run(&rt, args).context("scale bench")?;
             print!("{report}");
         }
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Chaos(_) => return crate::no_torch("bench chaos"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Memory(_) => return crate::no_torch("bench memory"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Engine(_) => return crate::no_torch("bench engine"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Learner(_) => return crate::no_torch("bench learner"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Staleness(_) => return crate::no_torch("bench staleness"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Worker => return crate::no_torch("bench worker"),
-        #[cfg(not(feature = "torch"))]
-        BenchCommand::Speedup(_) => return crate::no_torch("bench speedup"),
     }
     Ok(())
 }

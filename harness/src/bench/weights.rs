@@ -1,4 +1,4 @@
-//! `asyncrl bench weights`: the time from a learner-side publish of a
+//! `asyncrl-bench weights`: the time from a learner-side publish of a
 //! version's weights (`asyncrl_control::weights::publish`: object put, then
 //! the `policy.version` announcement) until N workers have them in use,
 //! against the raw baseline of the same bytes in the same run: an async-nats
@@ -58,7 +58,7 @@ use tokio::task::JoinHandle;
 use super::BenchServer;
 
 #[derive(Debug, Args)]
-pub(crate) struct WeightsArgs {
+pub struct WeightsArgs {
     /// NATS server to measure against; default: a private nats-server.
     #[arg(long)]
     nats_url: Option<String>,

@@ -1,4 +1,4 @@
-//! `asyncrl bench engine`: the vLLM engine against the built-in one, on the
+//! `asyncrl-bench engine`: the vLLM engine against the built-in one, on the
 //! same model, workload and machine, one after the other.
 //!
 //! 1. **Throughput.** The same requests (the `arith` prompts of a fixed

@@ -1,4 +1,4 @@
-//! `asyncrl bench worker`: generated tokens/s of the worker with continuous
+//! `asyncrl-bench worker`: generated tokens/s of the worker with continuous
 //! batching against static batching (acquire a batch, wait until its
 //! slowest sequence has finished, acquire the next), on the long-tailed
 //! `reverse` task, in one run.

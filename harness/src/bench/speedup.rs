@@ -1,4 +1,4 @@
-//! `asyncrl bench speedup`: synchronous (η = 0) against asynchronous
+//! `asyncrl-bench speedup`: synchronous (η = 0) against asynchronous
 //! (η = 4) training on the long-tailed `reverse` task, with the learner and
 //! the worker pinned to separate cores, and the pipelining bound computed
 //! from the same runs.
@@ -36,9 +36,9 @@ use asyncrl_config::{ClipModeName, Config, DatasetConfig, DeviceName};
 use asyncrl_rollout_worker::CompletionLengths;
 use asyncrl_tasks::BuiltinTask;
 
-use crate::metrics_csv::read_columns;
-use crate::plot::{Series, line_chart};
-use crate::train::{TrainOptions, train};
+use asyncrl_app::metrics_csv::read_columns;
+use asyncrl_app::plot::{Series, line_chart};
+use asyncrl_app::train::{TrainOptions, train};
 
 #[derive(Debug, Clone)]
 pub struct SpeedupBench {

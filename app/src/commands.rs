@@ -1,0 +1,231 @@
+//! The subcommands that are not a whole training run: one role in its own
+//! process, the warm start, data sets, the buffer's export, the version.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use asyncrl_config::Config;
+
+use crate::roles::{block_on, load, run_role};
+
+/// `asyncrl version`: the version, the linked libtorch and CUDA.
+pub fn version_report() -> String {
+    #[cfg(feature = "torch")]
+    let torch = asyncrl_learner::device_report();
+    #[cfg(not(feature = "torch"))]
+    let torch = "built without the `torch` feature: no libtorch (coordinator, buffer, ctl, data)"
+        .to_owned();
+    format!("asyncrl {}\n{torch}", env!("CARGO_PKG_VERSION"))
+}
+
+/// `asyncrl coordinator`.
+pub fn coordinator(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
+    run_role(config, bus, "coordinator", |c, b, m, s| async move {
+        asyncrl_coordinator::run(c, b, m, s)
+            .await
+            .map_err(Into::into)
+    })
+}
+
+/// `asyncrl buffer`.
+pub fn buffer(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
+    run_role(config, bus, "buffer", |c, b, m, s| async move {
+        asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into)
+    })
+}
+
+/// `asyncrl learner`.
+#[cfg(feature = "torch")]
+pub fn learner(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
+    run_role(config, bus, "learner", |c, b, m, s| async move {
+        asyncrl_learner::service::run(c, b, m, s).await.map(|_| ())
+    })
+}
+
+/// `asyncrl worker`.
+#[cfg(feature = "torch")]
+pub fn worker(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
+    run_role(config, bus, "worker", |c, b, m, s| async move {
+        asyncrl_rollout_worker::run(c, b, m, s)
+            .await
+            .map(|_| ())
+            .map_err(Into::into)
+    })
+}
+
+#[cfg(not(feature = "torch"))]
+pub fn learner(_: &Path, _: Option<&str>) -> anyhow::Result<()> {
+    crate::no_torch("learner")
+}
+
+#[cfg(not(feature = "torch"))]
+pub fn worker(_: &Path, _: Option<&str>) -> anyhow::Result<()> {
+    crate::no_torch("worker")
+}
+
+/// `asyncrl train CONFIG`: every role in one process; prints the summary.
+#[cfg(feature = "torch")]
+pub fn train(
+    config: &Path,
+    bus: Option<&str>,
+    workers: usize,
+    fresh: bool,
+    check_config: bool,
+) -> anyhow::Result<()> {
+    let config = load(config, bus)?;
+    if check_config {
+        return self::check_config(&config);
+    }
+    let opts = crate::train::TrainOptions {
+        workers,
+        fresh,
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        ..Default::default()
+    };
+    let summary = block_on(crate::train::train(config, opts))??;
+    print!("{summary}");
+    Ok(())
+}
+
+#[cfg(not(feature = "torch"))]
+pub fn train(
+    config: &Path,
+    bus: Option<&str>,
+    _workers: usize,
+    _fresh: bool,
+    check_config: bool,
+) -> anyhow::Result<()> {
+    if check_config {
+        return self::check_config(&load(config, bus)?);
+    }
+    crate::no_torch("train")
+}
+
+/// `asyncrl train --check-config`: prints the report of [`crate::check`].
+pub fn check_config(config: &Config) -> anyhow::Result<()> {
+    let report = crate::check::check_tasks(config)?;
+    print!("{report}");
+    Ok(())
+}
+
+/// `asyncrl ctl`: one admin call; prints the reply.
+pub fn ctl(
+    config: Option<&Path>,
+    request: &asyncrl_coordinator::ctl::CtlArgs,
+) -> anyhow::Result<()> {
+    let config = match config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let out = block_on(asyncrl_coordinator::ctl::ctl(&config, request))??;
+    print!("{out}");
+    Ok(())
+}
+
+/// `asyncrl buffer export`.
+pub fn buffer_export(
+    config: &Path,
+    format: &str,
+    out: PathBuf,
+    from_version: Option<i32>,
+    to_version: Option<i32>,
+) -> anyhow::Result<()> {
+    if format != "parquet" {
+        anyhow::bail!("--format {format:?} is not supported (only parquet)");
+    }
+    let config = Config::load(config)?;
+    let mut args = asyncrl_buffer::ExportArgs::from_config(&config, out);
+    args.from_version = from_version;
+    args.to_version = to_version;
+    let summary = asyncrl_buffer::export(&args)?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// What `asyncrl data generate` writes.
+#[derive(Debug, Clone)]
+pub struct DataGenerate {
+    /// arith or reverse.
+    pub task: String,
+    pub n: usize,
+    pub seed: u64,
+    pub max_operand: u64,
+    /// arith: every problem once instead of `n` random ones.
+    pub all: bool,
+    pub out: PathBuf,
+}
+
+/// `asyncrl data generate`.
+pub fn data_generate(args: &DataGenerate) -> anyhow::Result<()> {
+    let task = asyncrl_tasks::BuiltinTask::from_name(&args.task).with_context(|| {
+        format!(
+            "--task {:?} is not a built-in task (arith, reverse)",
+            args.task
+        )
+    })?;
+    let items = match (args.all, task) {
+        (true, asyncrl_tasks::BuiltinTask::Arith) => asyncrl_tasks::arith_all(args.max_operand),
+        (true, _) => anyhow::bail!("--all lists every problem of arith only"),
+        (false, _) => asyncrl_tasks::generate_with(
+            task,
+            args.n,
+            args.seed,
+            asyncrl_tasks::GenerateOptions {
+                max_operand: args.max_operand,
+            },
+        ),
+    };
+    asyncrl_tasks::write_jsonl(&args.out, &items)?;
+    println!(
+        "wrote {} {} tasks to {}",
+        items.len(),
+        task.name(),
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// What `asyncrl warmstart` trains.
+#[derive(Debug, Clone)]
+pub struct Warmstart {
+    pub config: PathBuf,
+    pub out: PathBuf,
+    pub steps: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    /// Items held out of training to measure accuracy before and after.
+    pub eval: usize,
+}
+
+/// `asyncrl warmstart`: supervised warm start of the built-in model.
+#[cfg(feature = "torch")]
+pub fn warmstart(args: &Warmstart) -> anyhow::Result<()> {
+    let config = load(&args.config, None)?;
+    let opts = asyncrl_learner::sft::SftOptions {
+        steps: args.steps,
+        batch_size: args.batch_size,
+        learning_rate: args.lr,
+        seed: config.run.seed,
+        temperature: asyncrl_policy::logprob_temperature(config.model.temperature),
+        grad_clip: 1.0,
+    };
+    let report = asyncrl_learner::sft::run_warm_start(&config, &opts, args.eval, &args.out)?;
+    println!(
+        "warm start: {} steps in {:.0}s; accuracy on {} held-out tasks: greedy {:.3} -> {:.3}, sampled (T={}) {:.3} -> {:.3}",
+        args.steps,
+        report.seconds,
+        args.eval,
+        report.before.greedy,
+        report.after.greedy,
+        config.model.temperature,
+        report.before.sampled,
+        report.after.sampled
+    );
+    println!("model: {}", args.out.display());
+    Ok(())
+}
+
+#[cfg(not(feature = "torch"))]
+pub fn warmstart(_: &Warmstart) -> anyhow::Result<()> {
+    crate::no_torch("warmstart")
+}

@@ -1,0 +1,17 @@
+//! asyncrl's test and bench harness (`publish = false`; never a dependency
+//! of the production binary, `tests/architecture.rs` checks it):
+//!
+//! - [`bench`]: every bench of the project, behind the `asyncrl-bench`
+//!   binary; each prints its figures beside a baseline measured in the same
+//!   run;
+//! - [`cluster`]: role processes of the `asyncrl` binary over a real
+//!   nats-server, with faults (kill -9, SIGTERM, SIGSTOP, restarts), used by
+//!   the cross-process tests;
+//! - [`process`]: where the `asyncrl` binary is, and a role as a child
+//!   process that dies with its parent.
+
+pub mod bench;
+pub mod cluster;
+pub mod process;
+
+pub use process::asyncrl_bin;
