@@ -36,7 +36,7 @@ use asyncrl_buffer::testing::{traj, traj_of};
 use asyncrl_buffer::{
     Buffer, BufferHandle, CancellationToken, batch_parts, encode_batch, encode_parts,
 };
-use asyncrl_config::{Config, SamplingPolicy};
+use asyncrl_config::{Config, FsyncPolicy, SamplingPolicy};
 use asyncrl_protos::arrow_schema::to_record_batch;
 use asyncrl_protos::subjects::{BUFFER_BATCH, trajectory_subject};
 use asyncrl_protos::v1::{BatchReply, BatchRequest};
@@ -51,19 +51,20 @@ const GROUPS: usize = 64;
 const G: u32 = 8;
 
 fn config(url: &str, dir: &std::path::Path, sampling: &str) -> Config {
-    let extra = match sampling {
-        "reuse" => "sampling = \"reuse\"\nreuse_max = 64",
-        "fsync_never" => "fsync = \"never\"",
-        _ => "",
-    };
-    Config::parse(
-        &format!(
-            "[run]\noutput_dir = \"{}\"\n[bus]\nurl = \"{url}\"\n[telemetry]\nlisten = \"\"\n[buffer]\ningest_batch = 256\nfetch_wait = \"20ms\"\n{extra}\n",
-            dir.display()
-        ),
-        None,
-    )
-    .expect("bench config")
+    let mut c = Config::isolated(dir, url);
+    c.buffer.ingest_batch = 256;
+    c.buffer.fetch_wait = Duration::from_millis(20);
+    match sampling {
+        "fifo" => {}
+        "reuse" => {
+            c.buffer.sampling = SamplingPolicy::Reuse;
+            c.buffer.reuse_max = Some(64);
+        }
+        "fsync_never" => c.buffer.fsync = FsyncPolicy::Never,
+        other => panic!("no bench config {other:?}"),
+    }
+    c.validate().expect("bench config");
+    c
 }
 
 async fn publish_all(bus: &NatsBus, msgs: &[(String, String, Bytes)]) {

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use asyncrl_buffer::segment::disk_bytes;
 use asyncrl_buffer::segment_dir;
 use asyncrl_buffer::testing::traj;
+use asyncrl_config::Config;
 use asyncrl_protos::Trajectory;
 use asyncrl_testkit::NatsServer;
 
@@ -62,25 +63,14 @@ impl Drop for Node {
 
 fn write_config(dir: &Path, url: &str) -> PathBuf {
     let path = dir.join("buffer.toml");
-    let text = format!(
-        r#"
-[run]
-output_dir = "{out}"
-[bus]
-url = "{url}"
-connect_timeout = "10s"
-[telemetry]
-listen = ""
-log_filter = "info"
-[buffer]
-ingest_batch = 16
-fetch_wait = "50ms"
-ack_wait = "2s"
-segment_max_bytes = 262144
-"#,
-        out = dir.join("run").display(),
-    );
-    std::fs::write(&path, text).unwrap();
+    let mut c = Config::isolated(dir.join("run"), url);
+    c.bus.connect_timeout = Duration::from_secs(10);
+    c.telemetry.log_filter = "info".into();
+    c.buffer.ingest_batch = 16;
+    c.buffer.fetch_wait = Duration::from_millis(50);
+    c.buffer.ack_wait = Duration::from_secs(2);
+    c.buffer.segment_max_bytes = 262_144;
+    c.write(&path).expect("write the buffer's config");
     path
 }
 

@@ -14,12 +14,12 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, check_range};
 
 /// How the learner's batches are drawn from the ready groups.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum SamplingPolicy {
     /// Each group once, oldest admission first (the staleness guarantee of
@@ -35,7 +35,7 @@ pub enum SamplingPolicy {
 }
 
 /// When a segment write is made durable before its messages are acked.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum FsyncPolicy {
     /// `fdatasync` after every written batch of messages, before they are
@@ -48,7 +48,7 @@ pub enum FsyncPolicy {
 }
 
 /// What happens to a segment once every group in it has been consumed.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum RetentionPolicy {
     /// Delete it.
@@ -59,7 +59,7 @@ pub enum RetentionPolicy {
 }
 
 /// Compression of the Arrow IPC buffers in the on-disk segments.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum SegmentCompression {
     #[default]
@@ -67,7 +67,7 @@ pub enum SegmentCompression {
     Zstd,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct BufferConfig {
     /// Directory of the segments and the served log. Default:

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
 use crate::storage::StorageConfig;
@@ -17,7 +17,7 @@ pub enum BusKind {
     Nats,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct BusConfig {
     /// `local` for the in-process bus, or one or more comma-separated
@@ -60,7 +60,7 @@ pub struct BusConfig {
 
 /// A password or token from the config: never printed (`Debug` shows
 /// `<redacted>`), read with [`Secret::expose`].
-#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(transparent)]
 pub struct Secret(String);
 
@@ -100,7 +100,7 @@ pub const BUS_ROLES: [&str; 4] = ["coordinator", "buffer", "learner", "worker"];
 /// user + password (or password_file), token (or token_file) and
 /// credentials_file, and optionally its own TLS settings (a client
 /// certificate), which replace `[bus.tls]` for this role.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RoleAuth {
     pub user: Option<String>,
@@ -112,7 +112,7 @@ pub struct RoleAuth {
     pub tls: Option<TlsConfig>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TlsConfig {
     /// Require TLS even if the URL says `nats://`.

@@ -6,11 +6,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, check_range};
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CoordinatorConfig {
     /// The prompt data sets, issued in this order (JSONL files, one
@@ -81,7 +81,7 @@ impl Default for CoordinatorConfig {
 /// One prompt data set: a JSONL or Parquet file (a Hugging Face `datasets`
 /// export loads as it is), with a mapping from its fields to the prompt, the
 /// answer and the id.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetConfig {
     /// Name of the data set; it prefixes the task ids, so only
@@ -226,7 +226,7 @@ impl DatasetConfig {
 pub const BUILTIN_VERIFIERS: [&str; 3] = ["arith", "reverse", "math"];
 
 /// The file format of a data set.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DatasetFormat {
     #[default]
@@ -236,7 +236,7 @@ pub enum DatasetFormat {
 }
 
 /// What loading does with a prompt over `max_prompt_tokens`.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum LongPrompts {
     #[default]
@@ -244,7 +244,7 @@ pub enum LongPrompts {
     Skip,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdminTlsConfig {
     /// Server certificate chain and key (PEM); both or neither.
@@ -258,7 +258,7 @@ pub struct AdminTlsConfig {
 }
 
 /// The clipping mode of the learner's objective.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum ClipModeName {
     Ppo,
@@ -308,7 +308,7 @@ impl std::str::FromStr for ClipModeName {
 }
 
 /// Starting values of the live knobs.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct InitialKnobs {
     pub eps_low: f64,

@@ -3,11 +3,11 @@
 //! of the last on a thread with its own copy of the model) and the defaults
 //! of `asyncrl eval`.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, DatasetConfig, check_range};
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalConfig {
     /// Evaluate the weights of every N-th version (plus the first and the

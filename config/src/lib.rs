@@ -17,7 +17,7 @@ mod worker;
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 pub use buffer::{
     BufferConfig, DEFAULT_REUSE_MAX, FsyncPolicy, RetentionPolicy, SamplingPolicy,
@@ -53,6 +53,13 @@ pub enum ConfigError {
     },
     #[error("invalid config: `{key}` {reason}")]
     Invalid { key: String, reason: String },
+    #[error("cannot write the config as TOML: {0}")]
+    Serialize(#[from] toml::ser::Error),
+    #[error("cannot write config file {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 impl ConfigError {
@@ -66,7 +73,7 @@ impl ConfigError {
 
 /// The whole configuration of a run. Every section has defaults, so an empty
 /// file is a valid config for a local run.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub run: RunConfig,
@@ -82,6 +89,20 @@ pub struct Config {
 }
 
 impl Config {
+    /// The default config of a run that writes to `output_dir`, talks over
+    /// the bus at `bus_url` (`local` or `nats://host:port`), and opens no
+    /// listening port (no metrics endpoint, no admin API), so that several
+    /// runs (tests, benches) can share one machine. The shape every test
+    /// and bench config starts from.
+    pub fn isolated(output_dir: impl Into<PathBuf>, bus_url: impl Into<String>) -> Self {
+        let mut config = Self::default();
+        config.run.output_dir = output_dir.into();
+        config.bus.url = bus_url.into();
+        config.telemetry.listen = String::new();
+        config.coordinator.admin_listen = String::new();
+        config
+    }
+
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -110,6 +131,26 @@ impl Config {
         })?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// The config as TOML text that [`Config::parse`] reads back into an
+    /// equal `Config`. Unset optional keys are left out; secrets (the bus
+    /// password and token, the admin token) are written as they are, so the
+    /// text must not be logged. Does not validate (see [`Config::write`]).
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        Ok(toml::to_string(self)?)
+    }
+
+    /// Validates the config and writes it to `path` as TOML (the file a
+    /// role process is started with). An invalid config is refused here,
+    /// naming its key, rather than by the process that loads the file.
+    pub fn write(&self, path: &Path) -> Result<(), ConfigError> {
+        self.validate()?;
+        let text = self.to_toml()?;
+        std::fs::write(path, text).map_err(|source| ConfigError::Write {
+            path: path.to_owned(),
+            source,
+        })
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {

@@ -4,11 +4,11 @@
 
 use std::path::PathBuf;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, check_range};
 
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceName {
     /// The first CUDA device when there is one (bf16 autocast), else the CPU.
@@ -18,7 +18,7 @@ pub enum DeviceName {
     Cuda,
 }
 
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightDtypeName {
     /// Weights are published as float32.
@@ -29,7 +29,7 @@ pub enum WeightDtypeName {
 }
 
 /// Dimensions of the built-in tiny model (used when `model.path` is unset).
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TinyModelConfig {
     pub hidden_size: i64,
@@ -51,7 +51,7 @@ impl Default for TinyModelConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// A Hugging Face model folder (config.json, safetensors, tokenizer.json).

@@ -3,11 +3,11 @@
 
 use std::path::PathBuf;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, check_range};
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RunConfig {
     /// Name of the run (used in output paths and metrics labels).
@@ -50,7 +50,7 @@ impl RunConfig {
 }
 
 /// The bounded-staleness contract (DESIGN.md, "Bounded staleness").
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StalenessConfig {
     /// η: no trained token is more than η policy versions old. 0 = synchronous.

@@ -18,12 +18,12 @@
 
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, check_range};
 
 /// What the `TRAJECTORIES` stream keeps.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum TrajectoryRetention {
     /// A message is removed once the buffer has stored it durably and acked
@@ -47,7 +47,7 @@ impl TrajectoryRetention {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StorageConfig {
     pub trajectories: TrajectoryRetention,

@@ -37,12 +37,12 @@
 
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, check_range};
 
 /// How the worker fills its decode batch.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum BatchingMode {
     /// A finished sequence frees its slot at once and the worker starts new
@@ -56,7 +56,7 @@ pub enum BatchingMode {
 
 /// `[worker.reward]`: the external reward service; built-in verifiers when
 /// `endpoint` is unset.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerRewardConfig {
     /// `http://host:port` of a gRPC `RewardService`; unset = the built-in
@@ -87,7 +87,7 @@ impl Default for WorkerRewardConfig {
 }
 
 /// Which engine generates the worker's completions.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineKind {
     /// The tch model on the worker's own model thread.
@@ -99,7 +99,7 @@ pub enum EngineKind {
 }
 
 /// How in-flight requests are treated while the engine swaps weights.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum PauseMode {
     /// Requests in flight end with their partial tokens; the worker
@@ -113,7 +113,7 @@ pub enum PauseMode {
 }
 
 /// Which generation route of the engine the worker uses.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineApi {
     /// `/inference/v1/generate` when the server has it, else `/v1/completions`.
@@ -127,7 +127,7 @@ pub enum EngineApi {
 }
 
 /// `[worker.engine]`: the inference engine the worker generates with.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
     pub kind: EngineKind,
@@ -246,7 +246,7 @@ fn valid_http_url(s: &str) -> bool {
     })
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerConfig {
     /// The worker's id at the coordinator (`[A-Za-z0-9_-]`, 1-128

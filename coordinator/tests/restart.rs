@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use asyncrl_config::{Config, DatasetConfig};
 use asyncrl_protos::subjects::{TASKS_ACQUIRE, TASKS_COMPLETE};
 use asyncrl_protos::v1::{AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, Task};
 use asyncrl_testkit::NatsServer;
@@ -21,40 +22,19 @@ use prost::Message;
 const N_TASKS: usize = 40;
 
 fn write_config(dir: &Path, url: &str, tasks: &Path) -> std::path::PathBuf {
-    let text = format!(
-        r#"
-[run]
-output_dir = "{out}"
-
-[bus]
-url = "{url}"
-
-[telemetry]
-listen = ""
-log_filter = "warn"
-
-[staleness]
-eta = 1
-groups_per_step = 4
-group_size = 2
-
-[coordinator]
-admin_listen = ""
-lease_timeout = "1s"
-heartbeat_interval = "200ms"
-dead_after = "30s"
-retry_after = "20ms"
-journal_path = "{out}/journal.jsonl"
-
-[[coordinator.datasets]]
-name = "arith"
-path = "{tasks}"
-"#,
-        out = dir.display(),
-        tasks = tasks.display(),
-    );
+    let mut c = Config::isolated(dir, url);
+    c.telemetry.log_filter = "warn".into();
+    c.staleness.eta = 1;
+    c.staleness.groups_per_step = 4;
+    c.staleness.group_size = 2;
+    c.coordinator.lease_timeout = Duration::from_secs(1);
+    c.coordinator.heartbeat_interval = Duration::from_millis(200);
+    c.coordinator.dead_after = Duration::from_secs(30);
+    c.coordinator.retry_after = Duration::from_millis(20);
+    c.coordinator.journal_path = Some(dir.join("journal.jsonl"));
+    c.coordinator.datasets = vec![DatasetConfig::jsonl("arith", tasks)];
     let path = dir.join("coordinator.toml");
-    std::fs::write(&path, text).unwrap();
+    c.write(&path).expect("write the coordinator's config");
     path
 }
 

@@ -20,25 +20,14 @@ use asyncrl_transport::{Bus, NatsBus, TransportMetrics};
 /// A config for a test: the bus at `url`, the buffer's data in `dir`, short
 /// waits so that tests are quick.
 pub fn config(url: &str, dir: &Path) -> Config {
-    let text = format!(
-        r#"
-[run]
-output_dir = "{out}"
-[bus]
-url = "{url}"
-connect_timeout = "5s"
-[telemetry]
-listen = ""
-[buffer]
-data_dir = "{data}"
-ingest_batch = 64
-fetch_wait = "50ms"
-ack_wait = "2s"
-"#,
-        out = dir.join("run").display(),
-        data = dir.join("buffer").display(),
-    );
-    Config::parse(&text, None).expect("test config")
+    let mut c = Config::isolated(dir.join("run"), url);
+    c.bus.connect_timeout = Duration::from_secs(5);
+    c.buffer.data_dir = Some(dir.join("buffer"));
+    c.buffer.ingest_batch = 64;
+    c.buffer.fetch_wait = Duration::from_millis(50);
+    c.buffer.ack_wait = Duration::from_secs(2);
+    c.validate().expect("test config");
+    c
 }
 
 pub async fn nats(url: &str) -> Arc<dyn Bus> {

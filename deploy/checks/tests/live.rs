@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use asyncrl_config::Config;
 use asyncrl_deploy_checks::{
     Rendered, http_get, k8s_dir, registered_metrics, repo_root, require_tool, sample_names,
     url_encode,
@@ -206,10 +207,12 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
     // from 0.0.0.0 to free loopback ports, one file per role.
     let data = root.join("data");
     std::fs::create_dir_all(&data).unwrap();
-    let config = dev
+    let config_text = dev
         .config_map_data("asyncrl-config", "asyncrl.toml")
         .replace("/var/lib/asyncrl", &data.display().to_string())
         .replace("/etc/asyncrl/secrets", &secrets.display().to_string());
+    let config = Config::parse(&config_text, Some(Path::new("asyncrl.toml")))
+        .unwrap_or_else(|e| panic!("the ConfigMap's config: {e}"));
     let mut procs = Procs(Vec::new());
 
     // The coordinator's init container writes the data set.
@@ -241,14 +244,13 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
     for (role, _) in ROLES {
         let port = free_port().unwrap();
         ports.insert(*role, port);
-        let text = config
-            .replace("0.0.0.0:9464", &format!("127.0.0.1:{port}"))
-            .replace(
-                "0.0.0.0:7461",
-                &format!("127.0.0.1:{}", free_port().unwrap()),
-            );
+        let mut role_config = config.clone();
+        role_config.telemetry.listen = format!("127.0.0.1:{port}");
+        role_config.coordinator.admin_listen = format!("127.0.0.1:{}", free_port().unwrap());
         let file = root.join(format!("{role}.toml"));
-        std::fs::write(&file, text).unwrap();
+        role_config
+            .write(&file)
+            .unwrap_or_else(|e| panic!("{role}: {e}"));
         // The container's args, with the config path of this test.
         let kind = if *role == "buffer" {
             "StatefulSet"
