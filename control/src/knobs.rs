@@ -14,7 +14,7 @@
 //! works on step ≥ N (v + 1 ≥ N). A change that only pauses or resumes
 //! admission may name the learner's current step (it needs no seal).
 
-use asyncrl_config::{ClipModeName, Config, KnobRange, knob_ranges};
+use asyncrl_config::{ClipModeName, Config, InitialKnobs, KnobRange, StalenessConfig, knob_ranges};
 use asyncrl_protos::v1::{ClipMode, KnobChange, KnobSchedule, Knobs};
 use asyncrl_transport::{KvBucket, TransportError};
 
@@ -288,22 +288,31 @@ pub struct StepKnobs {
 }
 
 impl StepKnobs {
-    fn from_schedule(s: &KnobSchedule, step: u64) -> Self {
+    /// The knobs in effect at `step`. A knob the schedule leaves unset (a
+    /// coordinator always sets every one) takes the config's default:
+    /// `[staleness] eta` and `[coordinator.initial_knobs]`, the one home of
+    /// the knobs' defaults.
+    pub fn at(s: &KnobSchedule, step: u64) -> Self {
         let k = effective(s, step);
+        let d = InitialKnobs::default();
         Self {
             step,
-            eta: k.eta.unwrap_or(0),
-            eps_low: k.eps_low.unwrap_or(0.2),
-            eps_high: k.eps_high.unwrap_or(0.28),
+            eta: k.eta.unwrap_or(StalenessConfig::default().eta),
+            eps_low: k.eps_low.unwrap_or(d.eps_low as f32),
+            eps_high: k.eps_high.unwrap_or(d.eps_high as f32),
             clip_mode: k
                 .clip_mode
                 .and_then(clip_mode_from_wire)
-                .unwrap_or(ClipModeName::Ppo),
-            adaptive_quantile: k.adaptive_quantile.unwrap_or(0.9),
-            adaptive_temperature: k.adaptive_temperature.unwrap_or(0.1),
-            importance_weight_cap: k.importance_weight_cap.unwrap_or(5.0),
-            learning_rate: k.learning_rate.unwrap_or(1e-6),
-            paused: k.paused.unwrap_or(false),
+                .unwrap_or(d.clip_mode),
+            adaptive_quantile: k.adaptive_quantile.unwrap_or(d.adaptive_quantile as f32),
+            adaptive_temperature: k
+                .adaptive_temperature
+                .unwrap_or(d.adaptive_temperature as f32),
+            importance_weight_cap: k
+                .importance_weight_cap
+                .unwrap_or(d.importance_weight_cap as f32),
+            learning_rate: k.learning_rate.unwrap_or(d.learning_rate),
+            paused: k.paused.unwrap_or(d.paused),
             checkpoint: s.checkpoint_steps.contains(&step),
         }
     }
@@ -318,7 +327,7 @@ pub async fn seal_step(kv: &dyn KvBucket, step: u64) -> Result<StepKnobs, KnobEr
     let sealed = crate::kv::edit(kv, KNOBS_KEY, ATTEMPTS, |entry| {
         let entry = entry.ok_or(KnobError::NoSchedule)?;
         let mut s = decode_schedule(&entry.value)?;
-        let knobs = StepKnobs::from_schedule(&s, step);
+        let knobs = StepKnobs::at(&s, step);
         if s.sealed_through_step >= step {
             return Ok(Change::Keep(knobs));
         }
@@ -467,6 +476,33 @@ mod tests {
 
     fn base() -> Knobs {
         initial_knobs(&Config::default())
+    }
+
+    #[test]
+    fn unset_knobs_fall_back_to_the_config_defaults() {
+        let config = Config::default();
+        let unset = StepKnobs::at(&new_schedule(Knobs::default()), 1);
+        let configured = StepKnobs::at(&new_schedule(initial_knobs(&config)), 1);
+        assert_eq!(unset, configured);
+        assert_eq!(unset.clip_mode, config.coordinator.initial_knobs.clip_mode);
+        assert_eq!(unset.eta, config.staleness.eta);
+        // A knob that is set wins; the others still fall back.
+        let partial = StepKnobs::at(
+            &new_schedule(Knobs {
+                eta: Some(1),
+                clip_mode: Some(ClipMode::M2po as i32),
+                ..Default::default()
+            }),
+            1,
+        );
+        assert_eq!(
+            partial,
+            StepKnobs {
+                eta: 1,
+                clip_mode: ClipModeName::M2po,
+                ..configured
+            }
+        );
     }
 
     fn change(from: u64, seq: u64, k: Knobs) -> KnobChange {

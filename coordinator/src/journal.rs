@@ -62,6 +62,16 @@ pub struct Journal {
 
 pub use asyncrl_common::unix_ms as now_unix_ms;
 
+/// The journal's path: `coordinator.journal_path`, by default
+/// `<run.output_dir>/coordinator-journal.jsonl`.
+pub fn path(config: &asyncrl_config::Config) -> PathBuf {
+    config
+        .coordinator
+        .journal_path
+        .clone()
+        .unwrap_or_else(|| config.run.output_dir.join("coordinator-journal.jsonl"))
+}
+
 fn rfc3339(unix_ms: i64) -> String {
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms.max(0) as u64);
     humantime::format_rfc3339_millis(t).to_string()

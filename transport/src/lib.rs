@@ -19,9 +19,9 @@
 
 mod local;
 mod metrics;
+mod names;
 mod nats;
 pub mod raw;
-mod subject;
 mod violations;
 
 use std::sync::Arc;
@@ -33,8 +33,8 @@ use futures::stream::BoxStream;
 
 pub use local::LocalBus;
 pub use metrics::TransportMetrics;
+pub use names::subject_matches;
 pub use nats::NatsBus;
-pub use subject::subject_matches;
 
 pub type Result<T> = std::result::Result<T, TransportError>;
 
@@ -466,15 +466,26 @@ pub trait ObjectStore: Send + Sync {
     /// as well (e.g. a weight announcement).
     async fn get_expecting(&self, name: &str, sha256: &str) -> Result<Bytes> {
         let data = self.get(name).await?;
-        let actual = sha256_hex(&data);
-        if !actual.eq_ignore_ascii_case(sha256) {
-            return Err(TransportError::ChecksumMismatch {
-                name: name.into(),
-                expected: sha256.into(),
-                actual,
-            });
-        }
+        expect_sha256(name, sha256_hex(&data), sha256)?;
         Ok(data)
+    }
+}
+
+/// Chunk size of the objects both buses store (reported by the in-process
+/// one), NATS' default.
+pub(crate) const OBJECT_CHUNK: usize = 128 * 1024;
+
+/// Checks an object's verified sha256 against the one its producer
+/// announced (both hex, any case).
+pub(crate) fn expect_sha256(name: &str, actual: String, expected: &str) -> Result<()> {
+    if actual.eq_ignore_ascii_case(expected) {
+        Ok(())
+    } else {
+        Err(TransportError::ChecksumMismatch {
+            name: name.into(),
+            expected: expected.into(),
+            actual,
+        })
     }
 }
 

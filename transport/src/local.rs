@@ -17,15 +17,12 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::subject::{subject_matches, validate_publish_subject};
+use crate::names::{subject_matches, validate_key, validate_publish_subject};
 use crate::{
     Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, Discard, KvBucket, KvEntry, KvEvent,
-    Message, ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, Retention, StoreUsage,
-    StreamSpec, TransportError, sha256_hex,
+    Message, OBJECT_CHUNK, ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result,
+    Retention, StoreUsage, StreamSpec, TransportError, expect_sha256, sha256_hex,
 };
-
-/// Chunk size reported for objects, the same as NATS' default.
-const OBJECT_CHUNK: u64 = 128 * 1024;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding one of these locks leaves plain data behind,
@@ -656,24 +653,6 @@ impl LocalAcker {
 
 // ---------------------------------------------------------------- KV
 
-/// NATS KV key rules, enforced here too so that local runs catch bad keys.
-pub(crate) fn validate_key(key: &str) -> Result<()> {
-    let ok = !key.is_empty()
-        && !key.starts_with('.')
-        && !key.ends_with('.')
-        && key
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-/_=.".contains(c));
-    if ok {
-        Ok(())
-    } else {
-        Err(TransportError::InvalidName {
-            name: key.into(),
-            reason: "not a valid KV key".into(),
-        })
-    }
-}
-
 struct LocalKv {
     state: Mutex<KvState>,
 }
@@ -795,7 +774,7 @@ impl LocalObjects {
             }
         })?;
         let actual = sha256_hex(&data);
-        crate::nats::expect_sha256(name, actual.clone(), &info.sha256)?;
+        expect_sha256(name, actual.clone(), &info.sha256)?;
         Ok((data, actual))
     }
 }
@@ -814,7 +793,7 @@ impl ObjectStore for LocalObjects {
             name: name.to_owned(),
             size,
             sha256: sha256_hex(&data),
-            chunks: size.div_ceil(OBJECT_CHUNK) as usize,
+            chunks: size.div_ceil(OBJECT_CHUNK as u64) as usize,
         };
         lock(&self.objects).insert(name.to_owned(), (data, info.clone()));
         Ok(info)
@@ -828,7 +807,7 @@ impl ObjectStore for LocalObjects {
     /// at put time and the announced one.
     async fn get_expecting(&self, name: &str, sha256: &str) -> Result<Bytes> {
         let (data, actual) = self.get_checked(name)?;
-        crate::nats::expect_sha256(name, actual, sha256)?;
+        expect_sha256(name, actual, sha256)?;
         Ok(data)
     }
 

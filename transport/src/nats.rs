@@ -16,13 +16,12 @@ use tokio::io::AsyncReadExt;
 
 use asyncrl_config::BusConfig;
 
-use crate::local::validate_key;
-use crate::subject::validate_publish_subject;
+use crate::names::{validate_key, validate_publish_subject};
 use crate::violations::{self, Denied, Violation, Violations};
 use crate::{
     Acker, Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, KvBucket, KvEntry, KvEvent, Message,
-    ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, StoreUsage, StreamSpec,
-    TransportError, TransportMetrics, sha256_hex,
+    OBJECT_CHUNK, ObjectInfo, ObjectStore, PublishAck, Replier, Request, Result, StoreUsage,
+    StreamSpec, TransportError, TransportMetrics, expect_sha256, sha256_hex,
 };
 
 /// What a publish refused by a full stream (or a full JetStream store)
@@ -48,9 +47,6 @@ fn byte_limit(bytes: Option<u64>) -> i64 {
 /// (`SHA-256=<base64url>`) is the same hash, computed once as it writes.
 const SHA256_META: &str = "asyncrl-sha256";
 
-/// Chunk size of the objects we write (the client's default).
-const OBJECT_CHUNK: usize = 128 * 1024;
-
 /// Chunks of one object put awaiting their ack at a time.
 const PUT_CHUNKS_IN_FLIGHT: usize = 32;
 
@@ -63,20 +59,6 @@ fn digest_hex(info: &object_store::ObjectInfo) -> Option<String> {
         .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded))
         .ok()?;
     (raw.len() == 32).then(|| hex::encode(raw))
-}
-
-/// Checks an object's verified sha256 against the one its producer
-/// announced (both hex, any case).
-pub(crate) fn expect_sha256(name: &str, actual: String, expected: &str) -> Result<()> {
-    if actual.eq_ignore_ascii_case(expected) {
-        Ok(())
-    } else {
-        Err(TransportError::ChecksumMismatch {
-            name: name.into(),
-            expected: expected.into(),
-            actual,
-        })
-    }
 }
 
 /// A connection to NATS with JetStream.

@@ -1,132 +1,31 @@
-//! The actor: the coordinator's state, its preparation from the persisted
-//! state and the knobs, and the event loop that handles events and writes
-//! the state once for every change made while the previous write was in
-//! flight (pipelined group commit) before sending the replies that depend
-//! on it.
+//! The actor: the coordinator's state, composed of owned sub-states (the
+//! scheduler, the workers, the knob administration, the persisted state),
+//! its preparation, and the event loop that handles events and writes the
+//! state once for every change made while the previous write was in flight
+//! (pipelined group commit) before sending the replies that depend on it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use asyncrl_common::SharedClock;
 use asyncrl_config::Config;
-use asyncrl_protos::v1::{CoordinatorState, KnobSchedule};
+use asyncrl_protos::v1::StatusReply;
 use asyncrl_telemetry::Health;
-use asyncrl_transport::{Bus, KvBucket, Request};
-use bytes::Bytes;
-use prost::Message;
+use asyncrl_transport::Bus;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::knob_admin::{StoredSchedule, load_or_create_schedule};
-use super::persist::{PersistError, StateWrite};
-use super::requests::Handled;
-use super::{Event, RequestKind};
-use crate::capacity::CapacityEstimator;
-use crate::dataset::TaskSet;
-use crate::journal::Journal;
-use crate::knobs;
-use crate::metrics::CoordinatorMetrics;
-use crate::registry::Registry;
-use crate::scheduler::{Scheduler, SchedulerParams, VersionChange};
-use asyncrl_protos::subjects::COORDINATOR_STATE_KEY as STATE_KEY;
-
+use super::batch::{BatchOutcome, DurableReply, InFlight, Reply, send_replies, written};
+use super::events::{AdminCommand, Event, RequestKind};
+use super::fleet::Fleet;
+use super::knob_admin::{Admission, KnobAdmin};
+use super::persist::{PersistError, StateStore};
+use super::requests::{Handled, WorkerRequests};
+use super::settings::Settings;
 use crate::CoordinatorError;
-
-/// Timing and sizing, from the config.
-#[derive(Debug, Clone)]
-pub(super) struct Settings {
-    pub(super) groups_per_step: u32,
-    pub(super) group_size: u32,
-    pub(super) lease_timeout_ms: i64,
-    pub(super) heartbeat_interval_ms: u32,
-    pub(super) dead_after_ms: i64,
-    pub(super) retry_after_ms: u32,
-    pub(super) max_per_acquire: u32,
-    pub(super) max_recommended_workers: u32,
-}
-
-/// A pending "applied" journal entry: the request's journal seq (None when
-/// its outcome could not be journaled), the step, and what seals it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) struct PendingApply {
-    pub(super) seq: Option<u64>,
-    pub(super) step: u64,
-    pub(super) admission_only: bool,
-}
-
-/// A reply that may go out with the batch.
-struct Reply {
-    req: Request,
-    payload: Bytes,
-}
-
-/// The reply to a request that changed the persisted state: it goes out
-/// only once the batch is written.
-struct DurableReply {
-    req: Request,
-    reply: Bytes,
-    /// What to answer if the state cannot be written; None: no answer, so
-    /// that the requester times out and retries.
-    if_unwritten: Option<Bytes>,
-}
-
-impl DurableReply {
-    /// The state is written: the reply goes out.
-    fn written(self) -> Reply {
-        Reply {
-            req: self.req,
-            payload: self.reply,
-        }
-    }
-
-    /// The state is not written: the answer for that, if there is one.
-    fn unwritten(self) -> Option<Reply> {
-        let payload = self.if_unwritten?;
-        Some(Reply {
-            req: self.req,
-            payload,
-        })
-    }
-}
-
-/// What the events of one batch left to do.
-#[derive(Default)]
-struct BatchOutcome {
-    /// The persisted state changed: write it before the durable replies.
-    dirty: bool,
-    durable: Vec<DurableReply>,
-    ready: Vec<Reply>,
-    /// Events were taken (a failed write is retried on the next events).
-    events: bool,
-}
-
-/// A state write in flight and the replies that wait for it.
-struct InFlight {
-    write: StateWrite,
-    durable: Vec<DurableReply>,
-    ready: Vec<Reply>,
-}
-
-/// The outcome of the write in flight; never resolves when there is none.
-async fn written(in_flight: &mut Option<InFlight>) -> Result<u64, PersistError> {
-    match in_flight {
-        Some(w) => (&mut w.write.done).await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Sends replies, all at once.
-async fn send_replies(replies: Vec<Reply>) {
-    if replies.is_empty() {
-        return;
-    }
-    futures::future::join_all(replies.into_iter().map(|r| async move {
-        if let Err(e) = r.req.respond(r.payload).await {
-            tracing::debug!(error = %e, "could not send a reply");
-        }
-    }))
-    .await;
-}
+use crate::dataset::TaskSet;
+use crate::metrics::CoordinatorMetrics;
+use crate::scheduler::{Scheduler, VersionChange};
 
 /// The learner as the persisted state records it; a learner-status event
 /// that changes it is written.
@@ -147,36 +46,62 @@ impl LearnerMark {
     }
 }
 
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
 /// Everything the actor needs, prepared by `Coordinator::start`.
 pub(crate) struct Actor {
-    pub(super) settings: Settings,
-    pub(super) tasks: Arc<TaskSet>,
-    pub(super) sched: Scheduler,
-    pub(super) registry: Registry,
-    pub(super) estimator: CapacityEstimator,
-    pub(super) schedule: KnobSchedule,
-    pub(super) schedule_rev: u64,
-    pub(super) kv: Arc<dyn KvBucket>,
+    settings: Settings,
+    tasks: Arc<TaskSet>,
+    /// Admission and leases: the pure scheduler, whose state is persisted.
+    sched: Scheduler,
+    /// The workers: the registry and the capacity model.
+    fleet: Fleet,
+    /// The knob schedule and the journal.
+    knobs: KnobAdmin,
+    /// The persisted state's key in the KV bucket.
+    store: StateStore,
     /// Asked whether the coordinator can hear the workers at all.
-    pub(super) bus: Arc<dyn Bus>,
-    pub(super) state_rev: Option<u64>,
-    /// State writes since the last confirmed one whose outcome is unknown
-    /// (the request timed out: it may have landed), and the current one.
-    pub(super) unconfirmed: Vec<Bytes>,
-    pub(super) persist_failed: bool,
-    pub(super) journal: Journal,
-    pub(super) pending_applied: Vec<PendingApply>,
-    pub(super) metrics: CoordinatorMetrics,
-    pub(super) health: Health,
-    pub(super) recommended: Option<f64>,
+    bus: Arc<dyn Bus>,
+    metrics: CoordinatorMetrics,
+    health: Health,
     /// The only source of wall-clock time (lease deadlines, heartbeat
     /// silence, journal times): the system clock, or paused tokio time in
     /// tests.
-    pub(super) clock: SharedClock,
+    clock: SharedClock,
+}
+
+/// Loads the task sets (reading the model's tokenizer only when a data set
+/// limits its prompt lengths) and counts them in the metrics.
+async fn load_tasks(
+    config: &Config,
+    metrics: &CoordinatorMetrics,
+) -> Result<TaskSet, CoordinatorError> {
+    let datasets = config.coordinator.datasets.clone();
+    let model = config.model.clone();
+    let needs_text = datasets.iter().any(|d| d.max_prompt_tokens.is_some());
+    let tasks = tokio::task::spawn_blocking(move || {
+        let text = if needs_text {
+            Some(asyncrl_tasks::model_text(&model)?)
+        } else {
+            None
+        };
+        Ok::<_, CoordinatorError>(TaskSet::load(&datasets, text.as_ref())?)
+    })
+    .await
+    .map_err(CoordinatorError::Join)??;
+    for (name, kept, skipped) in tasks.summary() {
+        tracing::info!(dataset = %name, tasks = kept, skipped_long = skipped, "data set loaded");
+        let label = crate::metrics::DatasetLabel {
+            dataset: name.clone(),
+        };
+        metrics
+            .dataset_tasks
+            .get_or_create(&label)
+            .set(i64::try_from(*kept).unwrap_or(i64::MAX));
+        metrics
+            .dataset_long_prompts_skipped
+            .get_or_create(&label)
+            .set(i64::try_from(*skipped).unwrap_or(i64::MAX));
+    }
+    Ok(tasks)
 }
 
 impl Actor {
@@ -188,144 +113,38 @@ impl Actor {
         health: Health,
         clock: SharedClock,
     ) -> Result<Self, CoordinatorError> {
-        let c = &config.coordinator;
-        let datasets = c.datasets.clone();
-        // The model's tokenizer is read only when a data set limits its
-        // prompt lengths.
-        let model = config.model.clone();
-        let needs_text = datasets.iter().any(|d| d.max_prompt_tokens.is_some());
-        let tasks = tokio::task::spawn_blocking(move || {
-            let text = if needs_text {
-                Some(asyncrl_tasks::model_text(&model)?)
-            } else {
-                None
-            };
-            Ok::<_, CoordinatorError>(TaskSet::load(&datasets, text.as_ref())?)
-        })
-        .await
-        .map_err(CoordinatorError::Join)??;
-        for (name, kept, skipped) in tasks.summary() {
-            tracing::info!(dataset = %name, tasks = kept, skipped_long = skipped, "data set loaded");
-            let label = crate::metrics::DatasetLabel {
-                dataset: name.clone(),
-            };
-            metrics
-                .dataset_tasks
-                .get_or_create(&label)
-                .set(i64::try_from(*kept).unwrap_or(i64::MAX));
-            metrics
-                .dataset_long_prompts_skipped
-                .get_or_create(&label)
-                .set(i64::try_from(*skipped).unwrap_or(i64::MAX));
-        }
-        let tasks = Arc::new(tasks);
-        let settings = Settings {
-            groups_per_step: config.staleness.groups_per_step,
-            group_size: config.staleness.group_size,
-            lease_timeout_ms: millis(c.lease_timeout),
-            heartbeat_interval_ms: u32::try_from(c.heartbeat_interval.as_millis())
-                .unwrap_or(u32::MAX),
-            dead_after_ms: millis(c.dead_after),
-            retry_after_ms: u32::try_from(c.retry_after.as_millis()).unwrap_or(u32::MAX),
-            max_per_acquire: c.max_tasks_per_acquire,
-            max_recommended_workers: c.max_recommended_workers,
-        };
-        let params = SchedulerParams {
-            groups_per_step: settings.groups_per_step,
-            group_size: settings.group_size,
-            lease_timeout_ms: settings.lease_timeout_ms,
-            completed_memory: c.completed_memory,
-        };
+        let tasks = Arc::new(load_tasks(config, &metrics).await?);
+        let settings = Settings::from_config(config);
         let kv = bus
             .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
             .await
             .map_err(|e| CoordinatorError::transport("open the KV bucket asyncrl_control", e))?;
-        let now = clock.now_unix_ms();
-        let (sched, state_rev) = match kv
-            .get(STATE_KEY)
-            .await
-            .map_err(|e| CoordinatorError::transport("read coordinator.state", e))?
-        {
-            Some(entry) => {
-                let state = CoordinatorState::decode(entry.value.as_ref())
-                    .map_err(CoordinatorError::StateDecode)?;
-                let s = Scheduler::from_proto(
-                    params,
-                    &state,
-                    tasks.len() as u64,
-                    tasks.fingerprint(),
-                    now,
-                )?;
-                tracing::info!(
-                    epoch = s.epoch(),
-                    cursor = s.cursor(),
-                    leases = s.running(),
-                    requeued = s.queue_len(),
-                    accepted = s.accepted(),
-                    version = s.version(),
-                    "coordinator state restored; restored leases get a fresh deadline"
-                );
-                (s, Some(entry.revision))
-            }
-            None => {
-                let prefix = format!("{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
-                tracing::info!(tasks = tasks.len(), lease_prefix = %prefix, "new coordinator state");
-                (
-                    Scheduler::new(params, tasks.len() as u64, tasks.fingerprint(), &prefix),
-                    None,
-                )
-            }
-        };
-        let StoredSchedule {
-            schedule,
-            revision: schedule_rev,
-        } = load_or_create_schedule(kv.as_ref(), config).await?;
-        let journal_path = c
-            .journal_path
-            .clone()
-            .unwrap_or_else(|| config.run.output_dir.join("coordinator-journal.jsonl"));
-        let journal = Journal::open(&journal_path).await?;
-        let version = sched.version().max(0) as u64;
-        let pending_applied = schedule
-            .changes
-            .iter()
-            .filter(|ch| !journal.was_applied(ch.journal_seq) && ch.journal_seq > 0)
-            .map(|ch| PendingApply {
-                seq: Some(ch.journal_seq),
-                step: ch.from_step,
-                admission_only: ch.knobs.as_ref().is_some_and(knobs::is_admission_only),
-            })
-            .filter(|p| p.step > version)
-            .collect();
+        let (store, sched) = StateStore::load(
+            kv.clone(),
+            settings.scheduler_params(),
+            &tasks,
+            clock.now_unix_ms(),
+            metrics.clone(),
+        )
+        .await?;
+        let knobs =
+            KnobAdmin::load(kv, config, sched.version(), metrics.clone(), clock.clone()).await?;
         Ok(Self {
             settings,
             tasks,
             sched,
-            registry: Registry::new(),
-            estimator: CapacityEstimator::new(),
-            schedule,
-            schedule_rev,
-            kv,
+            fleet: Fleet::new(metrics.clone()),
+            knobs,
+            store,
             bus: bus.clone(),
-            state_rev,
-            unconfirmed: Vec::new(),
-            persist_failed: false,
-            journal,
-            pending_applied,
             metrics,
             health,
-            recommended: None,
             clock,
         })
     }
 
     pub(crate) fn tick_interval(&self) -> Duration {
-        let shortest = self
-            .settings
-            .lease_timeout_ms
-            .min(self.settings.dead_after_ms)
-            .min(i64::from(self.settings.heartbeat_interval_ms));
-        Duration::from_millis((shortest / 4).clamp(20, 500) as u64)
+        self.settings.tick_interval()
     }
 
     /// The actor loop: ends on shutdown (after a last write of the state) or
@@ -350,10 +169,10 @@ impl Actor {
         self.update_labelled_metrics();
         loop {
             if in_flight.is_none() {
-                if pending.dirty || (self.persist_failed && pending.events) {
+                if pending.dirty || (self.store.failed() && pending.events) {
                     let outcome = std::mem::take(&mut pending);
                     in_flight = Some(InFlight {
-                        write: self.begin_write(),
+                        write: self.store.begin_write(&self.sched),
                         durable: outcome.durable,
                         ready: outcome.ready,
                     });
@@ -388,8 +207,8 @@ impl Actor {
             let outcome = (&mut done.write.done).await;
             send_replies(self.end_batch_write(done, outcome).await?).await;
         }
-        if pending.dirty || self.persist_failed || self.state_rev.is_none() {
-            let mut write = self.begin_write();
+        if pending.dirty || self.store.failed() || self.store.nothing_stored() {
+            let mut write = self.store.begin_write(&self.sched);
             let outcome = (&mut write.done).await;
             let done = InFlight {
                 write,
@@ -422,13 +241,12 @@ impl Actor {
             durable,
             mut ready,
         } = done;
-        match self.end_write(&write, outcome) {
-            Ok(()) => {
-                if self.persist_failed {
+        match self.store.end_write(&write, outcome) {
+            Ok(recovered) => {
+                if recovered {
                     tracing::info!("coordinator state written again");
                     self.health.set_ready("coordinator");
                 }
-                self.persist_failed = false;
                 ready.extend(durable.into_iter().map(DurableReply::written));
             }
             Err(PersistError::Fatal(e)) => {
@@ -447,7 +265,6 @@ impl Actor {
                 tracing::warn!(error = %e, "cannot write the coordinator state; refusing requests that change it until it can");
                 self.health
                     .set_not_ready("coordinator", format!("cannot persist state: {e}"));
-                self.persist_failed = true;
                 // A request without an "unavailable" answer gets none:
                 // its requester times out and retries.
                 ready.extend(durable.into_iter().filter_map(DurableReply::unwritten));
@@ -482,7 +299,7 @@ impl Actor {
         let dirty = &mut out.dirty;
         let now = self.clock.now_unix_ms();
         match ev {
-            Event::Request { kind, req } => match self.handle_request(kind, &req.payload, now) {
+            Event::Request { kind, req } => match self.requests().handle(kind, &req.payload, now) {
                 Handled::Reply(payload) => out.ready.push(Reply { req, payload }),
                 Handled::Durable {
                     reply,
@@ -497,14 +314,15 @@ impl Actor {
                 }
             },
             Event::Version(a) => {
-                self.estimator
+                self.fleet
+                    .estimator
                     .on_announcement(a.version, a.published_at_unix_ms);
                 let change = self.sched.on_version(a.version);
                 *dirty |= self.on_version_change(change);
-                self.check_applied().await;
+                self.knobs.check_applied(self.sched.version()).await;
             }
             Event::LearnerStatus(s) => {
-                self.estimator.on_train_seconds(s.step_train_seconds);
+                self.fleet.estimator.on_train_seconds(s.step_train_seconds);
                 let before = LearnerMark::of(&self.sched);
                 let change = self
                     .sched
@@ -515,11 +333,9 @@ impl Actor {
                 *dirty |= before != LearnerMark::of(&self.sched);
             }
             Event::Knobs { schedule, revision } => {
-                if revision > self.schedule_rev {
-                    self.schedule = schedule;
-                    self.schedule_rev = revision;
-                    self.check_applied().await;
-                }
+                self.knobs
+                    .on_stored(schedule, revision, self.sched.version())
+                    .await;
             }
             Event::GroupDropped(g) => {
                 CoordinatorMetrics::reason(&self.metrics.groups_dropped, g.kind().label());
@@ -574,11 +390,7 @@ impl Actor {
                 // While the coordinator itself is cut off it hears no one:
                 // nobody is judged dead by that silence.
                 let died = match self.bus.connected_since_unix_ms() {
-                    Some(since) => {
-                        self.registry
-                            .sweep(now, self.settings.dead_after_ms, since)
-                            .died
-                    }
+                    Some(since) => self.fleet.sweep(now, self.settings.dead_after_ms, since),
                     None => Vec::new(),
                 };
                 for w in died {
@@ -587,13 +399,13 @@ impl Actor {
                     self.metrics.tasks_expired.inc_by(ended.len() as u64);
                     *dirty |= !ended.is_empty();
                 }
-                self.update_capacity_model();
+                self.fleet.update_capacity_model(&self.settings);
             }
         }
         Ok(())
     }
 
-    pub(super) fn on_version_change(&mut self, change: VersionChange) -> bool {
+    fn on_version_change(&mut self, change: VersionChange) -> bool {
         match change {
             VersionChange::Unchanged => false,
             VersionChange::Advanced { from, to } => {
@@ -623,5 +435,94 @@ impl Actor {
                 true
             }
         }
+    }
+
+    /// The sub-states a worker request reads and changes.
+    fn requests(&mut self) -> WorkerRequests<'_> {
+        WorkerRequests {
+            settings: &self.settings,
+            tasks: &self.tasks,
+            sched: &mut self.sched,
+            fleet: &mut self.fleet,
+            knobs: &self.knobs,
+            metrics: &self.metrics,
+        }
+    }
+
+    async fn handle_admin(&mut self, cmd: AdminCommand) {
+        let version = self.sched.version();
+        match cmd {
+            AdminCommand::Status(reply) => {
+                let _ = reply.send(self.status());
+            }
+            AdminCommand::Workers(reply) => {
+                let _ = reply.send(self.fleet.workers(&self.sched));
+            }
+            AdminCommand::GetKnobs(reply) => {
+                let _ = reply.send(self.knobs.view(version));
+            }
+            AdminCommand::SetKnobs {
+                req,
+                peer,
+                auth,
+                reply,
+            } => {
+                let r = self.knobs.set_knobs_request(req, peer, auth, version).await;
+                let _ = reply.send(r);
+            }
+            AdminCommand::Control {
+                action,
+                who,
+                peer,
+                auth,
+                reply,
+            } => {
+                let r = self.knobs.control(action, who, peer, auth, version).await;
+                let _ = reply.send(r);
+            }
+        }
+    }
+
+    fn status(&self) -> StatusReply {
+        let Admission { eta, paused } = self.knobs.admission(self.sched.version());
+        StatusReply {
+            policy_version: self.sched.version(),
+            learner_step: self.sched.version().max(0) as u64,
+            eta,
+            groups_per_step: self.settings.groups_per_step,
+            accepted_groups: self.sched.accepted(),
+            running_groups: self.sched.running(),
+            capacity_left: self.sched.capacity(eta),
+            paused,
+            live_workers: self.fleet.registry.alive_count() as u32,
+            rollout_workers_recommended: self.fleet.recommended().unwrap_or(0.0),
+            epoch: self.sched.epoch(),
+            stale_dropped_total: self.sched.stale_dropped_total,
+            cursor: self.sched.cursor(),
+            dataset_size: self.sched.dataset_len(),
+            requeued_tasks: self.sched.queue_len() as u64,
+            sealed_through_step: self.knobs.sealed_through_step(),
+            dead_workers: self.fleet.registry.dead_count() as u32,
+        }
+    }
+
+    /// The gauges of the scheduler's counts: after every batch of events.
+    fn update_metrics(&self) {
+        let m = &self.metrics;
+        let eta = self.knobs.admission(self.sched.version()).eta;
+        m.policy_version.set(i64::from(self.sched.version()));
+        m.capacity_left.set(self.sched.capacity(eta));
+        m.accepted_groups.set(self.sched.accepted() as i64);
+        m.running_groups.set(self.sched.running() as i64);
+        m.requeued_tasks.set(self.sched.queue_len() as i64);
+        m.epoch.set(self.sched.epoch() as i64);
+    }
+
+    /// The gauges per worker and per knob (a labelled series each): at
+    /// start, on every tick and after the events that change them other
+    /// than heartbeats, not per request.
+    fn update_labelled_metrics(&self) {
+        self.fleet.update_metrics(self.clock.now_unix_ms());
+        self.knobs.update_metrics(self.sched.version());
     }
 }

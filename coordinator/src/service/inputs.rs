@@ -13,7 +13,7 @@ use prost::Message;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{Event, RequestKind};
+use super::events::{Event, RequestKind};
 use asyncrl_protos::subjects::COORDINATOR_QUEUE_GROUP;
 
 use crate::CoordinatorError;

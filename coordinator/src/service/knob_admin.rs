@@ -1,37 +1,95 @@
-//! Knob administration: the knob schedule loaded or created at start, knob
-//! changes, pause/resume and checkpoints asked for over the admin API
-//! (written to the schedule with compare-and-set), and their journal
-//! entries — the request's outcome, then "applied" once its step has come.
+//! Knob administration ([`KnobAdmin`]): the knob schedule loaded or created
+//! at start and followed since, knob changes, pause/resume and checkpoints
+//! asked for over the admin API (written to the schedule with
+//! compare-and-set), and their journal entries — the request's outcome,
+//! then "applied" once its step has come. Also what the knobs say: the
+//! admission knobs in effect, the knobs view and the knob gauges.
+//!
+//! The methods take the learner's current `version` (it works on step
+//! `version + 1`).
 
+use std::sync::Arc;
+
+use asyncrl_common::SharedClock;
 use asyncrl_config::Config;
-use asyncrl_protos::v1::{ControlReply, KnobChange, KnobSchedule, Knobs, SetKnobsReply};
+use asyncrl_control::kv::Change;
+use asyncrl_protos::v1::{
+    ControlReply, GetKnobsReply, KnobChange, KnobSchedule, Knobs, SetKnobsReply, SetKnobsRequest,
+};
 use asyncrl_transport::KvBucket;
 
-use super::actor::{Actor, PendingApply};
-use super::{AdminCommand, ControlAction, Unauthorized};
+use super::events::{ControlAction, Unauthorized};
 use crate::CoordinatorError;
-use crate::journal::entry;
-use crate::knobs::{self, Decision, KNOBS_KEY, KnobError};
-use crate::metrics::OutcomeLabel;
-use asyncrl_control::kv::Change;
+use crate::journal::{self, Journal, JournalEntry, entry};
+use crate::knobs::{self, Decision, KNOBS_KEY, KnobError, StepKnobs};
+use crate::metrics::{CoordinatorMetrics, KnobLabel, OutcomeLabel};
 
-/// The knob schedule as stored in the KV bucket, and its revision.
-pub(super) struct StoredSchedule {
-    pub(super) schedule: KnobSchedule,
-    pub(super) revision: u64,
+/// The learner step that `version` works on.
+pub(super) fn current_step(version: i32) -> u64 {
+    version.max(0) as u64 + 1
+}
+
+/// The admission knobs in effect: the staleness bound η and whether
+/// admission is paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Admission {
+    pub(super) eta: u32,
+    pub(super) paused: bool,
+}
+
+/// A pending "applied" journal entry: the request's journal seq (None when
+/// its outcome could not be journaled), the step, and what seals it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PendingApply {
+    seq: Option<u64>,
+    step: u64,
+    admission_only: bool,
+}
+
+/// Who asks (`anonymous` when unnamed), from where, and whether the admin
+/// API let them.
+struct Asker {
+    who: String,
+    peer: Option<String>,
+    auth: Result<(), Unauthorized>,
+}
+
+impl Asker {
+    fn new(who: String, peer: Option<String>, auth: Result<(), Unauthorized>) -> Self {
+        let who = if who.is_empty() {
+            "anonymous".to_owned()
+        } else {
+            who
+        };
+        Self { who, peer, auth }
+    }
+}
+
+/// The knob schedule as this coordinator last read or wrote it, and the
+/// journal of the requests that change it.
+pub(super) struct KnobAdmin {
+    schedule: KnobSchedule,
+    /// The schedule's revision in the KV bucket.
+    revision: u64,
+    kv: Arc<dyn KvBucket>,
+    journal: Journal,
+    /// Accepted changes whose "applied" entry is still to be journaled.
+    pending_applied: Vec<PendingApply>,
+    metrics: CoordinatorMetrics,
+    clock: SharedClock,
 }
 
 /// The outcome of a knob change, pause/resume or checkpoint request, as the
 /// requester is told.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct KnobOutcome {
-    pub(super) accepted: bool,
+struct KnobOutcome {
+    accepted: bool,
     /// The step the change lands at (0 when refused).
-    pub(super) effective_step: u64,
+    effective_step: u64,
     /// Why it was refused (empty when accepted).
-    pub(super) reason: String,
+    reason: String,
     /// The journal entry of the outcome; None when it could not be written.
-    pub(super) journal_seq: Option<u64>,
+    journal_seq: Option<u64>,
 }
 
 impl KnobOutcome {
@@ -80,10 +138,12 @@ impl KnobOutcome {
     }
 }
 
-pub(super) async fn load_or_create_schedule(
+/// The knob schedule stored in the KV bucket, written from the config's
+/// initial knobs when there is none; its revision.
+async fn load_or_create_schedule(
     kv: &dyn KvBucket,
     config: &Config,
-) -> Result<StoredSchedule, CoordinatorError> {
+) -> Result<(KnobSchedule, u64), CoordinatorError> {
     let loaded = asyncrl_control::kv::edit(kv, KNOBS_KEY, 4, |entry| match entry {
         Some(e) => Ok(Change::Keep(knobs::decode_schedule(&e.value)?)),
         None => {
@@ -93,17 +153,102 @@ pub(super) async fn load_or_create_schedule(
     })
     .await
     .map_err(KnobError::from_edit)?;
-    Ok(StoredSchedule {
-        schedule: loaded.outcome,
-        revision: loaded.revision,
-    })
+    Ok((loaded.outcome, loaded.revision))
 }
 
-impl Actor {
+impl KnobAdmin {
+    /// Loads the knob schedule (writing the config's initial knobs when
+    /// there is none) and opens the journal; the changes accepted for steps
+    /// after `version` whose "applied" is not journaled yet are still to be.
+    pub(super) async fn load(
+        kv: Arc<dyn KvBucket>,
+        config: &Config,
+        version: i32,
+        metrics: CoordinatorMetrics,
+        clock: SharedClock,
+    ) -> Result<Self, CoordinatorError> {
+        let (schedule, revision) = load_or_create_schedule(kv.as_ref(), config).await?;
+        let journal = Journal::open(&journal::path(config)).await?;
+        let version = version.max(0) as u64;
+        let pending_applied = schedule
+            .changes
+            .iter()
+            .filter(|ch| !journal.was_applied(ch.journal_seq) && ch.journal_seq > 0)
+            .map(|ch| PendingApply {
+                seq: Some(ch.journal_seq),
+                step: ch.from_step,
+                admission_only: ch.knobs.as_ref().is_some_and(knobs::is_admission_only),
+            })
+            .filter(|p| p.step > version)
+            .collect();
+        Ok(Self {
+            schedule,
+            revision,
+            kv,
+            journal,
+            pending_applied,
+            metrics,
+            clock,
+        })
+    }
+
+    /// The schedule as stored at `revision` (from the watch): adopted when
+    /// newer than the one this coordinator knows, then journals what has
+    /// been applied since.
+    pub(super) async fn on_stored(&mut self, schedule: KnobSchedule, revision: u64, version: i32) {
+        if revision > self.revision {
+            self.schedule = schedule;
+            self.revision = revision;
+            self.check_applied(version).await;
+        }
+    }
+
+    /// The step the learner has sealed the knobs through.
+    pub(super) fn sealed_through_step(&self) -> u64 {
+        self.schedule.sealed_through_step
+    }
+
+    /// The admission knobs in effect for the current step.
+    pub(super) fn admission(&self, version: i32) -> Admission {
+        let k = StepKnobs::at(&self.schedule, current_step(version));
+        Admission {
+            eta: k.eta,
+            paused: k.paused,
+        }
+    }
+
+    /// The knobs in effect and the changes still to come.
+    pub(super) fn view(&self, version: i32) -> GetKnobsReply {
+        let current = current_step(version);
+        GetKnobsReply {
+            knobs: Some(knobs::effective(&self.schedule, current)),
+            pending: self
+                .schedule
+                .changes
+                .iter()
+                .filter(|c| c.from_step > current)
+                .cloned()
+                .collect(),
+            current_step: current,
+            sealed_through_step: self.schedule.sealed_through_step,
+        }
+    }
+
+    /// The gauges of the knobs in effect (a labelled series each).
+    pub(super) fn update_metrics(&self, version: i32) {
+        let k = knobs::effective(&self.schedule, current_step(version));
+        for (name, v) in knobs::knob_values(&k) {
+            self.metrics
+                .knob
+                .get_or_create(&KnobLabel { knob: name.into() })
+                .set(v);
+        }
+    }
+
     /// Journals "applied" for changes whose step has come.
-    pub(super) async fn check_applied(&mut self) {
+    pub(super) async fn check_applied(&mut self, version: i32) {
         let sealed = self.schedule.sealed_through_step;
-        let current = self.current_step();
+        let current = current_step(version);
         let (due, rest): (Vec<PendingApply>, Vec<PendingApply>) =
             self.pending_applied.drain(..).partition(|p| {
                 if p.admission_only {
@@ -132,7 +277,7 @@ impl Actor {
 
     /// Journals a request's outcome; its seq, or None when the journal
     /// could not be written (logged).
-    async fn journal_outcome(&mut self, mut e: crate::journal::JournalEntry) -> Option<u64> {
+    async fn journal_outcome(&mut self, mut e: JournalEntry) -> Option<u64> {
         self.metrics
             .knob_requests
             .get_or_create(&OutcomeLabel {
@@ -154,9 +299,9 @@ impl Actor {
     /// (the learner sealing a step).
     async fn edit_schedule(
         &mut self,
+        version: i32,
         mut edit: impl FnMut(&mut KnobSchedule, i32) -> Decision,
     ) -> Result<Decision, KnobError> {
-        let version = self.sched.version();
         let edited = asyncrl_control::kv::edit(self.kv.as_ref(), KNOBS_KEY, 16, |entry| {
             let entry = entry.ok_or(KnobError::NoSchedule)?;
             let mut s = knobs::decode_schedule(&entry.value)?;
@@ -171,10 +316,10 @@ impl Actor {
         .map_err(KnobError::from_edit)?;
         let (schedule, decision) = edited.outcome;
         self.schedule = schedule;
-        self.schedule_rev = if edited.wrote {
+        self.revision = if edited.wrote {
             edited.revision
         } else {
-            self.schedule_rev.max(edited.revision)
+            self.revision.max(edited.revision)
         };
         Ok(decision)
     }
@@ -184,10 +329,11 @@ impl Actor {
         action: &str,
         knobs_req: Knobs,
         apply_at_step: u64,
-        who: &str,
-        peer: Option<String>,
-        auth: Result<(), Unauthorized>,
+        asker: Asker,
+        version: i32,
     ) -> Result<KnobOutcome, Unauthorized> {
+        let Asker { who, peer, auth } = asker;
+        let who = who.as_str();
         let mut e = entry(who, action, "refused");
         e.peer = peer;
         e.request = serde_json::json!({
@@ -220,7 +366,7 @@ impl Actor {
             requested_by: who.to_owned(),
         };
         let result = self
-            .edit_schedule(|s, v| {
+            .edit_schedule(version, |s, v| {
                 let d = knobs::decide(s, v, apply_at_step, admission_only);
                 if let Decision::At(n) = d {
                     knobs::insert_change(
@@ -243,7 +389,7 @@ impl Actor {
                 step,
                 admission_only,
             });
-            self.check_applied().await;
+            self.check_applied(version).await;
         } else {
             tracing::info!(who, action, reason = %outcome.reason, "knob change refused");
         }
@@ -253,7 +399,7 @@ impl Actor {
     /// Journals what a schedule edit decided (`e` is the request's entry).
     async fn journal_decision(
         &mut self,
-        mut e: crate::journal::JournalEntry,
+        mut e: JournalEntry,
         result: Result<Decision, KnobError>,
     ) -> KnobOutcome {
         let mut outcome = KnobOutcome::decided(result);
@@ -271,11 +417,11 @@ impl Actor {
 
     async fn checkpoint(
         &mut self,
-        who: &str,
-        peer: Option<String>,
-        auth: Result<(), Unauthorized>,
+        asker: Asker,
+        version: i32,
     ) -> Result<KnobOutcome, Unauthorized> {
-        let mut e = entry(who, "checkpoint", "refused");
+        let Asker { who, peer, auth } = asker;
+        let mut e = entry(&who, "checkpoint", "refused");
         e.peer = peer;
         if let Err(Unauthorized(reason)) = auth {
             e.reason = Some(reason.clone());
@@ -283,7 +429,7 @@ impl Actor {
             return Err(Unauthorized(reason));
         }
         let result = self
-            .edit_schedule(|s, v| {
+            .edit_schedule(version, |s, v| {
                 let d = knobs::decide(s, v, 0, false);
                 if let Decision::At(n) = d
                     && !s.checkpoint_steps.contains(&n)
@@ -301,77 +447,57 @@ impl Actor {
                 step: outcome.effective_step,
                 admission_only: false,
             });
-            self.check_applied().await;
+            self.check_applied(version).await;
         }
         Ok(outcome)
     }
 
-    pub(super) async fn handle_admin(&mut self, cmd: AdminCommand) {
-        match cmd {
-            AdminCommand::Status(reply) => {
-                let _ = reply.send(self.status());
+    /// A knob change asked for over the admin API.
+    pub(super) async fn set_knobs_request(
+        &mut self,
+        req: SetKnobsRequest,
+        peer: Option<String>,
+        auth: Result<(), Unauthorized>,
+        version: i32,
+    ) -> Result<SetKnobsReply, Unauthorized> {
+        let asker = Asker::new(req.requested_by.clone(), peer, auth);
+        self.set_knobs(
+            "set_knobs",
+            req.knobs.unwrap_or_default(),
+            req.apply_at_step,
+            asker,
+            version,
+        )
+        .await
+        .map(KnobOutcome::into_set_knobs_reply)
+    }
+
+    /// A pause, resume or checkpoint asked for over the admin API.
+    pub(super) async fn control(
+        &mut self,
+        action: ControlAction,
+        who: String,
+        peer: Option<String>,
+        auth: Result<(), Unauthorized>,
+        version: i32,
+    ) -> Result<ControlReply, Unauthorized> {
+        let asker = Asker::new(who, peer, auth);
+        let r = match action {
+            ControlAction::Checkpoint => self.checkpoint(asker, version).await,
+            ControlAction::Pause | ControlAction::Resume => {
+                self.set_knobs(
+                    action.name(),
+                    Knobs {
+                        paused: Some(action == ControlAction::Pause),
+                        ..Default::default()
+                    },
+                    0,
+                    asker,
+                    version,
+                )
+                .await
             }
-            AdminCommand::Workers(reply) => {
-                let _ = reply.send(self.workers());
-            }
-            AdminCommand::GetKnobs(reply) => {
-                let _ = reply.send(self.knobs_view());
-            }
-            AdminCommand::SetKnobs {
-                req,
-                peer,
-                auth,
-                reply,
-            } => {
-                let who = if req.requested_by.is_empty() {
-                    "anonymous".to_owned()
-                } else {
-                    req.requested_by.clone()
-                };
-                let r = self
-                    .set_knobs(
-                        "set_knobs",
-                        req.knobs.unwrap_or_default(),
-                        req.apply_at_step,
-                        &who,
-                        peer,
-                        auth,
-                    )
-                    .await
-                    .map(KnobOutcome::into_set_knobs_reply);
-                let _ = reply.send(r);
-            }
-            AdminCommand::Control {
-                action,
-                who,
-                peer,
-                auth,
-                reply,
-            } => {
-                let who = if who.is_empty() {
-                    "anonymous".to_owned()
-                } else {
-                    who
-                };
-                let r = match action {
-                    ControlAction::Checkpoint => self.checkpoint(&who, peer, auth).await,
-                    ControlAction::Pause | ControlAction::Resume => {
-                        self.set_knobs(
-                            action.name(),
-                            Knobs {
-                                paused: Some(action == ControlAction::Pause),
-                                ..Default::default()
-                            },
-                            0,
-                            &who,
-                            peer,
-                            auth,
-                        )
-                        .await
-                    }
-                };
-                let _ = reply.send(r.map(KnobOutcome::into_control_reply));
-            }
-        }
+        };
+        r.map(KnobOutcome::into_control_reply)
     }
 }

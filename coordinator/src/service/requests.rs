@@ -1,5 +1,7 @@
 //! Worker requests — register, heartbeat, acquire, complete, return — turned
-//! into replies, with what each did to the persisted state.
+//! into replies, with what each did to the persisted state. A request
+//! touches several of the actor's sub-states: [`WorkerRequests`] borrows
+//! them for one request.
 
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, ChatMessage, CompleteTask, CompleteTaskReply, HeartbeatReply,
@@ -8,11 +10,13 @@ use asyncrl_protos::v1::{
 use bytes::Bytes;
 use prost::Message;
 
-use super::RequestKind;
-use super::actor::Actor;
-use super::views::Admission;
+use super::events::RequestKind;
+use super::fleet::Fleet;
+use super::knob_admin::{Admission, KnobAdmin};
+use super::settings::Settings;
+use crate::dataset::TaskSet;
 use crate::metrics::{BadRequestLabel, CoordinatorMetrics};
-use crate::scheduler::Completion;
+use crate::scheduler::{Completion, Scheduler};
 use asyncrl_tasks::{Prompt, valid_task_id};
 
 /// Object-safe encoding of the reply messages.
@@ -51,14 +55,20 @@ enum Acquired {
     },
 }
 
-impl Actor {
+/// What a worker request reads and changes: the scheduler (admission and
+/// leases), the workers, the knobs in effect, borrowed from the actor.
+pub(super) struct WorkerRequests<'a> {
+    pub(super) settings: &'a Settings,
+    pub(super) tasks: &'a TaskSet,
+    pub(super) sched: &'a mut Scheduler,
+    pub(super) fleet: &'a mut Fleet,
+    pub(super) knobs: &'a KnobAdmin,
+    pub(super) metrics: &'a CoordinatorMetrics,
+}
+
+impl WorkerRequests<'_> {
     /// Handles one worker request.
-    pub(super) fn handle_request(
-        &mut self,
-        kind: RequestKind,
-        payload: &[u8],
-        now: i64,
-    ) -> Handled {
+    pub(super) fn handle(&mut self, kind: RequestKind, payload: &[u8], now: i64) -> Handled {
         let enc = |m: &dyn EncodeDyn| Bytes::from(m.encode_dyn());
         match kind {
             RequestKind::Register => {
@@ -78,7 +88,7 @@ impl Actor {
                         heartbeat_interval_ms: self.settings.heartbeat_interval_ms,
                     },
                     Ok(r) => {
-                        self.registry.register(
+                        self.fleet.registry.register(
                             &r.worker_id,
                             &r.hostname,
                             r.capacity,
@@ -137,11 +147,11 @@ impl Actor {
                         HeartbeatReply::default()
                     }
                     Ok(h) => {
-                        let w = self.registry.touch(&h.worker_id, now);
+                        let w = self.fleet.registry.touch(&h.worker_id, now);
                         w.policy_version = h.policy_version;
                         w.tokens_per_second = h.tokens_per_second;
                         w.draining = h.draining;
-                        self.estimator.on_heartbeat(
+                        self.fleet.estimator.on_heartbeat(
                             &h.worker_id,
                             h.policy_version,
                             h.weight_swap_latency_ms,
@@ -220,7 +230,7 @@ impl Actor {
                     });
                     return Handled::Reply(b);
                 }
-                self.registry.touch(&c.worker_id, now);
+                self.fleet.registry.touch(&c.worker_id, now);
                 let index = asyncrl_protos::subjects::split_wire_task_id(&c.task_id)
                     .and_then(|(id, _)| self.tasks.index_of(id))
                     .map(|i| i as u64);
@@ -231,7 +241,7 @@ impl Actor {
                     Ok(Completion::Accepted { lease }) => {
                         self.metrics.tasks_completed.inc();
                         let secs = (now - lease.granted_at_ms).max(0) as f64 / 1000.0;
-                        self.estimator.on_completion(&c.worker_id, secs);
+                        self.fleet.estimator.on_completion(&c.worker_id, secs);
                         tracing::debug!(worker = %c.worker_id, task_id = %c.task_id, lease_id = %c.lease_id, seconds = secs, "task complete");
                         let ok = enc(&CompleteTaskReply {
                             accepted: true,
@@ -276,7 +286,7 @@ impl Actor {
                     self.bad_request(kind, "worker_id", bad_worker_id(&r.worker_id));
                     return Handled::Reply(enc(&ReturnTasksReply { returned: 0 }));
                 }
-                self.registry.touch(&r.worker_id, now);
+                self.fleet.registry.touch(&r.worker_id, now);
                 let ended = self.sched.return_leases(&r.worker_id, &r.lease_ids, now);
                 self.metrics.tasks_returned.inc_by(ended.len() as u64);
                 tracing::info!(worker = %r.worker_id, returned = ended.len(), asked = r.lease_ids.len(), reason = %r.reason, "tasks returned");
@@ -320,11 +330,11 @@ impl Actor {
                 "bad_request",
             );
         }
-        let worker = self.registry.touch(&a.worker_id, now);
+        let worker = self.fleet.registry.touch(&a.worker_id, now);
         if worker.draining {
             return deny("the worker is draining".into(), "draining");
         }
-        let Admission { eta, paused } = self.admission();
+        let Admission { eta, paused } = self.knobs.admission(self.sched.version());
         if paused {
             return deny("admission is paused (asyncrl ctl resume)".into(), "paused");
         }

@@ -17,7 +17,7 @@ use prost::Message;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::Event;
+use super::events::Event;
 use crate::knobs::{self, KNOBS_KEY};
 
 /// Follows a key of the control bucket for as long as the coordinator

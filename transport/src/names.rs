@@ -1,5 +1,6 @@
-//! NATS subject matching, for the in-process bus: tokens separated by `.`,
-//! `*` matches one token, `>` (last) matches one or more.
+//! The names both buses take, checked the same way by each: subjects
+//! (tokens separated by `.`; `*` matches one token, `>` (last) one or more)
+//! and KV keys.
 
 /// Whether `subject` matches `pattern`.
 pub fn subject_matches(pattern: &str, subject: &str) -> bool {
@@ -30,6 +31,26 @@ pub(crate) fn validate_publish_subject(subject: &str) -> Result<(), crate::Trans
         });
     }
     Ok(())
+}
+
+/// Checks a KV key by the NATS rules (the in-process bus too, so that local
+/// runs catch bad keys): non-empty, not starting or ending with `.`, of
+/// `[A-Za-z0-9-/_=.]` only.
+pub(crate) fn validate_key(key: &str) -> Result<(), crate::TransportError> {
+    let ok = !key.is_empty()
+        && !key.starts_with('.')
+        && !key.ends_with('.')
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-/_=.".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(crate::TransportError::InvalidName {
+            name: key.into(),
+            reason: "not a valid KV key".into(),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,82 @@
+//! What one batch of events leaves to do: the replies that may go out with
+//! the batch, and the durable ones that wait for the state write covering
+//! their change (group commit).
+
+use asyncrl_transport::Request;
+use bytes::Bytes;
+
+use super::persist::{PersistError, StateWrite};
+
+/// A reply that may go out with the batch.
+pub(super) struct Reply {
+    pub(super) req: Request,
+    pub(super) payload: Bytes,
+}
+
+/// The reply to a request that changed the persisted state: it goes out
+/// only once the batch is written.
+pub(super) struct DurableReply {
+    pub(super) req: Request,
+    pub(super) reply: Bytes,
+    /// What to answer if the state cannot be written; None: no answer, so
+    /// that the requester times out and retries.
+    pub(super) if_unwritten: Option<Bytes>,
+}
+
+impl DurableReply {
+    /// The state is written: the reply goes out.
+    pub(super) fn written(self) -> Reply {
+        Reply {
+            req: self.req,
+            payload: self.reply,
+        }
+    }
+
+    /// The state is not written: the answer for that, if there is one.
+    pub(super) fn unwritten(self) -> Option<Reply> {
+        let payload = self.if_unwritten?;
+        Some(Reply {
+            req: self.req,
+            payload,
+        })
+    }
+}
+
+/// What the events of one batch left to do.
+#[derive(Default)]
+pub(super) struct BatchOutcome {
+    /// The persisted state changed: write it before the durable replies.
+    pub(super) dirty: bool,
+    pub(super) durable: Vec<DurableReply>,
+    pub(super) ready: Vec<Reply>,
+    /// Events were taken (a failed write is retried on the next events).
+    pub(super) events: bool,
+}
+
+/// A state write in flight and the replies that wait for it.
+pub(super) struct InFlight {
+    pub(super) write: StateWrite,
+    pub(super) durable: Vec<DurableReply>,
+    pub(super) ready: Vec<Reply>,
+}
+
+/// The outcome of the write in flight; never resolves when there is none.
+pub(super) async fn written(in_flight: &mut Option<InFlight>) -> Result<u64, PersistError> {
+    match in_flight {
+        Some(w) => (&mut w.write.done).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends replies, all at once.
+pub(super) async fn send_replies(replies: Vec<Reply>) {
+    if replies.is_empty() {
+        return;
+    }
+    futures::future::join_all(replies.into_iter().map(|r| async move {
+        if let Err(e) = r.req.respond(r.payload).await {
+            tracing::debug!(error = %e, "could not send a reply");
+        }
+    }))
+    .await;
+}
