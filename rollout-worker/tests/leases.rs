@@ -8,10 +8,9 @@ mod common;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use asyncrl_rollout_worker::CancellationToken;
 use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask, read_trajectories};
-use asyncrl_rollout_worker::{CancellationToken, Worker, WorkerMetrics};
 use asyncrl_tasks::BuiltinTask;
-use asyncrl_telemetry::Metrics;
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -33,21 +32,17 @@ async fn sigterm_drain_publishes_the_finished_and_returns_the_unfinished() {
     rig.config.worker.drain_grace_period = grace;
     rig.publish(0, &rig.policy(9)).await;
     let Rig {
-        bus,
-        config,
-        coordinator,
-        ..
+        bus, coordinator, ..
     } = &rig;
-    let model = spawn_model(config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(2));
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
     let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(
-        Worker::new(config.clone(), bus.clone(), metrics)
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        handles,
+        task: worker,
+    } = rig
+        .start_throttled(Duration::from_millis(2), &shutdown)
+        .await;
 
     // Run until a few trajectories are out, then freeze the model between
     // two steps and send the "SIGTERM".
@@ -175,21 +170,17 @@ async fn a_revoked_lease_is_cancelled_and_never_completed() {
     .await;
     rig.publish(0, &rig.policy(9)).await;
     let Rig {
-        bus,
-        config,
-        coordinator,
-        ..
+        bus, coordinator, ..
     } = &rig;
-    let model = spawn_model(config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(2));
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
     let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(
-        Worker::new(config.clone(), bus.clone(), metrics)
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        handles,
+        task: worker,
+    } = rig
+        .start_throttled(Duration::from_millis(2), &shutdown)
+        .await;
 
     assert!(
         eventually(Duration::from_secs(30), || model.stats().tokens_generated

@@ -8,9 +8,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask};
-use asyncrl_rollout_worker::{Worker, shutdown_on_signals};
+use asyncrl_rollout_worker::shutdown_on_signals;
 use asyncrl_tasks::BuiltinTask;
-use asyncrl_telemetry::Metrics;
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,20 +27,16 @@ async fn sigterm_drains_the_worker() {
     .await;
     rig.config.worker.drain_grace_period = Duration::from_millis(300);
     rig.publish(0, &rig.policy(9)).await;
-    let Rig {
-        bus,
-        config,
-        coordinator,
-        ..
-    } = &rig;
-    let model = spawn_model(config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(5));
+    let coordinator = &rig.coordinator;
     let shutdown = shutdown_on_signals().unwrap();
-    let worker = tokio::spawn(
-        Worker::new(config.clone(), bus.clone(), Metrics::new())
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        task: worker,
+        ..
+    } = rig
+        .start_throttled(Duration::from_millis(5), &shutdown)
+        .await;
     assert!(
         eventually(Duration::from_secs(60), || {
             let s = model.stats();

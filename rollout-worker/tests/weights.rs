@@ -11,9 +11,8 @@ use asyncrl_protos::WeightAnnouncement;
 use asyncrl_protos::subjects::{WEIGHTS_BUCKET, weights_object_name};
 use asyncrl_rollout_worker::metrics::WEIGHT_FAILURE_REASONS;
 use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask, announce, read_trajectories};
-use asyncrl_rollout_worker::{CancellationToken, Worker, WorkerMetrics};
+use asyncrl_rollout_worker::{CancellationToken, WorkerMetrics};
 use asyncrl_tasks::BuiltinTask;
-use asyncrl_telemetry::Metrics;
 use asyncrl_transport::sha256_hex;
 use common::*;
 
@@ -45,16 +44,15 @@ async fn a_rollout_spanning_a_swap_switches_version_and_weights_mid_sequence() {
     } = &rig;
     let (p5, p6) = (rig.policy(100), rig.policy(200));
     rig.publish(5, &p5).await;
-    let model = spawn_model(&rig.config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(3));
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
     let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(
-        Worker::new(rig.config.clone(), bus.clone(), metrics.clone())
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        handles,
+        task: worker,
+    } = rig
+        .start_throttled(Duration::from_millis(3), &shutdown)
+        .await;
 
     // Let the G sequences sample a token or two with version 5, then hold
     // the model between two steps while version 6 is announced and fetched.

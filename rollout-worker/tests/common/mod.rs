@@ -206,6 +206,45 @@ impl Rig {
     }
 }
 
+/// A worker on its own task whose model thread the test holds, slowed down
+/// by a [`Throttle`] so that the test can freeze it and act while
+/// sequences are in flight.
+pub struct ThrottledWorker {
+    pub model: ModelHandle,
+    pub throttle: Throttle,
+    pub handles: asyncrl_rollout_worker::WorkerMetrics,
+    pub task: JoinHandle<
+        Result<asyncrl_rollout_worker::WorkerSummary, asyncrl_rollout_worker::WorkerError>,
+    >,
+}
+
+impl Rig {
+    /// Starts a worker on the rig's config and bus with a model thread of
+    /// its own ([`spawn_model`]) that sleeps `per_step` before each step;
+    /// `shutdown` stops the worker.
+    pub async fn start_throttled(
+        &self,
+        per_step: Duration,
+        shutdown: &asyncrl_rollout_worker::CancellationToken,
+    ) -> ThrottledWorker {
+        let model = spawn_model(&self.config).await;
+        let throttle = Throttle::start(model.clone(), per_step);
+        let metrics = asyncrl_telemetry::Metrics::new();
+        let handles = asyncrl_rollout_worker::WorkerMetrics::new(&metrics).expect("metrics");
+        let task = tokio::spawn(
+            asyncrl_rollout_worker::Worker::new(self.config.clone(), self.bus.clone(), metrics)
+                .with_model(model.clone())
+                .run(shutdown.clone()),
+        );
+        ThrottledWorker {
+            model,
+            throttle,
+            handles,
+            task,
+        }
+    }
+}
+
 /// Creates the trajectory stream and starts a scripted coordinator handing
 /// out `tasks`.
 pub async fn coordinator(
