@@ -1,6 +1,14 @@
-//! Gives this crate's tests, examples and benches an rpath to the libtorch
-//! that torch-sys linked against, so that they start without
-//! LD_LIBRARY_PATH (shared with learner/build.rs and the root build.rs).
+//! Gives the tests, examples and benches of a crate that links libtorch
+//! through tch an rpath to the libtorch that torch-sys linked against, so
+//! that they start without LD_LIBRARY_PATH. `-Wl,-rpath` is a link argument
+//! of the package's own targets and does not reach its dependents, so every
+//! such crate runs it: this crate and asyncrl-rollout-worker (whose
+//! Cargo.toml names this file as its `build`). The learner and the root
+//! package have build scripts of their own that also pass the directory on;
+//! all of them share `learner/libtorch_link.rs`.
+//!
+//! No `rerun-if-changed=build.rs`: the path would be relative to each
+//! package, and a change to this file rebuilds the script, which reruns it.
 
 #[path = "../learner/libtorch_link.rs"]
 mod libtorch_link;
@@ -8,7 +16,6 @@ mod libtorch_link;
 use std::path::Path;
 
 fn main() {
-    println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=../learner/libtorch_link.rs");
     let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
     let root = Path::new(&manifest).parent().unwrap_or(Path::new("."));

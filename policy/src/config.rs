@@ -92,10 +92,8 @@ impl ModelConfig {
     /// Reads and parses `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| PolicyError::io(path, e))?;
-        let value: Value = serde_json::from_str(&text).map_err(|source| PolicyError::Json {
-            path: path.to_owned(),
-            source,
-        })?;
+        let value: Value =
+            serde_json::from_str(&text).map_err(|source| PolicyError::json(path, source))?;
         Self::from_json(&value)
     }
 

@@ -2,23 +2,11 @@
 
 use std::path::PathBuf;
 
+use asyncrl_text::TextError;
+
 /// Everything that can go wrong in the policy crate.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    /// A file of a model folder could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    /// `config.json` (or another JSON file of a model folder) is not valid.
-    #[error("{path}: invalid JSON: {source}")]
-    Json {
-        path: PathBuf,
-        #[source]
-        source: serde_json::Error,
-    },
     /// A configuration value is missing, has the wrong type or an unsupported
     /// value; `key` names it as it appears in `config.json`.
     #[error("model config: `{key}`: {message}")]
@@ -42,9 +30,12 @@ pub enum PolicyError {
         #[source]
         source: safetensors::SafeTensorError,
     },
-    /// The tokenizer, the chat template or another text file of the model.
+    /// A file of the model folder could not be read or written
+    /// ([`TextError::Io`]) or is not valid JSON ([`TextError::Json`]), or
+    /// the tokenizer or the chat template failed: the error of the text
+    /// crate, which is also the one home of those two file errors.
     #[error(transparent)]
-    Text(#[from] asyncrl_text::TextError),
+    Text(#[from] TextError),
     /// A request was invalid (empty prompt, prompt too long, no free slot...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
@@ -64,10 +55,17 @@ pub enum PolicyError {
 
 impl PolicyError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io {
+        Self::Text(TextError::Io {
             path: path.into(),
             source,
-        }
+        })
+    }
+
+    pub(crate) fn json(path: impl Into<PathBuf>, source: serde_json::Error) -> Self {
+        Self::Text(TextError::Json {
+            path: path.into(),
+            source,
+        })
     }
 
     pub(crate) fn config(key: impl Into<String>, message: impl Into<String>) -> Self {

@@ -25,16 +25,10 @@ pub fn device_options(name: DeviceName) -> Result<DeviceOptions> {
 
 /// The tiny-model dimensions of `[model.tiny]`.
 pub fn tiny_spec(section: &ModelSection) -> TinyModelSpec {
-    let t = &section.tiny;
+    let spec = TinyModelSpec::from(&section.tiny);
     TinyModelSpec {
-        hidden_size: t.hidden_size,
-        num_hidden_layers: t.num_hidden_layers,
-        num_attention_heads: t.num_attention_heads,
-        num_key_value_heads: t.num_key_value_heads,
-        intermediate_size: t.intermediate_size,
-        max_position_embeddings: (section.max_seq_len as i64)
-            .max(TinyModelSpec::default().max_position_embeddings),
-        ..TinyModelSpec::default()
+        max_position_embeddings: (section.max_seq_len as i64).max(spec.max_position_embeddings),
+        ..spec
     }
 }
 
@@ -131,6 +125,38 @@ mod tests {
             p.weights_to_safetensors(WeightDtype::F32).unwrap(),
             q.weights_to_safetensors(WeightDtype::F32).unwrap()
         );
+    }
+
+    /// `[model]`'s defaults have one home, the config crate: the policy's
+    /// own defaults are the same values.
+    #[test]
+    fn the_policy_defaults_are_the_config_defaults() {
+        let section = ModelSection::default();
+        let params = SamplingParams::default();
+        assert_eq!(params.temperature, section.temperature);
+        assert_eq!(params.top_p, section.top_p);
+        assert_eq!(params.max_new_tokens, section.max_new_tokens);
+        assert_eq!((params.top_k, params.seed), (0, None));
+        assert!(params.stop_token_ids.is_empty());
+        let spec = TinyModelSpec::default();
+        let t = &section.tiny;
+        assert_eq!(
+            (
+                spec.hidden_size,
+                spec.num_hidden_layers,
+                spec.num_attention_heads,
+                spec.num_key_value_heads,
+                spec.intermediate_size
+            ),
+            (
+                t.hidden_size,
+                t.num_hidden_layers,
+                t.num_attention_heads,
+                t.num_key_value_heads,
+                t.intermediate_size
+            )
+        );
+        assert_eq!(tiny_spec(&section), spec);
     }
 
     #[test]

@@ -49,15 +49,13 @@ pub struct SamplingParams {
 }
 
 impl Default for SamplingParams {
+    /// `[model]`'s defaults (their one home is asyncrl-config's
+    /// `ModelConfig`), no top-k, no stop tokens, a random seed.
     fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            max_new_tokens: 64,
-            stop_token_ids: Vec::new(),
-            seed: None,
-        }
+        crate::from_config::sampling_params_with_stops(
+            &asyncrl_config::ModelConfig::default(),
+            Vec::new(),
+        )
     }
 }
 

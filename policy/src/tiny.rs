@@ -3,6 +3,7 @@
 //! [`PolicyTokenizer::builtin`], built from a seed. It is saved and loaded as
 //! a Hugging Face folder like any other model.
 
+use asyncrl_config::TinyModelConfig;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -29,13 +30,22 @@ pub struct TinyModelSpec {
 }
 
 impl Default for TinyModelSpec {
+    /// The dimensions of `[model.tiny]`'s defaults (their one home is
+    /// asyncrl-config's `TinyModelConfig`).
     fn default() -> Self {
+        Self::from(&TinyModelConfig::default())
+    }
+}
+
+impl From<&TinyModelConfig> for TinyModelSpec {
+    /// The dimensions of `[model.tiny]`, the defaults for the rest.
+    fn from(t: &TinyModelConfig) -> Self {
         Self {
-            hidden_size: 128,
-            num_hidden_layers: 4,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            intermediate_size: 352,
+            hidden_size: t.hidden_size,
+            num_hidden_layers: t.num_hidden_layers,
+            num_attention_heads: t.num_attention_heads,
+            num_key_value_heads: t.num_key_value_heads,
+            intermediate_size: t.intermediate_size,
             max_position_embeddings: 512,
             rope_theta: 10000.0,
             tie_word_embeddings: true,

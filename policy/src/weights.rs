@@ -293,10 +293,8 @@ fn weight_files(dir: &Path) -> Result<Vec<String>> {
     if index_path.is_file() {
         let text =
             std::fs::read_to_string(&index_path).map_err(|e| PolicyError::io(&index_path, e))?;
-        let v: Value = serde_json::from_str(&text).map_err(|source| PolicyError::Json {
-            path: index_path.clone(),
-            source,
-        })?;
+        let v: Value =
+            serde_json::from_str(&text).map_err(|source| PolicyError::json(&index_path, source))?;
         let map = v
             .get("weight_map")
             .and_then(Value::as_object)

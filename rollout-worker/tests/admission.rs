@@ -7,27 +7,17 @@ mod common;
 
 use std::time::Duration;
 
-use asyncrl_rollout_worker::scripted::{
-    ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream, publish_weights,
-};
+use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask};
 use asyncrl_tasks::BuiltinTask;
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_weight_swap_ends_the_wait_after_a_refused_acquire() {
     const G: u32 = 2;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(8, 48);
-    let config = config(nats.config.clone(), section.clone(), G, 4);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    let (p1, p2) = (policy(&section, 1), policy(&section, 2));
-    publish_weights(bus.as_ref(), 1, weights(&p1))
-        .await
-        .unwrap();
     // Nothing to grant yet, and a refusal asks for a retry in ten minutes.
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let rig = Rig::nats(
+        model_section(8, 48),
+        4,
         Vec::new(),
         ScriptOptions {
             group_size: G,
@@ -36,13 +26,15 @@ async fn a_weight_swap_ends_the_wait_after_a_refused_acquire() {
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
+    let (p1, p2) = (rig.policy(1), rig.policy(2));
+    rig.publish(1, &p1).await;
+    let coordinator = &rig.coordinator;
     let RunningWorker {
         handles,
         shutdown,
         task: worker,
-    } = start_worker_at(config, &bus, 1).await;
+    } = start_worker_at(rig.config.clone(), &rig.bus, 1).await;
     let (refused, log) = coordinator
         .wait_for(Duration::from_secs(30), |l| !l.acquires.is_empty())
         .await;
@@ -51,9 +43,7 @@ async fn a_weight_swap_ends_the_wait_after_a_refused_acquire() {
     coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 1, 3));
 
     // The learner's next version: the worker swaps and asks again at once.
-    publish_weights(bus.as_ref(), 2, weights(&p2))
-        .await
-        .unwrap();
+    rig.publish(2, &p2).await;
     let (done, log) = coordinator
         .wait_for(Duration::from_secs(60), |l| l.completed_leases().len() == 1)
         .await;

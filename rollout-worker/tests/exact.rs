@@ -12,10 +12,7 @@ use std::time::Duration;
 use asyncrl_policy::from_config::decode_completion;
 use asyncrl_protos::subjects::trajectory_subject;
 use asyncrl_protos::{FinishReason, RewardStatus};
-use asyncrl_rollout_worker::scripted::{
-    ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream, publish_weights,
-    read_trajectories,
-};
+use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask, read_trajectories};
 use asyncrl_rollout_worker::{CancellationToken, WorkerMetrics, run};
 use asyncrl_tasks::{BuiltinTask, Verdict};
 use asyncrl_telemetry::Metrics;
@@ -29,14 +26,10 @@ const MAX_NEW: usize = 24;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trajectories_are_token_exact_and_complete_after_their_publishes() {
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(MAX_NEW, 64);
-    let config = config(nats.config.clone(), section.clone(), G, 8);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
     let tasks = ScriptedTask::generated(BuiltinTask::Arith, TASKS, 1);
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let rig = Rig::nats(
+        model_section(MAX_NEW, 64),
+        8,
         tasks.clone(),
         ScriptOptions {
             group_size: G,
@@ -46,8 +39,14 @@ async fn trajectories_are_token_exact_and_complete_after_their_publishes() {
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
+    let Rig {
+        bus,
+        section,
+        config,
+        coordinator,
+        ..
+    } = &rig;
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run(
@@ -66,10 +65,8 @@ async fn trajectories_are_token_exact_and_complete_after_their_publishes() {
     );
 
     // The learner's weights of version 5 (not the worker's own initial ones).
-    let published = policy(&section, 1234);
-    publish_weights(bus.as_ref(), VERSION, weights(&published))
-        .await
-        .unwrap();
+    let published = rig.policy(1234);
+    rig.publish(VERSION, &published).await;
 
     let (done, log) = coordinator
         .wait_for(Duration::from_secs(120), |l| {
@@ -104,7 +101,7 @@ async fn trajectories_are_token_exact_and_complete_after_their_publishes() {
         .iter()
         .map(|(_, t)| (t.lease_id.clone(), t.task_id.clone()))
         .collect();
-    let initial = asyncrl_policy::from_config::load_policy(&section, config.run.seed).unwrap();
+    let initial = asyncrl_policy::from_config::load_policy(section, config.run.seed).unwrap();
     let eos = published.eos_token_ids();
     let mut uuids = BTreeSet::new();
     let mut differs_from_initial = false;

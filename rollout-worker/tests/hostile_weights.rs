@@ -12,17 +12,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use asyncrl_protos::WeightAnnouncement;
-use asyncrl_protos::subjects::{WEIGHTS_BUCKET, weights_object_name};
 use asyncrl_rollout_worker::WorkerMetrics;
 use asyncrl_rollout_worker::metrics::WEIGHT_FAILURE_REASONS;
-use asyncrl_rollout_worker::scripted::{
-    ScriptOptions, ScriptedCoordinator, ScriptedTask, announce, ensure_trajectory_stream,
-    publish_weights, read_trajectories,
-};
+use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask, read_trajectories};
 use asyncrl_tasks::BuiltinTask;
-use asyncrl_telemetry::prometheus_client::metrics::counter::Counter;
-use asyncrl_telemetry::prometheus_client::metrics::family::Family;
 use asyncrl_transport::sha256_hex;
 use bytes::Bytes;
 use common::*;
@@ -222,43 +215,33 @@ fn the_model_refuses_hostile_payloads_and_keeps_its_weights() {
     assert_eq!(p.version(), 7);
 }
 
-fn failures(family: &Family<Vec<(String, String)>, Counter>, reason: &str) -> u64 {
-    family
-        .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
-        .get()
-}
-
 /// A running worker (real nats-server) on version 5 gets announcements of
 /// hostile payloads: each counted, version 5 kept and generating, the
 /// worker never stops, and a valid version after them is loaded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_keeps_its_weights_through_hostile_versions() {
     const G: u32 = 2;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(8, 48);
-    let config = config(nats.config.clone(), section.clone(), G, 4);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    let p5 = policy(&section, 100);
-    let good = weights(&p5).to_vec();
-    publish_weights(bus.as_ref(), 5, weights(&p5))
-        .await
-        .unwrap();
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let rig = Rig::nats(
+        model_section(8, 48),
+        4,
         Vec::new(),
         ScriptOptions {
             group_size: G,
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
+    let Rig {
+        bus, coordinator, ..
+    } = &rig;
+    let p5 = rig.policy(100);
+    let good = weights(&p5).to_vec();
+    rig.publish(5, &p5).await;
     let RunningWorker {
         handles,
         shutdown,
         task: worker,
-    } = start_worker_at(config, &bus, 5).await;
+    } = start_worker_at(rig.config.clone(), bus, 5).await;
 
     let hostile = [
         Spoil::Shape(0, true),
@@ -272,30 +255,13 @@ async fn a_worker_keeps_its_weights_through_hostile_versions() {
         Spoil::Random(vec![0xab; 1000]),
         Spoil::Random(Vec::new()),
     ];
-    let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
     let mut version = 5;
     for how in &hostile {
         version += 1;
         let bytes = Bytes::from(spoil(&good, how));
-        let info = store
-            .put(&weights_object_name(version), bytes.clone())
-            .await
-            .unwrap();
         let before = failures(&handles.weight_fetch_failures, "load");
-        announce(
-            bus.as_ref(),
-            &WeightAnnouncement {
-                version,
-                object_name: weights_object_name(version),
-                sha256: sha256_hex(&bytes),
-                byte_size: info.size,
-                format: "safetensors".into(),
-                published_at_unix_ms: 1,
-                step: version as u64,
-            },
-        )
-        .await
-        .unwrap();
+        let sha256 = sha256_hex(&bytes);
+        store_and_announce(bus, version, bytes, sha256).await;
         assert!(
             eventually(Duration::from_secs(20), || failures(
                 &handles.weight_fetch_failures,
@@ -309,24 +275,13 @@ async fn a_worker_keeps_its_weights_through_hostile_versions() {
     }
     // Valid bytes under a sha256 that is not theirs.
     version += 1;
-    store
-        .put(&weights_object_name(version), Bytes::from(good.clone()))
-        .await
-        .unwrap();
-    announce(
-        bus.as_ref(),
-        &WeightAnnouncement {
-            version,
-            object_name: weights_object_name(version),
-            sha256: sha256_hex(b"not these bytes"),
-            byte_size: good.len() as u64,
-            format: "safetensors".into(),
-            published_at_unix_ms: 1,
-            step: version as u64,
-        },
+    store_and_announce(
+        bus,
+        version,
+        Bytes::from(good.clone()),
+        sha256_hex(b"not these bytes"),
     )
-    .await
-    .unwrap();
+    .await;
     assert!(
         eventually(Duration::from_secs(20), || failures(
             &handles.weight_fetch_failures,
@@ -366,10 +321,8 @@ async fn a_worker_keeps_its_weights_through_hostile_versions() {
 
     // A valid version after them is loaded.
     version += 1;
-    let p_next = policy(&section, 300);
-    publish_weights(bus.as_ref(), version, weights(&p_next))
-        .await
-        .unwrap();
+    let p_next = rig.policy(300);
+    rig.publish(version, &p_next).await;
     assert!(
         eventually(Duration::from_secs(20), || handles.policy_version.get()
             == i64::from(version))

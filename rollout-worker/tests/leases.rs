@@ -8,31 +8,18 @@ mod common;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use asyncrl_rollout_worker::scripted::{
-    ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream, publish_weights,
-    read_trajectories,
-};
-use asyncrl_rollout_worker::{CancellationToken, Worker, WorkerMetrics};
+use asyncrl_rollout_worker::CancellationToken;
+use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask, read_trajectories};
 use asyncrl_tasks::BuiltinTask;
-use asyncrl_telemetry::Metrics;
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drain_publishes_the_finished_and_returns_the_unfinished() {
     const G: u32 = 2;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
     // Long completions on a slowed-down model: something is always in flight.
-    let section = model_section(120, 160);
-    let mut config = config(nats.config.clone(), section.clone(), G, 4);
-    let grace = Duration::from_millis(400);
-    config.worker.drain_grace_period = grace;
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    publish_weights(bus.as_ref(), 0, weights(&policy(&section, 9)))
-        .await
-        .unwrap();
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let mut rig = Rig::nats(
+        model_section(120, 160),
+        4,
         ScriptedTask::generated(BuiltinTask::Reverse, 40, 5),
         ScriptOptions {
             group_size: G,
@@ -40,18 +27,22 @@ async fn sigterm_drain_publishes_the_finished_and_returns_the_unfinished() {
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
-    let model = spawn_model(&config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(2));
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
+    .await;
+    let grace = Duration::from_millis(400);
+    rig.config.worker.drain_grace_period = grace;
+    rig.publish(0, &rig.policy(9)).await;
+    let Rig {
+        bus, coordinator, ..
+    } = &rig;
     let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(
-        Worker::new(config, bus.clone(), metrics)
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        handles,
+        task: worker,
+    } = rig
+        .start_throttled(Duration::from_millis(2), &shutdown)
+        .await;
 
     // Run until a few trajectories are out, then freeze the model between
     // two steps and send the "SIGTERM".
@@ -165,16 +156,9 @@ async fn sigterm_drain_publishes_the_finished_and_returns_the_unfinished() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_lease_is_cancelled_and_never_completed() {
     const G: u32 = 2;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(100, 140);
-    let config = config(nats.config.clone(), section.clone(), G, 4);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    publish_weights(bus.as_ref(), 0, weights(&policy(&section, 9)))
-        .await
-        .unwrap();
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let rig = Rig::nats(
+        model_section(100, 140),
+        4,
         ScriptedTask::generated(BuiltinTask::Reverse, 3, 8),
         ScriptOptions {
             group_size: G,
@@ -183,18 +167,20 @@ async fn a_revoked_lease_is_cancelled_and_never_completed() {
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
-    let model = spawn_model(&config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(2));
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
+    .await;
+    rig.publish(0, &rig.policy(9)).await;
+    let Rig {
+        bus, coordinator, ..
+    } = &rig;
     let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(
-        Worker::new(config, bus.clone(), metrics)
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        handles,
+        task: worker,
+    } = rig
+        .start_throttled(Duration::from_millis(2), &shutdown)
+        .await;
 
     assert!(
         eventually(Duration::from_secs(30), || model.stats().tokens_generated

@@ -88,19 +88,6 @@ async fn waits_for_a_late_coordinator_and_a_late_stream() {
 async fn external_reward_service_scores_and_failures_are_published_as_failed() {
     const G: u32 = 3;
     let server = RewardServer::start();
-    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
-    let section = model_section(8, 32);
-    let mut config = config(BusConfig::default(), section.clone(), G, 6);
-    config.worker.reward.endpoint = Some(format!("http://127.0.0.1:{}", server.port));
-    config.worker.reward.timeout = Duration::from_secs(2);
-    config.worker.reward.attempts = 2;
-    config.worker.reward.backoff = Duration::from_millis(20);
-    config.validate().unwrap();
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    let published = policy(&section, 42);
-    publish_weights(bus.as_ref(), 0, weights(&published))
-        .await
-        .unwrap();
     let tasks = vec![
         ScriptedTask {
             task_id: "custom-1".into(),
@@ -115,19 +102,38 @@ async fn external_reward_service_scores_and_failures_are_published_as_failed() {
             answer: "FAIL".into(),
         },
     ];
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let mut rig = Rig::local(
+        model_section(8, 32),
+        6,
         tasks,
         ScriptOptions {
             group_size: G,
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
+    let reward = &mut rig.config.worker.reward;
+    reward.endpoint = Some(format!("http://127.0.0.1:{}", server.port));
+    reward.timeout = Duration::from_secs(2);
+    reward.attempts = 2;
+    reward.backoff = Duration::from_millis(20);
+    rig.config.validate().unwrap();
+    let published = rig.policy(42);
+    rig.publish(0, &published).await;
+    let Rig {
+        bus,
+        config,
+        coordinator,
+        ..
+    } = &rig;
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(run(config, bus.clone(), metrics.clone(), shutdown.clone()));
+    let worker = tokio::spawn(run(
+        config.clone(),
+        bus.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
     let (done, log) = coordinator
         .wait_for(Duration::from_secs(60), |l| l.completed_leases().len() == 2)
         .await;

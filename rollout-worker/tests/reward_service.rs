@@ -1,50 +1,12 @@
 //! The Python example reward service (examples/reward_service/server.py),
 //! run for real and called through the worker's reward client.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::time::Duration;
 
 use asyncrl_rollout_worker::reward::{RewardOutcome, RewardServiceConfig, ScoreInput, Scorer};
-
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_server() -> Server {
-    let root = asyncrl_testkit::workspace_root();
-    let python = root.join(".venv/bin/python");
-    assert!(
-        python.exists(),
-        "{} missing: run scripts/setup",
-        python.display()
-    );
-    let port = asyncrl_testkit::free_port().unwrap();
-    let mut child = Command::new(&python)
-        .arg(root.join("examples/reward_service/server.py"))
-        .args(["--port", &port.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the reward service");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(
-        line.contains("listening"),
-        "reward service did not start: {line:?}"
-    );
-    Server { child, port }
-}
+use common::RewardServer;
 
 fn input(completion: &str, answer: &str) -> ScoreInput {
     ScoreInput {
@@ -71,7 +33,7 @@ fn config(port: u16) -> RewardServiceConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_reward_service_scores_retries_and_fails_loudly() {
-    let server = start_server();
+    let server = RewardServer::start();
     let scorer = Scorer::external(config(server.port)).unwrap();
     let Scorer::External(ext) = &scorer else {
         unreachable!()

@@ -5,48 +5,38 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::Duration;
 
-use asyncrl_config::BusConfig;
-use asyncrl_rollout_worker::scripted::{
-    ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream, publish_weights,
-};
-use asyncrl_rollout_worker::{Worker, shutdown_on_signals};
+use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask};
+use asyncrl_rollout_worker::shutdown_on_signals;
 use asyncrl_tasks::BuiltinTask;
-use asyncrl_telemetry::Metrics;
-use asyncrl_transport::{Bus, LocalBus};
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_the_worker() {
     const G: u32 = 2;
-    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
-    let section = model_section(120, 160);
-    let mut config = config(BusConfig::default(), section.clone(), G, 4);
-    config.worker.drain_grace_period = Duration::from_millis(300);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    publish_weights(bus.as_ref(), 0, weights(&policy(&section, 9)))
-        .await
-        .unwrap();
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let mut rig = Rig::local(
+        model_section(120, 160),
+        4,
         ScriptedTask::generated(BuiltinTask::Reverse, 40, 5),
         ScriptOptions {
             group_size: G,
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
-    let model = spawn_model(&config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(5));
+    .await;
+    rig.config.worker.drain_grace_period = Duration::from_millis(300);
+    rig.publish(0, &rig.policy(9)).await;
+    let coordinator = &rig.coordinator;
     let shutdown = shutdown_on_signals().unwrap();
-    let worker = tokio::spawn(
-        Worker::new(config, bus.clone(), Metrics::new())
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        task: worker,
+        ..
+    } = rig
+        .start_throttled(Duration::from_millis(5), &shutdown)
+        .await;
     assert!(
         eventually(Duration::from_secs(60), || {
             let s = model.stats();

@@ -16,8 +16,7 @@ use std::time::Duration;
 use asyncrl_config::{Config, EngineApi, EngineConfig, EngineKind, ModelConfig, PauseMode};
 use asyncrl_policy::{ModelText, Policy};
 use asyncrl_rollout_worker::scripted::{
-    Received, ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream,
-    publish_weights, read_trajectories,
+    Received, ScriptOptions, ScriptedCoordinator, ScriptedTask, publish_weights, read_trajectories,
 };
 use asyncrl_rollout_worker::{CancellationToken, WorkerError, WorkerMetrics, WorkerSummary, run};
 use asyncrl_tasks::BuiltinTask;
@@ -73,9 +72,8 @@ fn arch() -> ModelConfig {
 }
 
 async fn scripted(nats: &Nats, tasks: Vec<ScriptedTask>, admission: i32) -> ScriptedCoordinator {
-    ensure_trajectory_stream(nats.bus.as_ref()).await.unwrap();
-    ScriptedCoordinator::start(
-        nats.bus.clone(),
+    coordinator(
+        &nats.bus,
         tasks,
         ScriptOptions {
             group_size: G,
@@ -87,7 +85,6 @@ async fn scripted(nats: &Nats, tasks: Vec<ScriptedTask>, admission: i32) -> Scri
         },
     )
     .await
-    .unwrap()
 }
 
 /// Every token's log-prob equals the learner's recompute under the weights

@@ -10,63 +10,27 @@ use std::time::Duration;
 use asyncrl_protos::WeightAnnouncement;
 use asyncrl_protos::subjects::{WEIGHTS_BUCKET, weights_object_name};
 use asyncrl_rollout_worker::metrics::WEIGHT_FAILURE_REASONS;
-use asyncrl_rollout_worker::scripted::{
-    ScriptOptions, ScriptedCoordinator, ScriptedTask, announce, ensure_trajectory_stream,
-    publish_weights, read_trajectories,
-};
-use asyncrl_rollout_worker::{CancellationToken, Worker, WorkerMetrics};
+use asyncrl_rollout_worker::scripted::{ScriptOptions, ScriptedTask, announce, read_trajectories};
+use asyncrl_rollout_worker::{CancellationToken, WorkerMetrics};
 use asyncrl_tasks::BuiltinTask;
-use asyncrl_telemetry::Metrics;
-use asyncrl_telemetry::prometheus_client::metrics::counter::Counter;
-use asyncrl_telemetry::prometheus_client::metrics::family::Family;
 use asyncrl_transport::sha256_hex;
 use common::*;
 
-fn failures(family: &Family<Vec<(String, String)>, Counter>, reason: &str) -> u64 {
-    family
-        .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
-        .get()
-}
-
-/// Stores `bytes` as the object of `version` and announces it with a
-/// checksum that is not theirs.
+/// Announces `bytes` as `version` with a checksum that is not theirs.
 async fn announce_with_a_wrong_checksum(
     bus: &std::sync::Arc<dyn asyncrl_transport::Bus>,
     version: i32,
     bytes: bytes::Bytes,
 ) -> WeightAnnouncement {
-    let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
-    let info = store
-        .put(&weights_object_name(version), bytes)
-        .await
-        .unwrap();
-    let ann = WeightAnnouncement {
-        version,
-        object_name: weights_object_name(version),
-        sha256: sha256_hex(b"something else"),
-        byte_size: info.size,
-        format: "safetensors".into(),
-        published_at_unix_ms: 1,
-        step: version as u64,
-    };
-    announce(bus.as_ref(), &ann).await.unwrap();
-    ann
+    store_and_announce(bus, version, bytes, sha256_hex(b"something else")).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_spanning_a_swap_switches_version_and_weights_mid_sequence() {
     const G: u32 = 4;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(40, 96);
-    let config = config(nats.config.clone(), section.clone(), G, 4);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    let (p5, p6) = (policy(&section, 100), policy(&section, 200));
-    publish_weights(bus.as_ref(), 5, weights(&p5))
-        .await
-        .unwrap();
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let rig = Rig::nats(
+        model_section(40, 96),
+        4,
         ScriptedTask::generated(BuiltinTask::Reverse, 1, 3),
         ScriptOptions {
             group_size: G,
@@ -74,18 +38,21 @@ async fn a_rollout_spanning_a_swap_switches_version_and_weights_mid_sequence() {
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
-    let model = spawn_model(&config).await;
-    let throttle = Throttle::start(model.clone(), Duration::from_millis(3));
-    let metrics = Metrics::new();
-    let handles = WorkerMetrics::new(&metrics).unwrap();
+    .await;
+    let Rig {
+        bus, coordinator, ..
+    } = &rig;
+    let (p5, p6) = (rig.policy(100), rig.policy(200));
+    rig.publish(5, &p5).await;
     let shutdown = CancellationToken::new();
-    let worker = tokio::spawn(
-        Worker::new(config, bus.clone(), metrics.clone())
-            .with_model(model.clone())
-            .run(shutdown.clone()),
-    );
+    let ThrottledWorker {
+        model,
+        throttle,
+        handles,
+        task: worker,
+    } = rig
+        .start_throttled(Duration::from_millis(3), &shutdown)
+        .await;
 
     // Let the G sequences sample a token or two with version 5, then hold
     // the model between two steps while version 6 is announced and fetched.
@@ -102,9 +69,7 @@ async fn a_rollout_spanning_a_swap_switches_version_and_weights_mid_sequence() {
         "nothing in flight to swap under: {before:?}"
     );
     assert_eq!(before.version, 5);
-    publish_weights(bus.as_ref(), 6, weights(&p6))
-        .await
-        .unwrap();
+    rig.publish(6, &p6).await;
     assert!(
         eventually(Duration::from_secs(10), || handles
             .weights_fetched_version
@@ -171,37 +136,29 @@ async fn a_rollout_spanning_a_swap_switches_version_and_weights_mid_sequence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_checksum_or_missing_object_keeps_the_old_weights_and_is_retried() {
     const G: u32 = 2;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(12, 48);
-    let config = config(nats.config.clone(), section.clone(), G, 4);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    let (p5, p6, p7) = (
-        policy(&section, 100),
-        policy(&section, 200),
-        policy(&section, 300),
-    );
-    publish_weights(bus.as_ref(), 5, weights(&p5))
-        .await
-        .unwrap();
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let rig = Rig::nats(
+        model_section(12, 48),
+        4,
         Vec::new(),
         ScriptOptions {
             group_size: G,
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
+    let Rig {
+        bus, coordinator, ..
+    } = &rig;
+    let (p5, p6, p7) = (rig.policy(100), rig.policy(200), rig.policy(300));
+    rig.publish(5, &p5).await;
     let RunningWorker {
         handles,
         shutdown,
         task: worker,
-    } = start_worker_at(config, &bus, 5).await;
+    } = start_worker_at(rig.config.clone(), bus, 5).await;
 
     // Version 6: the object is there, but the announced checksum is not its.
-    let mut bad = announce_with_a_wrong_checksum(&bus, 6, weights(&p6)).await;
+    let mut bad = announce_with_a_wrong_checksum(bus, 6, weights(&p6)).await;
     let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
     assert!(
         eventually(Duration::from_secs(10), || failures(
@@ -286,17 +243,9 @@ async fn a_bad_checksum_or_missing_object_keeps_the_old_weights_and_is_retried()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_admitted_at_a_newer_version_waits_for_its_weights() {
     const G: u32 = 2;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(8, 48);
-    let config = config(nats.config.clone(), section.clone(), G, 4);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    let (p5, p6) = (policy(&section, 100), policy(&section, 200));
-    publish_weights(bus.as_ref(), 5, weights(&p5))
-        .await
-        .unwrap();
-    let coordinator = ScriptedCoordinator::start(
-        bus.clone(),
+    let rig = Rig::nats(
+        model_section(8, 48),
+        4,
         Vec::new(),
         ScriptOptions {
             group_size: G,
@@ -304,13 +253,17 @@ async fn a_task_admitted_at_a_newer_version_waits_for_its_weights() {
             ..ScriptOptions::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
+    let Rig {
+        bus, coordinator, ..
+    } = &rig;
+    let (p5, p6) = (rig.policy(100), rig.policy(200));
+    rig.publish(5, &p5).await;
     let RunningWorker {
         handles,
         shutdown,
         task: worker,
-    } = start_worker_at(config, &bus, 5).await;
+    } = start_worker_at(rig.config.clone(), bus, 5).await;
     coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 2, 1));
     let (granted, log) = coordinator
         .wait_for(Duration::from_secs(10), |l| l.granted_leases().len() == 2)
@@ -321,9 +274,7 @@ async fn a_task_admitted_at_a_newer_version_waits_for_its_weights() {
     assert_eq!(handles.tokens_generated.get(), 0);
     assert!(coordinator.log().completed_leases().is_empty());
 
-    publish_weights(bus.as_ref(), 6, weights(&p6))
-        .await
-        .unwrap();
+    rig.publish(6, &p6).await;
     let (done, log) = coordinator
         .wait_for(Duration::from_secs(30), |l| l.completed_leases().len() == 2)
         .await;
@@ -358,25 +309,22 @@ async fn a_task_admitted_at_a_newer_version_waits_for_its_weights() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_of_one_process_share_fetches_and_each_checks_them() {
     const WORKERS: usize = 3;
-    let nats = nats().await;
-    let bus = nats.bus.clone();
-    let section = model_section(12, 48);
-    ensure_trajectory_stream(bus.as_ref()).await.unwrap();
-    let (p5, p6, p7) = (
-        policy(&section, 100),
-        policy(&section, 200),
-        policy(&section, 300),
-    );
-    publish_weights(bus.as_ref(), 5, weights(&p5))
-        .await
-        .unwrap();
-    let _coordinator =
-        ScriptedCoordinator::start(bus.clone(), Vec::new(), ScriptOptions::default())
-            .await
-            .unwrap();
+    let rig = Rig::nats(
+        model_section(12, 48),
+        4,
+        Vec::new(),
+        ScriptOptions {
+            group_size: 2,
+            ..ScriptOptions::default()
+        },
+    )
+    .await;
+    let (bus, nats) = (&rig.bus, rig.nats.as_ref().expect("nats"));
+    let (p5, p6, p7) = (rig.policy(100), rig.policy(200), rig.policy(300));
+    rig.publish(5, &p5).await;
     let mut workers = Vec::new();
     for i in 0..WORKERS {
-        let mut config = config(nats.config.clone(), section.clone(), 2, 4);
+        let mut config = rig.config.clone();
         config.worker.id = Some(format!("worker-shared-{i}"));
         let own: std::sync::Arc<dyn asyncrl_transport::Bus> = std::sync::Arc::new(
             asyncrl_transport::NatsBus::connect(
@@ -390,7 +338,7 @@ async fn workers_of_one_process_share_fetches_and_each_checks_them() {
     }
 
     // Version 6 announced with a checksum that is not its object's.
-    let mut ann = announce_with_a_wrong_checksum(&bus, 6, weights(&p6)).await;
+    let mut ann = announce_with_a_wrong_checksum(bus, 6, weights(&p6)).await;
     let store = bus.object_store(WEIGHTS_BUCKET).await.unwrap();
     for w in &workers {
         assert!(

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 /// Everything that can go wrong with a model's text side.
 #[derive(Debug, thiserror::Error)]
 pub enum TextError {
-    /// A file of a model folder could not be read.
+    /// A file of a model folder could not be read or written.
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -11,9 +11,16 @@ use asyncrl_policy::{
     DecodeBatchOptions, DeviceOptions, EngineOptions, ModelHandle, Policy, WeightDtype,
     sequence_logprobs,
 };
-use asyncrl_rollout_worker::scripted::Received;
+use asyncrl_protos::WeightAnnouncement;
+use asyncrl_protos::subjects::{WEIGHTS_BUCKET, weights_object_name};
+use asyncrl_rollout_worker::scripted::{
+    Received, ScriptOptions, ScriptedCoordinator, ScriptedTask, announce, ensure_trajectory_stream,
+    publish_weights,
+};
+use asyncrl_telemetry::prometheus_client::metrics::counter::Counter;
+use asyncrl_telemetry::prometheus_client::metrics::family::Family;
 use asyncrl_testkit::NatsServer;
-use asyncrl_transport::{Bus, NatsBus, TransportMetrics};
+use asyncrl_transport::{Bus, LocalBus, NatsBus, TransportMetrics};
 use bytes::Bytes;
 use tokio::task::JoinHandle;
 
@@ -115,6 +122,178 @@ pub async fn nats() -> Nats {
         bus,
         config,
     }
+}
+
+/// What most worker tests start from: a bus, `[model]`, the worker's
+/// config, the trajectory stream, and a scripted coordinator. The worker
+/// itself is the test's to start (tests start it in different ways), so
+/// `config` may still be changed.
+pub struct Rig {
+    /// The nats-server behind `bus` (`None` on the in-process bus); it
+    /// stops when the rig is dropped.
+    pub nats: Option<Nats>,
+    pub bus: Arc<dyn Bus>,
+    pub section: ModelConfig,
+    /// [`config`] for `section`, groups of the coordinator's `group_size`
+    /// and the given slots.
+    pub config: Config,
+    pub coordinator: ScriptedCoordinator,
+}
+
+impl Rig {
+    /// On a real nats-server.
+    pub async fn nats(
+        section: ModelConfig,
+        slots: usize,
+        tasks: Vec<ScriptedTask>,
+        options: ScriptOptions,
+    ) -> Self {
+        let nats = nats().await;
+        let (bus, bus_config) = (nats.bus.clone(), nats.config.clone());
+        Self::start(Some(nats), bus, bus_config, section, slots, tasks, options).await
+    }
+
+    /// On the in-process bus (the local mode).
+    pub async fn local(
+        section: ModelConfig,
+        slots: usize,
+        tasks: Vec<ScriptedTask>,
+        options: ScriptOptions,
+    ) -> Self {
+        let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+        Self::start(
+            None,
+            bus,
+            BusConfig::default(),
+            section,
+            slots,
+            tasks,
+            options,
+        )
+        .await
+    }
+
+    async fn start(
+        nats: Option<Nats>,
+        bus: Arc<dyn Bus>,
+        bus_config: BusConfig,
+        section: ModelConfig,
+        slots: usize,
+        tasks: Vec<ScriptedTask>,
+        options: ScriptOptions,
+    ) -> Self {
+        let config = config(bus_config, section.clone(), options.group_size, slots);
+        let coordinator = coordinator(&bus, tasks, options).await;
+        Self {
+            nats,
+            bus,
+            section,
+            config,
+            coordinator,
+        }
+    }
+
+    /// A policy of the rig's architecture ([`policy`]).
+    pub fn policy(&self, seed: u64) -> Policy {
+        policy(&self.section, seed)
+    }
+
+    /// Publishes `p`'s weights as `version`, as the learner does.
+    pub async fn publish(&self, version: i32, p: &Policy) {
+        publish_weights(self.bus.as_ref(), version, weights(p))
+            .await
+            .expect("publish weights");
+    }
+}
+
+/// A worker on its own task whose model thread the test holds, slowed down
+/// by a [`Throttle`] so that the test can freeze it and act while
+/// sequences are in flight.
+pub struct ThrottledWorker {
+    pub model: ModelHandle,
+    pub throttle: Throttle,
+    pub handles: asyncrl_rollout_worker::WorkerMetrics,
+    pub task: JoinHandle<
+        Result<asyncrl_rollout_worker::WorkerSummary, asyncrl_rollout_worker::WorkerError>,
+    >,
+}
+
+impl Rig {
+    /// Starts a worker on the rig's config and bus with a model thread of
+    /// its own ([`spawn_model`]) that sleeps `per_step` before each step;
+    /// `shutdown` stops the worker.
+    pub async fn start_throttled(
+        &self,
+        per_step: Duration,
+        shutdown: &asyncrl_rollout_worker::CancellationToken,
+    ) -> ThrottledWorker {
+        let model = spawn_model(&self.config).await;
+        let throttle = Throttle::start(model.clone(), per_step);
+        let metrics = asyncrl_telemetry::Metrics::new();
+        let handles = asyncrl_rollout_worker::WorkerMetrics::new(&metrics).expect("metrics");
+        let task = tokio::spawn(
+            asyncrl_rollout_worker::Worker::new(self.config.clone(), self.bus.clone(), metrics)
+                .with_model(model.clone())
+                .run(shutdown.clone()),
+        );
+        ThrottledWorker {
+            model,
+            throttle,
+            handles,
+            task,
+        }
+    }
+}
+
+/// Creates the trajectory stream and starts a scripted coordinator handing
+/// out `tasks`.
+pub async fn coordinator(
+    bus: &Arc<dyn Bus>,
+    tasks: Vec<ScriptedTask>,
+    options: ScriptOptions,
+) -> ScriptedCoordinator {
+    ensure_trajectory_stream(bus.as_ref())
+        .await
+        .expect("trajectory stream");
+    ScriptedCoordinator::start(bus.clone(), tasks, options)
+        .await
+        .expect("scripted coordinator")
+}
+
+/// Stores `bytes` as the weights object of `version` and announces it with
+/// `sha256` (tests of the worker's checks pass one that is not theirs).
+pub async fn store_and_announce(
+    bus: &Arc<dyn Bus>,
+    version: i32,
+    bytes: Bytes,
+    sha256: String,
+) -> WeightAnnouncement {
+    let store = bus
+        .object_store(WEIGHTS_BUCKET)
+        .await
+        .expect("weights bucket");
+    let info = store
+        .put(&weights_object_name(version), bytes)
+        .await
+        .expect("store the weights object");
+    let ann = WeightAnnouncement {
+        version,
+        object_name: weights_object_name(version),
+        sha256,
+        byte_size: info.size,
+        format: "safetensors".into(),
+        published_at_unix_ms: 1,
+        step: version as u64,
+    };
+    announce(bus.as_ref(), &ann).await.expect("announce");
+    ann
+}
+
+/// The count of one `reason` of a failure counter family.
+pub fn failures(family: &Family<Vec<(String, String)>, Counter>, reason: &str) -> u64 {
+    family
+        .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
+        .get()
 }
 
 /// Log-probs of `completion` after `prompt` under `p`, recomputed in one

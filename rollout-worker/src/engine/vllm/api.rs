@@ -82,6 +82,24 @@ pub const COLLECTIVE_RPC: &str = "/collective_rpc";
 pub const UPDATE_WEIGHT_VERSION: &str = "/update_weight_version";
 pub const RESET_PREFIX_CACHE: &str = "/reset_prefix_cache";
 
+/// Which generation route a server is driven through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// [`GENERATE`]: token ids in and out, with per-token weight versions.
+    Generate,
+    /// [`COMPLETIONS`] with a token-id prompt.
+    Completions,
+}
+
+impl Route {
+    pub fn path(self) -> &'static str {
+        match self {
+            Route::Generate => GENERATE,
+            Route::Completions => COMPLETIONS,
+        }
+    }
+}
+
 /// The dev-mode routes a weight swap needs (`VLLM_SERVER_DEV_MODE=1`).
 pub const SWAP_ROUTES: &[&str] = &[
     "/pause",

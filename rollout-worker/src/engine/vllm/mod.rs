@@ -30,10 +30,11 @@
 //!   resubmitted.
 
 mod api;
+mod checks;
 mod folders;
-mod launch;
 mod lifecycle;
 mod reply;
+mod server;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering};
@@ -50,93 +51,18 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub use api::VllmError;
-use api::{Api, CompletionsRequest, GenerateRequest, GenerationReply};
+use api::{Api, CompletionsRequest, GenerateRequest, GenerationReply, Route};
+use checks::probe;
 use folders::{prune_version_dirs, write_version_dir};
-use launch::Launcher;
-use lifecycle::{
-    health_loop, probe, recover_loop, stop_server, swap_steps, wait_healthy, watch_exit,
-};
+use lifecycle::Lifecycle;
 use reply::{read_choice, sampling, span_versions};
+use server::{Server, ServerState, Target};
 
 use super::{Engine, EngineCounters, EngineError, Readiness};
 use crate::metrics::{WorkerMetrics, reason};
 
-/// The text the start-up check tokenizes on both sides.
-const TOKENIZER_PROBE: &str = "12+7=19 hello, world";
-/// How often an idle server's `/health` is polled.
-const HEALTH_EVERY: Duration = Duration::from_secs(2);
 /// A request is resubmitted at most this often (weight swaps that abort it).
 const MAX_RESUBMISSIONS: usize = 64;
-
-/// Which generation route a server is driven through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Route {
-    Generate,
-    Completions,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-enum ServerState {
-    /// Serving the weights of `version` (-1: the folder it started with,
-    /// before the first swap).
-    Ready {
-        version: i32,
-    },
-    /// A weight swap is in progress: new requests wait.
-    Swapping,
-    Down {
-        reason: String,
-    },
-}
-
-struct Server {
-    api: Api,
-    route: Route,
-    model_id: String,
-    state: watch::Sender<ServerState>,
-    /// Bumped when a swap starts (before `/pause`).
-    epoch: AtomicU64,
-    /// Cancelled when the server goes down: its requests stop waiting.
-    down: Mutex<CancellationToken>,
-    in_flight: AtomicUsize,
-    launcher: Option<Launcher>,
-    /// One swap or recovery at a time.
-    swap_lock: tokio::sync::Mutex<()>,
-}
-
-impl Server {
-    fn down_token(&self) -> CancellationToken {
-        self.down
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    /// Marks the server down (once) and cancels its requests.
-    fn mark_down(&self, why: String) {
-        let changed = self.state.send_if_modified(|s| {
-            if matches!(s, ServerState::Down { .. }) {
-                false
-            } else {
-                *s = ServerState::Down {
-                    reason: why.clone(),
-                };
-                true
-            }
-        });
-        if changed {
-            tracing::warn!(endpoint = %self.api.endpoint, reason = %why, "engine server down; its requests fail and their tasks go back");
-            self.down_token().cancel();
-        }
-    }
-}
-
-/// The newest weights: what a recovering server reloads.
-#[derive(Debug, Clone)]
-struct Target {
-    version: i32,
-    dir: PathBuf,
-}
 
 struct Settings {
     /// The model ties its LM head to its embedding (see the module docs).
@@ -222,24 +148,10 @@ pub async fn build(
     let mut servers: Vec<Arc<Server>> = Vec::new();
     for endpoint in &e.endpoints {
         let api = Api::new(endpoint, http.clone());
-        let launcher = (!e.launch.is_empty()).then(|| Launcher::new(e.launch.clone(), endpoint));
-        let mut exited = None;
-        if let Some(l) = &launcher {
-            exited =
-                Some(l.start().with_context(|| {
-                    format!("`worker.engine.launch`: cannot start {:?}", e.launch)
-                })?);
-        }
+        let lifecycle = Lifecycle::new(api.clone(), &e.launch, settings.ready_timeout);
         let started = async {
-            wait_healthy(
-                &api,
-                settings.ready_timeout,
-                exited.as_mut(),
-                launcher.as_ref(),
-            )
-            .await
-            .map_err(anyhow::Error::msg)?;
-            probe(
+            let exit = lifecycle.start().await?;
+            let checked = probe(
                 &api,
                 e.api,
                 e.pause_mode,
@@ -247,35 +159,24 @@ pub async fn build(
                 model.max_seq_len,
                 settings.control_timeout,
             )
-            .await
+            .await?;
+            anyhow::Ok((checked, exit))
         }
         .await;
-        let (route, model_id) = match started {
+        let ((route, model_id), exit) = match started {
             Ok(x) => x,
             Err(err) => {
-                if let Some(l) = &launcher {
-                    l.stop(Duration::from_secs(5)).await;
-                }
+                lifecycle.stop(Duration::from_secs(5)).await;
                 for s in &servers {
-                    stop_server(s).await;
+                    s.lifecycle.stop(Duration::from_secs(10)).await;
                 }
                 return Err(err);
             }
         };
-        tracing::info!(endpoint = %api.endpoint, route = ?route, model = %model_id, launched = launcher.is_some(), "vLLM server ready");
-        let server = Arc::new(Server {
-            api,
-            route,
-            model_id,
-            state: watch::Sender::new(ServerState::Ready { version: -1 }),
-            epoch: AtomicU64::new(0),
-            down: Mutex::new(CancellationToken::new()),
-            in_flight: AtomicUsize::new(0),
-            launcher,
-            swap_lock: tokio::sync::Mutex::new(()),
-        });
-        if let Some(rx) = exited {
-            tokio::spawn(watch_exit(server.clone(), rx, stop.clone()));
+        tracing::info!(endpoint = %api.endpoint, route = ?route, model = %model_id, launched = lifecycle.launched(), "vLLM server ready");
+        let server = Arc::new(Server::new(api, route, model_id, lifecycle));
+        if let Some(exit) = exit {
+            tokio::spawn(server.clone().watch_exit(exit, stop.clone()));
         }
         servers.push(server);
     }
@@ -293,8 +194,8 @@ pub async fn build(
         stop,
     });
     for server in &engine.servers {
-        tokio::spawn(recover_loop(engine.clone(), server.clone()));
-        tokio::spawn(health_loop(server.clone(), engine.stop.clone()));
+        tokio::spawn(engine.clone().recover_loop(server.clone()));
+        tokio::spawn(server.clone().health_loop(engine.stop.clone()));
     }
     Ok((engine, text, params))
 }
@@ -325,12 +226,75 @@ impl VllmEngine {
             .clone()
     }
 
+    /// Brings a server that went down back: restart it (launched) or wait
+    /// for it (attached), then reload the newest weights before it serves
+    /// again.
+    async fn recover_loop(self: Arc<Self>, server: Arc<Server>) {
+        let mut state = server.state.subscribe();
+        let mut backoff =
+            asyncrl_common::Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+        loop {
+            let down = tokio::select! {
+                _ = self.stop.cancelled() => return,
+                r = state.wait_for(|s| matches!(s, ServerState::Down { .. })) => r.is_ok(),
+            };
+            if !down {
+                return;
+            }
+            self.update_readiness();
+            let _guard = server.swap_lock.lock().await;
+            let attempt = async {
+                if let Some(exit) = server.lifecycle.restart().await? {
+                    tokio::spawn(server.clone().watch_exit(exit, self.stop.clone()));
+                }
+                let version = match self.target() {
+                    Some(t) => {
+                        server
+                            .swap(self.settings.pause_mode, self.settings.control_timeout, &t)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        t.version
+                    }
+                    None => -1,
+                };
+                Ok::<i32, String>(version)
+            };
+            let result = tokio::select! {
+                _ = self.stop.cancelled() => return,
+                r = attempt => r,
+            };
+            match result {
+                Ok(version) => {
+                    backoff.reset();
+                    server.mark_up(version);
+                    self.metrics.engine_recoveries.inc();
+                    tracing::info!(endpoint = %server.api.endpoint, version, "engine server recovered");
+                    self.update_readiness();
+                }
+                Err(e) => {
+                    self.metrics
+                        .engine_errors
+                        .get_or_create(&reason("recovery"))
+                        .inc();
+                    tracing::warn!(endpoint = %server.api.endpoint, error = %e, "engine server not recovered yet; retrying");
+                    let delay = backoff.next_delay();
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    // Still down: the loop goes round again.
+                    server.state.send_modify(|s| {
+                        if !matches!(s, ServerState::Down { .. }) {
+                            *s = ServerState::Down { reason: e.clone() };
+                        }
+                    });
+                }
+            }
+        }
+    }
+
     fn update_readiness(&self) {
-        let ready = self
-            .servers
-            .iter()
-            .filter(|s| !matches!(*s.state.borrow(), ServerState::Down { .. }))
-            .count();
+        let ready = self.servers.iter().filter(|s| !s.is_down()).count();
         self.metrics.engine_servers_ready.set(ready as i64);
         let r = if ready > 0 {
             Readiness::Ready
@@ -361,7 +325,7 @@ impl VllmEngine {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         (0..n)
             .map(|i| &self.servers[(start + i) % n])
-            .filter(|s| !matches!(*s.state.borrow(), ServerState::Down { .. }))
+            .filter(|s| !s.is_down())
             .min_by_key(|s| s.in_flight.load(Ordering::Relaxed))
             .cloned()
             .ok_or_else(|| {
@@ -489,10 +453,6 @@ impl VllmEngine {
                     reason: "went down while generating".into(),
                 }),
             };
-            let route_name = match server.route {
-                Route::Generate => api::GENERATE,
-                Route::Completions => api::COMPLETIONS,
-            };
             let reply = match reply {
                 Ok(r) => r,
                 Err(e) => {
@@ -508,7 +468,7 @@ impl VllmEngine {
             let contract = |reason: String| {
                 let e = VllmError::Contract {
                     endpoint: server.api.endpoint.clone(),
-                    route: route_name,
+                    route: server.route.path(),
                     reason,
                 };
                 self.count_error(&e);
@@ -638,13 +598,13 @@ impl Engine for VllmEngine {
             }
             server.state.send_replace(ServerState::Swapping);
             let started = std::time::Instant::now();
-            match swap_steps(
-                server,
-                self.settings.pause_mode,
-                self.settings.control_timeout,
-                &target,
-            )
-            .await
+            match server
+                .swap(
+                    self.settings.pause_mode,
+                    self.settings.control_timeout,
+                    &target,
+                )
+                .await
             {
                 Ok(()) => {
                     server.state.send_replace(ServerState::Ready { version });
@@ -709,7 +669,7 @@ impl Engine for VllmEngine {
     async fn shutdown(&self) {
         self.stop.cancel();
         for s in &self.servers {
-            stop_server(s).await;
+            s.lifecycle.stop(Duration::from_secs(10)).await;
         }
     }
 }
