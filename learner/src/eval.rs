@@ -31,7 +31,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::outputs::{CsvLog, EVAL_CSV};
-use crate::service::LearnerEvent;
 use crate::trainer::TrainError;
 
 // The scores and the row are records of `eval.csv`, at home in
@@ -284,14 +283,15 @@ pub struct Evaluator {
 }
 
 impl Evaluator {
-    /// Loads the held-out problems and a copy of the model on a new thread.
-    /// `None` when `[eval]` is off. Errors (a missing data set, rows without answers,
+    /// Loads the held-out problems and a copy of the model on a new thread,
+    /// which hands every row it writes to `on_row` as well. `None` when
+    /// `[eval]` is off. Errors (a missing data set, rows without answers,
     /// too many problems, a model that does not load, an `eval.csv` of
     /// other columns) stop the learner before it trains.
     pub async fn start(
         config: &Config,
         metrics: &Metrics,
-        progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
+        on_row: impl FnMut(EvalRow) + Send + 'static,
     ) -> anyhow::Result<Option<Self>> {
         if !config.eval.enabled() {
             return Ok(None);
@@ -320,7 +320,7 @@ impl Evaluator {
                     Ok((policy, text, items, file)) => {
                         let _ = ready_tx.send(Ok(()));
                         let spec = EvalSpec::from_config(&config);
-                        eval_loop(policy, &text, &items, &spec, rx, file, &metrics, progress);
+                        eval_loop(policy, &text, &items, &spec, rx, file, &metrics, on_row);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -390,7 +390,7 @@ fn eval_loop(
     rx: mpsc::Receiver<EvalJob>,
     mut csv: CsvLog<EvalRow>,
     metrics: &EvalMetrics,
-    progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
+    mut on_row: impl FnMut(EvalRow),
 ) {
     let mut queue: VecDeque<EvalJob> = VecDeque::new();
     loop {
@@ -440,9 +440,7 @@ fn eval_loop(
             metrics.failures.inc();
             tracing::warn!(error = %format!("{e:#}"), "cannot write the evaluation row");
         }
-        if let Some(tx) = &progress {
-            let _ = tx.send(LearnerEvent::Eval(row));
-        }
+        on_row(row);
     }
 }
 

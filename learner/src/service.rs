@@ -200,7 +200,15 @@ pub async fn run_with_progress(
     })
     .await??;
 
-    let evaluator = Evaluator::start(&config, &metrics, progress.clone())
+    let on_eval = {
+        let progress = progress.clone();
+        move |row| {
+            if let Some(tx) = &progress {
+                let _ = tx.send(LearnerEvent::Eval(row));
+            }
+        }
+    };
+    let evaluator = Evaluator::start(&config, &metrics, on_eval)
         .await
         .context("cannot start the held-out evaluation ([eval])")?;
     let metrics = LearnerMetrics::register(&metrics)?;
