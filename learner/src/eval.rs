@@ -6,15 +6,15 @@
 //! [`Evaluator`] is the learner's `[eval]`: a thread with its own copy of the
 //! model that evaluates the weights of the versions the learner hands it,
 //! off the learner's critical path (the learner only clones the bytes it
-//! publishes anyway), and writes `eval.csv` (one row per version), the
-//! `asyncrl_eval_*` metrics and, for `asyncrl train`, the progress line.
+//! publishes anyway), and writes `eval.csv` (one [`EvalRow`] per version,
+//! see [`crate::outputs`]) and the `asyncrl_eval_*` metrics, and hands each
+//! row to the learner (for `asyncrl train`'s progress line).
 //!
 //! Architecture invariant: an evaluation row names the version whose
 //! weights were scored; the learner hands over the bytes it published for
 //! that version, never the weights of a later step.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
@@ -30,8 +30,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-use crate::service::LearnerEvent;
+use crate::outputs::{CsvLog, EVAL_CSV};
 use crate::trainer::TrainError;
+
+// The scores and the row are records of `eval.csv`, at home in
+// [`crate::outputs`]; [`evaluate`] returns the scores.
+pub use crate::outputs::{EvalRow, EvalScores};
 
 /// How to evaluate.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,35 +64,6 @@ impl EvalSpec {
             seed: e.seed,
             stop_strings: config.model.stop_strings.clone(),
         }
-    }
-}
-
-/// The scores of one evaluation. Accuracies are mean rewards (1 = every
-/// completion right); a completion is "right" for pass@k at reward 1.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct EvalScores {
-    pub problems: usize,
-    pub greedy: Option<f64>,
-    pub sampled: Option<f64>,
-    /// Fraction of problems with at least one right completion among `k`.
-    pub pass_at_k: Option<f64>,
-    pub k: usize,
-    pub seconds: f64,
-}
-
-impl std::fmt::Display for EvalScores {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} problems:", self.problems)?;
-        if let Some(g) = self.greedy {
-            write!(f, " greedy accuracy {g:.4}")?;
-        }
-        if let Some(s) = self.sampled {
-            write!(f, " sampled accuracy {s:.4}")?;
-        }
-        if let Some(p) = self.pass_at_k {
-            write!(f, " pass@{} {p:.4}", self.k)?;
-        }
-        write!(f, " ({:.1}s)", self.seconds)
     }
 }
 
@@ -270,49 +245,20 @@ impl EvalMetrics {
     }
 }
 
-/// One evaluated version.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EvalRow {
-    pub version: i32,
-    /// The learner step that produced the version.
-    pub step: u64,
-    /// Seconds since the learner started when the version was published.
-    pub wall_seconds: f64,
-    pub scores: EvalScores,
-}
-
-/// `eval.csv`: one row per evaluated version.
+/// The header line of `eval.csv` ([`EvalRow::COLUMNS`]), for the root
+/// package's readers until they use [`crate::outputs::read_eval`].
 pub const EVAL_CSV_HEADER: &str =
     "version,step,wall_seconds,problems,greedy_accuracy,sampled_accuracy,pass_at_k,k,eval_seconds";
 
-fn csv_row(r: &EvalRow) -> String {
-    let opt = |v: Option<f64>| v.map(|x| format!("{x:.6}")).unwrap_or_default();
-    let s = &r.scores;
-    format!(
-        "{},{},{:.3},{},{},{},{},{},{:.3}",
-        r.version,
-        r.step,
-        r.wall_seconds,
-        s.problems,
-        opt(s.greedy),
-        opt(s.sampled),
-        opt(s.pass_at_k),
-        s.k,
-        s.seconds
-    )
-}
-
 /// The versions already in an `eval.csv` (a resumed learner appends).
 fn evaluated_versions(path: &Path) -> anyhow::Result<BTreeSet<i32>> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => Ok(text
-            .lines()
-            .skip(1)
-            .filter_map(|l| l.split(',').next()?.parse().ok())
-            .collect()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeSet::new()),
-        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+    if !path.exists() {
+        return Ok(BTreeSet::new());
     }
+    Ok(crate::outputs::read_eval(path)?
+        .into_iter()
+        .map(|r| r.version)
+        .collect())
 }
 
 /// Versions waiting for the evaluator at most; older ones are skipped.
@@ -337,20 +283,21 @@ pub struct Evaluator {
 }
 
 impl Evaluator {
-    /// Loads the held-out problems and a copy of the model on a new thread.
-    /// `None` when `[eval]` is off. Errors (a missing data set, rows without
-    /// answers, too many problems, a model that does not load) stop the
-    /// learner before it trains.
+    /// Loads the held-out problems and a copy of the model on a new thread,
+    /// which hands every row it writes to `on_row` as well. `None` when
+    /// `[eval]` is off. Errors (a missing data set, rows without answers,
+    /// too many problems, a model that does not load, an `eval.csv` of
+    /// other columns) stop the learner before it trains.
     pub async fn start(
         config: &Config,
         metrics: &Metrics,
-        progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
+        on_row: impl FnMut(EvalRow) + Send + 'static,
     ) -> anyhow::Result<Option<Self>> {
         if !config.eval.enabled() {
             return Ok(None);
         }
         let metrics = EvalMetrics::register(metrics)?;
-        let csv = config.run.output_dir.join("eval.csv");
+        let csv = config.run.output_dir.join(EVAL_CSV);
         let done = evaluated_versions(&csv)?;
         let every = config.eval.every_steps;
         let (tx, rx) = mpsc::channel::<EvalJob>();
@@ -366,16 +313,14 @@ impl Evaluator {
                             .context("the evaluator cannot load the model")?;
                     let text = policy.text().context("the evaluator's model text")?;
                     let items = asyncrl_tasks::load_eval_problems(&config.eval, Some(&text))?;
-                    let file = open_csv(&path)?;
+                    let file = CsvLog::<EvalRow>::open(path)?;
                     Ok((policy, text, items, file))
                 };
                 match setup() {
                     Ok((policy, text, items, file)) => {
                         let _ = ready_tx.send(Ok(()));
                         let spec = EvalSpec::from_config(&config);
-                        eval_loop(
-                            policy, &text, &items, &spec, rx, file, &path, &metrics, progress,
-                        );
+                        eval_loop(policy, &text, &items, &spec, rx, file, &metrics, on_row);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -436,20 +381,6 @@ impl Evaluator {
     }
 }
 
-fn open_csv(path: &Path) -> anyhow::Result<std::fs::File> {
-    let new = !path.exists();
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    if new {
-        writeln!(file, "{EVAL_CSV_HEADER}")
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    Ok(file)
-}
-
 #[allow(clippy::too_many_arguments)]
 fn eval_loop(
     mut policy: Policy,
@@ -457,10 +388,9 @@ fn eval_loop(
     items: &[TaskItem],
     spec: &EvalSpec,
     rx: mpsc::Receiver<EvalJob>,
-    mut file: std::fs::File,
-    path: &Path,
+    mut csv: CsvLog<EvalRow>,
     metrics: &EvalMetrics,
-    progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
+    mut on_row: impl FnMut(EvalRow),
 ) {
     let mut queue: VecDeque<EvalJob> = VecDeque::new();
     loop {
@@ -506,12 +436,22 @@ fn eval_loop(
         };
         tracing::info!(version = row.version, step = row.step, scores = %row.scores, "evaluated");
         metrics.observe(&row);
-        if let Err(e) = writeln!(file, "{}", csv_row(&row)).and_then(|()| file.flush()) {
+        if let Err(e) = csv.append(&row) {
             metrics.failures.inc();
-            tracing::warn!(path = %path.display(), error = %e, "cannot write the evaluation row");
+            tracing::warn!(error = %format!("{e:#}"), "cannot write the evaluation row");
         }
-        if let Some(tx) = &progress {
-            let _ = tx.send(LearnerEvent::Eval(row));
-        }
+        on_row(row);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::outputs::CsvRecord as _;
+
+    use super::*;
+
+    #[test]
+    fn the_header_constant_is_the_rows_columns() {
+        assert_eq!(EVAL_CSV_HEADER, EvalRow::COLUMNS.join(","));
     }
 }

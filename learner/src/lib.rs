@@ -11,6 +11,8 @@
 //!   trains), resume; [`pending`]: the batches it holds until their
 //!   versions are announced.
 //! - [`eval`]: held-out evaluation (`[eval]`, `asyncrl eval`).
+//! - [`outputs`]: the run's files (`trained.jsonl`, `learner_metrics.csv`,
+//!   `eval.csv`) as typed records, with their writers and readers.
 //! - [`sft`]: the supervised warm start of the built-in model.
 //! - [`device_report`]: what libtorch the process linked and what it sees.
 
@@ -22,6 +24,7 @@ pub mod checkpoint;
 pub mod eval;
 pub mod metrics;
 pub mod objective;
+pub mod outputs;
 pub mod pending;
 pub mod service;
 pub mod sft;

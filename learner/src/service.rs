@@ -33,7 +33,6 @@
 //! groups are trained twice. Only the optimizer moments are then those of the
 //! checkpoint.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,9 +53,12 @@ use crate::actor::TrainerActor;
 use crate::advantages::AdvantageNorm;
 use crate::batch::BatchError;
 use crate::checkpoint;
-use crate::eval::{EvalRow, Evaluator};
+use crate::eval::Evaluator;
 use crate::metrics::LearnerMetrics;
 use crate::objective::{LossAggregation, ObjectiveConfig, ProximalMode};
+use crate::outputs::{
+    CsvLog, EvalRow, METRICS_CSV, MetricsRow, TRAINED_JSONL, TrainedLog, TrainedStep,
+};
 use crate::pending::PendingBatches;
 use crate::trainer::{StepSettings, StepStats, TrainError, Trainer, TrainerOptions};
 use asyncrl_common::{Backoff, unix_ms};
@@ -69,7 +71,7 @@ pub struct LearnerSummary {
     pub last: Option<StepStats>,
     pub metrics_csv: PathBuf,
     pub checkpoint_dir: PathBuf,
-    /// `eval.csv` when `[eval]` is on.
+    /// [`crate::outputs::EVAL_CSV`] when `[eval]` is on.
     pub eval_csv: Option<PathBuf>,
 }
 
@@ -198,7 +200,15 @@ pub async fn run_with_progress(
     })
     .await??;
 
-    let evaluator = Evaluator::start(&config, &metrics, progress.clone())
+    let on_eval = {
+        let progress = progress.clone();
+        move |row| {
+            if let Some(tx) = &progress {
+                let _ = tx.send(LearnerEvent::Eval(row));
+            }
+        }
+    };
+    let evaluator = Evaluator::start(&config, &metrics, on_eval)
         .await
         .context("cannot start the held-out evaluation ([eval])")?;
     let metrics = LearnerMetrics::register(&metrics)?;
@@ -314,9 +324,9 @@ impl Ctx {
     }
 
     async fn train_loop(&mut self) -> anyhow::Result<LearnerSummary> {
-        let csv_path = self.config.run.output_dir.join("learner_metrics.csv");
-        let mut csv = MetricsCsv::open(csv_path.clone())?;
-        let mut trained_log = TrainedLog::open(self.config.run.output_dir.join("trained.jsonl"))?;
+        let csv_path = self.config.run.output_dir.join(METRICS_CSV);
+        let mut csv = CsvLog::<MetricsRow>::open(csv_path.clone())?;
+        let mut trained_log = TrainedLog::open(self.config.run.output_dir.join(TRAINED_JSONL))?;
         let mut summary = LearnerSummary {
             metrics_csv: csv_path,
             checkpoint_dir: self.ckpt_dir.clone(),
@@ -364,7 +374,7 @@ impl Ctx {
                 let task = tokio::spawn(self.fetcher.clone().prepare(s + 1, version + 1));
                 prefetch = Some((s + 1, AbortOnDrop(task)));
             }
-            let ids = trained_ids(&batches);
+            let (trajectories, min_token_version) = trained_ids(&batches);
             let step_knobs = step_settings(&self.config, &k);
             let stats = match self
                 .actor
@@ -390,7 +400,14 @@ impl Ctx {
             // Recorded before the weights are published: a crash in between
             // retrains the same step (from its kept batch) and the log then
             // holds the step twice; readers keep the last entry.
-            trained_log.append(&stats, version, &ids)?;
+            trained_log.append(&TrainedStep {
+                max_version_lag: stats.objective.max_version_lag,
+                min_token_version,
+                published_version: stats.version,
+                step: stats.step,
+                trained_at_version: version,
+                trajectories,
+            })?;
             self.metrics.phase("compute", stats.compute_seconds);
             self.metrics.observe_step(&stats);
 
@@ -485,7 +502,7 @@ impl Ctx {
     async fn announced(
         &mut self,
         up: Upload,
-        csv: &mut MetricsCsv,
+        csv: &mut CsvLog<MetricsRow>,
         run_start: Instant,
     ) -> anyhow::Result<()> {
         let done = up.task.join("weight upload").await??;
@@ -497,7 +514,7 @@ impl Ctx {
         {
             ev.submit(version, stats.step, wall, up.bytes);
         }
-        csv.append(stats, wall, up.wait_s, done.publish_s)
+        csv.append(&metrics_row(stats, wall, up.wait_s, done.publish_s))
     }
 }
 
@@ -836,104 +853,41 @@ fn trained_ids(batches: &[RecordBatch]) -> (Vec<String>, i32) {
     )
 }
 
-/// `trained.jsonl`: per step, the version trained at and the ids of the
-/// trajectories trained on (what the end-to-end tests check "trained exactly
-/// once" and "never staler than η" against).
-struct TrainedLog {
-    path: PathBuf,
-    file: std::fs::File,
-}
-
-impl TrainedLog {
-    fn open(path: PathBuf) -> anyhow::Result<Self> {
-        let file = asyncrl_common::linelog::open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(Self { path, file })
-    }
-
-    fn append(
-        &mut self,
-        s: &StepStats,
-        trained_at: i32,
-        ids: &(Vec<String>, i32),
-    ) -> anyhow::Result<()> {
-        let line = serde_json::json!({
-            "step": s.step,
-            "trained_at_version": trained_at,
-            "published_version": s.version,
-            "min_token_version": ids.1,
-            "max_version_lag": s.objective.max_version_lag,
-            "trajectories": ids.0,
-        });
-        self.file
-            .write_all(format!("{line}\n").as_bytes())
-            .and_then(|()| self.file.sync_data())
-            .with_context(|| format!("cannot write {}", self.path.display()))
-    }
-}
-
 /// How long the buffer may keep refusing a step (with the same reason)
 /// before the learner gives up with an error.
 const REFUSAL_PATIENCE: Duration = Duration::from_secs(30);
 
-/// One line per step, appended (a resumed run continues the same file).
-struct MetricsCsv {
-    path: PathBuf,
-    file: std::fs::File,
-}
-
-impl MetricsCsv {
-    const HEADER: &'static str = "step,version,wall_seconds,reward_mean,reward_failed,loss,clip_low,clip_high,weight_masked,m2po_masked,approx_kl,entropy,grad_norm,learning_rate,tokens,groups,version_lag_mean,version_lag_max,wait_seconds,compute_seconds,publish_seconds,padded_tokens,logprob_gap_tokens,logprob_gap_mean,logprob_gap_max,logprob_kl";
-
-    fn open(path: PathBuf) -> anyhow::Result<Self> {
-        let err = |source: std::io::Error| {
-            anyhow::Error::new(source).context(format!("cannot open {}", path.display()))
-        };
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(err)?;
-        }
-        let mut file = asyncrl_common::linelog::open(&path).map_err(err)?;
-        if file.metadata().map_err(err)?.len() == 0 {
-            file.write_all(format!("{}\n", Self::HEADER).as_bytes())
-                .map_err(err)?;
-        }
-        Ok(Self { path, file })
-    }
-
-    fn append(&mut self, s: &StepStats, wall: f64, wait: f64, publish: f64) -> anyhow::Result<()> {
-        let o = &s.objective;
-        let line = format!(
-            "{},{},{:.3},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:e},{},{},{:.4},{},{:.4},{:.4},{:.4},{},{},{:e},{:e},{:e}\n",
-            s.step,
-            s.version,
-            wall,
-            s.reward_mean,
-            s.reward_failed,
-            s.loss,
-            o.clip_low_fraction,
-            o.clip_high_fraction,
-            o.weight_masked_fraction,
-            o.m2po_masked_fraction,
-            o.approx_kl,
-            s.entropy,
-            s.grad_norm,
-            s.learning_rate,
-            s.tokens,
-            s.groups,
-            o.mean_version_lag,
-            o.max_version_lag,
-            wait,
-            s.compute_seconds,
-            publish,
-            s.padded_tokens,
-            s.logprob_gap.tokens,
-            s.logprob_gap.mean_abs,
-            s.logprob_gap.max_abs,
-            s.logprob_gap.kl
-        );
-        // One write per line: a reader never sees half of one.
-        self.file
-            .write_all(line.as_bytes())
-            .with_context(|| format!("cannot write {}", self.path.display()))
+/// The `learner_metrics.csv` row of a step whose version was announced
+/// `wall` seconds into the run, after waiting `wait` seconds for its batch
+/// and `publish` seconds for the upload.
+fn metrics_row(s: &StepStats, wall: f64, wait: f64, publish: f64) -> MetricsRow {
+    let o = &s.objective;
+    MetricsRow {
+        step: s.step,
+        version: s.version,
+        wall_seconds: wall,
+        reward_mean: s.reward_mean,
+        reward_failed: s.reward_failed as u64,
+        loss: s.loss,
+        clip_low: o.clip_low_fraction,
+        clip_high: o.clip_high_fraction,
+        weight_masked: o.weight_masked_fraction,
+        m2po_masked: o.m2po_masked_fraction,
+        approx_kl: o.approx_kl,
+        entropy: s.entropy,
+        grad_norm: s.grad_norm,
+        learning_rate: s.learning_rate,
+        tokens: s.tokens,
+        groups: s.groups as u64,
+        version_lag_mean: o.mean_version_lag,
+        version_lag_max: o.max_version_lag,
+        wait_seconds: wait,
+        compute_seconds: s.compute_seconds,
+        publish_seconds: publish,
+        padded_tokens: s.padded_tokens,
+        logprob_gap_tokens: s.logprob_gap.tokens,
+        logprob_gap_mean: s.logprob_gap.mean_abs,
+        logprob_gap_max: s.logprob_gap.max_abs,
+        logprob_kl: s.logprob_gap.kl,
     }
 }

@@ -594,9 +594,14 @@ async fn the_learner_role_counts_and_refuses_hostile_batches_then_trains() {
     assert_eq!(got.values().sum::<u64>(), n_hostile as u64);
 
     // Trained on the valid batch only.
-    let trained = std::fs::read_to_string(dir.path().join("trained.jsonl")).unwrap();
-    assert_eq!(trained.lines().count(), 1, "{trained}");
-    for t in &good {
-        assert!(trained.contains(&t.uuid), "{trained}");
-    }
+    let trained = asyncrl_learner::outputs::read_trained(
+        &dir.path().join(asyncrl_learner::outputs::TRAINED_JSONL),
+    )
+    .unwrap();
+    assert_eq!(trained.len(), 1, "{trained:?}");
+    let mut ids = trained[0].trajectories.clone();
+    ids.sort();
+    let mut want: Vec<String> = good.iter().map(|t| t.uuid.clone()).collect();
+    want.sort();
+    assert_eq!(ids, want, "trained on the valid batch's trajectories");
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use asyncrl_config::{Config, DeviceName};
 use asyncrl_control::knobs::{KNOBS_KEY, encode_schedule, initial_knobs, new_schedule};
+use asyncrl_learner::outputs::{TRAINED_JSONL, TrainedStep, read_metrics, read_trained};
 use asyncrl_protos::v1::{
     BatchReply, BatchRequest, FinishReason, LearnerStatus, RewardStatus, Timings, Trajectory,
     WeightAnnouncement,
@@ -161,8 +162,12 @@ async fn exercise(bus: Arc<dyn Bus>) {
     )
     .unwrap();
     assert_eq!(status.step, 3);
-    let csv = std::fs::read_to_string(&summary.metrics_csv).unwrap();
-    assert_eq!(csv.lines().count(), 4, "header + 3 steps:\n{csv}");
+    let rows = read_metrics(&summary.metrics_csv).unwrap();
+    assert_eq!(
+        rows.iter().map(|r| (r.step, r.version)).collect::<Vec<_>>(),
+        [(1, 1), (2, 2), (3, 3)],
+        "one row per step: {rows:?}"
+    );
     // Steps 1..=3 were sealed: a knob change for them would be refused.
     let sched =
         asyncrl_control::knobs::decode_schedule(&kv.get(KNOBS_KEY).await.unwrap().unwrap().value)
@@ -215,8 +220,12 @@ async fn exercise(bus: Arc<dyn Bus>) {
         "a restart is a new session"
     );
     assert_eq!(status2.start_version, 3);
-    let csv = std::fs::read_to_string(&summary.metrics_csv).unwrap();
-    assert_eq!(csv.lines().count(), 6, "the resumed run appends:\n{csv}");
+    let rows = read_metrics(&summary.metrics_csv).unwrap();
+    assert_eq!(
+        rows.iter().map(|r| (r.step, r.version)).collect::<Vec<_>>(),
+        [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)],
+        "the resumed run appends: {rows:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -543,24 +552,17 @@ mod gated {
     }
 }
 
-/// The last `trained.jsonl` entry of each step: step → (trained at
-/// version, trajectory ids).
-fn trained_steps(dir: &std::path::Path) -> std::collections::BTreeMap<u64, (i64, Vec<String>)> {
-    let text = std::fs::read_to_string(dir.join("trained.jsonl")).unwrap_or_default();
-    text.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            let ids = v["trajectories"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| s.as_str().unwrap().to_owned())
-                .collect();
-            (
-                v["step"].as_u64().unwrap(),
-                (v["trained_at_version"].as_i64().unwrap(), ids),
-            )
-        })
+/// The last `trained.jsonl` entry of each step (none before the learner
+/// created the file).
+fn trained_steps(dir: &std::path::Path) -> std::collections::BTreeMap<u64, TrainedStep> {
+    let path = dir.join(TRAINED_JSONL);
+    if !path.exists() {
+        return Default::default();
+    }
+    read_trained(&path)
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.step, t))
         .collect()
 }
 
@@ -677,8 +679,13 @@ async fn a_prefetched_batch_is_trained_exactly_once_across_a_kill_and_uploads_an
         (1..=6).collect::<Vec<_>>()
     );
     let mut seen = std::collections::HashSet::new();
-    for (step, (at, ids)) in &trained {
-        assert_eq!(*at, *step as i64 - 1, "step {step}");
+    for (step, t) in &trained {
+        assert_eq!(
+            (t.trained_at_version, t.published_version),
+            (*step as i32 - 1, *step as i32),
+            "step {step}"
+        );
+        let ids = &t.trajectories;
         assert_eq!(
             ids, &b.all[step],
             "step {step} trained on the groups served for it"
