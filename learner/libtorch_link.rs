@@ -1,4 +1,5 @@
-// Shared by learner/build.rs and the workspace root build.rs (via #[path]).
+// Shared by the build scripts of learner/, policy/ (and through it
+// rollout-worker/), harness/ and the workspace root (via #[path]).
 //
 // Makes binaries and tests that link libtorch start without LD_LIBRARY_PATH:
 // `-Wl,--no-as-needed -ltorch` keeps libtorch (and through it libtorch_cuda)

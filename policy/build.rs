@@ -2,8 +2,8 @@
 //! through tch an rpath to the libtorch that torch-sys linked against, so
 //! that they start without LD_LIBRARY_PATH. `-Wl,-rpath` is a link argument
 //! of the package's own targets and does not reach its dependents, so every
-//! such crate runs it: this crate and asyncrl-rollout-worker (whose
-//! Cargo.toml names this file as its `build`). The learner and the root
+//! such crate runs it: this crate, asyncrl-rollout-worker and
+//! asyncrl-harness (whose Cargo.toml name this file as their `build`). The learner and the root
 //! package have build scripts of their own that also pass the directory on;
 //! all of them share `learner/libtorch_link.rs`.
 //!

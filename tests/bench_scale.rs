@@ -1,4 +1,4 @@
-//! `asyncrl bench scale` through the binary at a size CI can afford: every
+//! `asyncrl-bench scale` through the binary at a size CI can afford: every
 //! curve is measured end to end (a coordinator process and scripted workers,
 //! the buffer's core, the learner's step) and written as CSV, PNG and a
 //! summary naming the fitted growth. The figures themselves are measured on

@@ -1,4 +1,4 @@
-//! `asyncrl bench sync-step` through the binary on a tiny job: both variants
+//! `asyncrl-bench sync-step` through the binary on a tiny job: both variants
 //! run to the end, every counted step is cut into its phases from the
 //! roles' own events (the bench fails if the events it reads are gone or
 //! renamed), and the phases account for the step. The figures themselves

@@ -1,4 +1,4 @@
-//! The chaos soak at a size CI can afford (`asyncrl bench chaos` for a
+//! The chaos soak at a size CI can afford (`asyncrl-bench chaos` for a
 //! minute with a fixed seed): every role runs as a process over a real
 //! nats-server while roles are killed, stopped with SIGTERM, frozen and
 //! thawed, and nats-server is killed and restarted. The run must reach its

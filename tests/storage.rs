@@ -5,7 +5,7 @@
 //! the coordinator admits ((η+1)·B·G trajectories), not by how long the run
 //! has been going; and the buffer reports every store's size and limit.
 //! (The other stores are bounded by their `bus.storage` limits; that their
-//! disk levels off over a long run is shown by `asyncrl bench chaos`.)
+//! disk levels off over a long run is shown by `asyncrl-bench chaos`.)
 
 use std::path::Path;
 use std::time::Duration;

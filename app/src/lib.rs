@@ -20,8 +20,6 @@ pub mod commands;
 #[cfg(feature = "torch")]
 pub mod eval;
 #[cfg(feature = "torch")]
-pub mod metrics_csv;
-#[cfg(feature = "torch")]
 pub mod plot;
 pub mod roles;
 #[cfg(feature = "torch")]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use asyncrl_config::{BusKind, Config};
-use asyncrl_learner::eval::EvalRow;
+use asyncrl_learner::outputs::{EvalRow, read_eval, read_metrics};
 use asyncrl_learner::service::LearnerEvent;
 use asyncrl_rollout_worker::{CompletionLengths, Worker};
 use asyncrl_transport::Bus;
@@ -17,7 +17,6 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::check::check_tasks;
-use crate::metrics_csv::read_columns;
 use crate::plot::{Series, line_chart, smooth};
 use crate::roles;
 
@@ -216,7 +215,7 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
     let mut curves = write_curves(&summary.metrics_csv, &config.run.output_dir)?;
     let eval = match &summary.eval_csv {
         Some(csv) => {
-            let rows = read_eval_csv(csv)?;
+            let rows = read_eval(csv)?;
             if rows.len() >= 2 {
                 let png = config.run.output_dir.join("eval_accuracy.png");
                 plot_eval(&rows, &png)?;
@@ -254,17 +253,13 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
 /// exist and are not empty).
 fn previous_run_state(config: &Config) -> Vec<PathBuf> {
     let out = &config.run.output_dir;
-    let journal = config
-        .coordinator
-        .journal_path
-        .clone()
-        .unwrap_or_else(|| out.join("coordinator-journal.jsonl"));
+    let journal = asyncrl_coordinator::journal::path(config);
     [
         asyncrl_learner::service::checkpoint_dir(config),
         config.buffer.data_dir_in(out),
-        out.join("learner_metrics.csv"),
-        out.join("eval.csv"),
-        out.join("trained.jsonl"),
+        out.join(asyncrl_learner::outputs::METRICS_CSV),
+        out.join(asyncrl_learner::outputs::EVAL_CSV),
+        out.join(asyncrl_learner::outputs::TRAINED_JSONL),
         journal,
     ]
     .into_iter()
@@ -445,11 +440,10 @@ fn progress_bar(config: &Config, enabled: bool) -> ProgressBar {
 
 /// (step, wall seconds, reward) of every step of a learner metrics CSV.
 fn read_rewards(csv: &Path) -> anyhow::Result<Vec<(f64, f64, f64)>> {
-    let rows = read_columns(csv, &["step", "wall_seconds", "reward_mean"])?;
-    Ok(rows
+    Ok(read_metrics(csv)?
         .into_iter()
-        .filter(|r| r.iter().all(|v| v.is_finite()))
-        .map(|r| (r[0], r[1], r[2]))
+        .filter(|r| r.wall_seconds.is_finite() && r.reward_mean.is_finite())
+        .map(|r| (r.step as f64, r.wall_seconds, r.reward_mean))
         .collect())
 }
 
@@ -522,28 +516,6 @@ pub fn eval_scores_text(row: &EvalRow) -> String {
         parts.push(format!("pass@{} {p:.3}", s.k));
     }
     parts.join(" ")
-}
-
-/// The rows of an `eval.csv` (see [`asyncrl_learner::eval::EVAL_CSV_HEADER`]).
-pub fn read_eval_csv(csv: &Path) -> anyhow::Result<Vec<EvalRow>> {
-    let cols: Vec<&str> = asyncrl_learner::eval::EVAL_CSV_HEADER.split(',').collect();
-    let opt = |v: f64| v.is_finite().then_some(v);
-    Ok(read_columns(csv, &cols)?
-        .into_iter()
-        .map(|r| EvalRow {
-            version: r[0] as i32,
-            step: r[1] as u64,
-            wall_seconds: r[2],
-            scores: asyncrl_learner::eval::EvalScores {
-                problems: r[3] as usize,
-                greedy: opt(r[4]),
-                sampled: opt(r[5]),
-                pass_at_k: opt(r[6]),
-                k: r[7] as usize,
-                seconds: r[8],
-            },
-        })
-        .collect())
 }
 
 /// Held-out accuracy vs learner step: one line per score the run measured.

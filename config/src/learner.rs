@@ -89,7 +89,7 @@ pub struct LearnerConfig {
     #[serde(with = "humantime_serde")]
     pub batch_poll_interval: Duration,
     /// Pin the trainer thread (and the libtorch threads it starts) to these
-    /// CPU cores (empty: no pinning). `asyncrl bench speedup` uses it to give
+    /// CPU cores (empty: no pinning). `asyncrl-bench speedup` uses it to give
     /// the learner and the worker a core each.
     pub cpu_affinity: Vec<usize>,
 }

@@ -16,10 +16,13 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use asyncrl_learner::outputs::{TRAINED_JSONL, TrainedStep, read_trained};
 use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
 use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerInfo};
 use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
 use asyncrl_testkit::{NatsServer, ServerConfig};
+
+use crate::invariants::check_trained_file;
 use futures::StreamExt as _;
 
 /// The `asyncrl` binary under test (see [`crate::process::asyncrl_bin`]).
@@ -144,37 +147,6 @@ struct Role {
     starts: u32,
     /// Exit status of the last incarnation, once reaped.
     exited: Option<ExitStatus>,
-}
-
-/// A learner step as `trained.jsonl` records it.
-#[derive(Debug, Clone)]
-pub struct TrainedStep {
-    pub step: u64,
-    pub trained_at_version: i32,
-    pub published_version: i32,
-    pub min_token_version: i32,
-    pub max_version_lag: f64,
-    pub trajectories: Vec<String>,
-}
-
-impl TrainedStep {
-    fn parse(line: &str) -> Option<Self> {
-        let v: serde_json::Value = serde_json::from_str(line).ok()?;
-        let int = |k: &str| v.get(k).and_then(serde_json::Value::as_i64);
-        Some(Self {
-            step: u64::try_from(int("step")?).ok()?,
-            trained_at_version: i32::try_from(int("trained_at_version")?).ok()?,
-            published_version: i32::try_from(int("published_version")?).ok()?,
-            min_token_version: i32::try_from(int("min_token_version")?).ok()?,
-            max_version_lag: v.get("max_version_lag")?.as_f64()?,
-            trajectories: v
-                .get("trajectories")?
-                .as_array()?
-                .iter()
-                .map(|u| u.as_str().map(str::to_owned))
-                .collect::<Option<_>>()?,
-        })
-    }
 }
 
 /// The numbers [`Cluster::check_invariants`] found, printed by every test.
@@ -659,23 +631,14 @@ weight_retry_backoff_max = "1s"
         })
     }
 
-    /// The learner's `trained.jsonl`, every line in order.
+    /// The learner's `trained.jsonl`, every whole line in order (the
+    /// learner may be writing the last one right now).
     pub fn trained_lines(&self) -> Vec<TrainedStep> {
-        let path = self.out.join("trained.jsonl");
-        let Ok(text) = std::fs::read_to_string(&path) else {
+        let path = self.out.join(TRAINED_JSONL);
+        if !path.exists() {
             return Vec::new();
-        };
-        // The learner may be writing the last line right now: only whole
-        // lines count (a torn line in the middle is an error).
-        let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
-        whole
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| {
-                TrainedStep::parse(l)
-                    .unwrap_or_else(|| panic!("{}: bad line {l:?}", path.display()))
-            })
-            .collect()
+        }
+        read_trained(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()))
     }
 
     /// The highest step in `trained.jsonl` (0 before the first).
@@ -972,57 +935,28 @@ weight_retry_backoff_max = "1s"
         }
         report.tasks_started = attempts.len();
 
-        // trained.jsonl: the last line of each step; a step retrained after a
-        // learner crash must have been given the same trajectories.
-        let lines = self.trained_lines();
-        let mut steps: BTreeMap<u64, TrainedStep> = BTreeMap::new();
-        for line in lines {
-            if let Some(prev) = steps.get(&line.step) {
-                let (a, z): (BTreeSet<_>, BTreeSet<_>) = (
-                    prev.trajectories.iter().collect(),
-                    line.trajectories.iter().collect(),
-                );
-                assert_eq!(
-                    a, z,
-                    "step {} was trained twice on different trajectories",
-                    line.step
-                );
-                report.retrained_steps += 1;
-            }
-            steps.insert(line.step, line);
-        }
-        let expected_steps: Vec<u64> = (1..=spec.max_steps).collect();
+        // trained.jsonl: the run's invariants (crate::invariants), then each
+        // step's trajectories against the stream. The last line of a step
+        // counts; a retrained one lists the same trajectories.
+        let check = check_trained_file(&self.out.join(TRAINED_JSONL), spec.eta, b * g);
+        let violations = check.violations();
+        assert!(violations.is_empty(), "trained.jsonl: {violations:#?}");
         assert_eq!(
-            steps.keys().copied().collect::<Vec<_>>(),
-            expected_steps,
+            check.max_step, spec.max_steps,
             "trained.jsonl must hold every step 1..=max_steps"
         );
+        report.retrained_steps = check.retrained;
+        let steps: BTreeMap<u64, TrainedStep> = self
+            .trained_lines()
+            .into_iter()
+            .map(|s| (s.step, s))
+            .collect();
         report.steps = steps.len() as u64;
 
         let mut trained_in: HashMap<&str, u64> = HashMap::new();
         let mut trained_groups: HashMap<&str, u64> = HashMap::new();
         let mut trained_tasks: HashMap<&str, &str> = HashMap::new();
-        let mut prev_version = i32::MIN;
         for (step, s) in &steps {
-            // Versions: step s trains at s − 1 and publishes s.
-            assert_eq!(s.published_version, *step as i32, "step {step}: version");
-            assert_eq!(
-                s.trained_at_version,
-                *step as i32 - 1,
-                "step {step}: trained at"
-            );
-            assert!(
-                s.published_version > prev_version,
-                "versions went backwards at step {step}"
-            );
-            prev_version = s.published_version;
-            assert_eq!(
-                s.trajectories.len(),
-                b * g,
-                "step {step} trained {} trajectories, not B·G = {}",
-                s.trajectories.len(),
-                b * g
-            );
             let mut step_groups: BTreeMap<&str, usize> = BTreeMap::new();
             let mut min_version = i32::MAX;
             for uuid in &s.trajectories {

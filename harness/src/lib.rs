@@ -7,11 +7,15 @@
 //! - [`cluster`]: role processes of the `asyncrl` binary over a real
 //!   nats-server, with faults (kill -9, SIGTERM, SIGSTOP, restarts), used by
 //!   the cross-process tests;
+//! - [`invariants`]: the one set of invariant checks of a run (exactly
+//!   once, staleness ≤ η, versions in order, contiguous steps), read from
+//!   `trained.jsonl`;
 //! - [`process`]: where the `asyncrl` binary is, and a role as a child
 //!   process that dies with its parent.
 
 pub mod bench;
 pub mod cluster;
+pub mod invariants;
 pub mod process;
 
 pub use process::asyncrl_bin;

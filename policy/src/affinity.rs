@@ -2,7 +2,7 @@
 //! keep their model on one OS thread; pinning that thread (before libtorch
 //! starts its intra-op threads, which inherit the mask) gives each role its
 //! own cores on a shared machine (`[learner] cpu_affinity`,
-//! `[worker] cpu_affinity`, `asyncrl bench speedup`).
+//! `[worker] cpu_affinity`, `asyncrl-bench speedup`).
 
 /// Pins the calling thread to `cores` (Linux; a no-op elsewhere or when
 /// `cores` is empty). Threads it starts later inherit the mask.

@@ -1,5 +1,5 @@
 //! The worker's vLLM engine against real vLLM CPU servers (from
-//! `.venv-vllm`, installed by scripts/setup): token-exact generation,
+//! `.venv-vllm`, installed by `scripts/setup --vllm`): token-exact generation,
 //! exact per-token versions across weight swaps, a kill -9 of the server
 //! mid-run, and one-line errors for every misconfiguration. Tests that only
 //! attach share one server (`common::vllm::shared`); the others launch

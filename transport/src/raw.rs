@@ -1,5 +1,5 @@
 //! The NATS client used directly, without our [`Bus`](crate::Bus): the
-//! baselines that `asyncrl bench` measures our paths against, in the same
+//! baselines that `asyncrl-bench` measures our paths against, in the same
 //! run and on the same server. Nothing in a role uses this.
 
 use std::time::{Duration, Instant};
@@ -133,7 +133,7 @@ impl RawNats {
 }
 
 /// An object-store bucket opened with the client directly: the baseline of
-/// `asyncrl bench weights` (put once, N gets of the same bytes).
+/// `asyncrl-bench weights` (put once, N gets of the same bytes).
 #[derive(Clone)]
 pub struct RawObjects {
     store: async_nats::jetstream::object_store::ObjectStore,

@@ -36,9 +36,9 @@ use asyncrl_config::{ClipModeName, Config, DatasetConfig, DeviceName};
 use asyncrl_rollout_worker::CompletionLengths;
 use asyncrl_tasks::BuiltinTask;
 
-use asyncrl_app::metrics_csv::read_columns;
 use asyncrl_app::plot::{Series, line_chart};
 use asyncrl_app::train::{TrainOptions, train};
+use asyncrl_learner::outputs::{MetricsRow, read_metrics};
 
 #[derive(Debug, Clone)]
 pub struct SpeedupBench {
@@ -100,24 +100,11 @@ struct RunStats {
     curve: Vec<(f64, f64)>,
 }
 
-const COLUMNS: [&str; 9] = [
-    "step",
-    "wall_seconds",
-    "wait_seconds",
-    "compute_seconds",
-    "publish_seconds",
-    "tokens",
-    "version_lag_mean",
-    "version_lag_max",
-    "padded_tokens",
-];
-
 impl RunStats {
     fn from_csv(csv: &Path, eta: u32, round: usize, warmup: u64) -> anyhow::Result<Self> {
-        let rows = read_columns(csv, &COLUMNS)?;
-        let counted: Vec<&Vec<f64>> = rows.iter().filter(|r| r[0] > warmup as f64).collect();
-        let (Some(first), Some(last)) =
-            (rows.iter().rfind(|r| r[0] <= warmup as f64), counted.last())
+        let rows = read_metrics(csv)?;
+        let counted: Vec<&MetricsRow> = rows.iter().filter(|r| r.step > warmup).collect();
+        let (Some(first), Some(last)) = (rows.iter().rfind(|r| r.step <= warmup), counted.last())
         else {
             anyhow::bail!(
                 "{}: fewer steps than the warm-up ({warmup}) plus one",
@@ -125,19 +112,26 @@ impl RunStats {
             );
         };
         let n = counted.len() as f64;
-        let mean = |i: usize| counted.iter().map(|r| r[i]).sum::<f64>() / n;
+        let mean = |f: fn(&MetricsRow) -> f64| counted.iter().map(|r| f(r)).sum::<f64>() / n;
         Ok(Self {
             eta,
             round,
-            seconds_per_step: (last[1] - first[1]) / (last[0] - first[0]),
-            wait: mean(2),
-            compute: mean(3),
-            publish: mean(4),
-            tokens_per_step: mean(5),
-            padded_per_step: mean(8),
-            lag_mean: mean(6),
-            lag_max: counted.iter().map(|r| r[7]).fold(0.0, f64::max),
-            curve: rows.iter().map(|r| (r[1], r[0])).collect(),
+            seconds_per_step: (last.wall_seconds - first.wall_seconds)
+                / (last.step - first.step) as f64,
+            wait: mean(|r| r.wait_seconds),
+            compute: mean(|r| r.compute_seconds),
+            publish: mean(|r| r.publish_seconds),
+            tokens_per_step: mean(|r| r.tokens as f64),
+            padded_per_step: mean(|r| r.padded_tokens as f64),
+            lag_mean: mean(|r| r.version_lag_mean),
+            lag_max: counted
+                .iter()
+                .map(|r| r.version_lag_max)
+                .fold(0.0, f64::max),
+            curve: rows
+                .iter()
+                .map(|r| (r.wall_seconds, r.step as f64))
+                .collect(),
         })
     }
 

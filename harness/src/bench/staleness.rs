@@ -22,9 +22,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use asyncrl_config::{ClipModeName, Config, ProximalName};
 
-use asyncrl_app::metrics_csv::read_columns;
 use asyncrl_app::plot::{Series, panel_chart};
-use asyncrl_app::train::{TrainOptions, read_eval_csv, train};
+use asyncrl_app::train::{TrainOptions, train};
+use asyncrl_learner::outputs::{EVAL_CSV, METRICS_CSV, read_eval, read_metrics};
 
 /// The objectives the study compares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -167,24 +167,14 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
 }
 
 fn read_steps(csv: &Path) -> anyhow::Result<Vec<StepRow>> {
-    let rows = read_columns(
-        csv,
-        &[
-            "step",
-            "wall_seconds",
-            "reward_mean",
-            "version_lag_mean",
-            "version_lag_max",
-        ],
-    )?;
-    Ok(rows
+    Ok(read_metrics(csv)?
         .into_iter()
         .map(|r| StepRow {
-            step: r[0] as u64,
-            wall: r[1],
-            reward: r[2],
-            lag: r[3],
-            lag_max: r[4],
+            step: r.step,
+            wall: r.wall_seconds,
+            reward: r.reward_mean,
+            lag: r.version_lag_mean,
+            lag_max: r.version_lag_max,
         })
         .collect())
 }
@@ -256,7 +246,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
                         summary.steps, summary.seconds
                     );
                 }
-                let evals: Vec<EvalPoint> = read_eval_csv(&dir.join("eval.csv"))
+                let evals: Vec<EvalPoint> = read_eval(&dir.join(EVAL_CSV))
                     .with_context(|| format!("run {name}"))?
                     .into_iter()
                     .map(|r| EvalPoint {
@@ -270,7 +260,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
                     eta,
                     objective,
                     seed,
-                    steps: read_steps(&dir.join("learner_metrics.csv"))
+                    steps: read_steps(&dir.join(METRICS_CSV))
                         .with_context(|| format!("run {name}"))?,
                     evals,
                 };

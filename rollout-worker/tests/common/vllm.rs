@@ -3,7 +3,7 @@
 //! them and reused by the others; `scripts/test` stops it at the end), and
 //! launch commands for tests whose worker starts its own.
 //!
-//! The server comes from `.venv-vllm` (scripts/setup installs it). A test
+//! The server comes from `.venv-vllm` (`scripts/setup --vllm` or `scripts/test` installs it). A test
 //! that needs it and cannot start it fails: these tests never skip.
 
 use std::io::Write;
@@ -171,7 +171,7 @@ pub fn shared(
     #[allow(clippy::zombie_processes)]
     let child = cmd.spawn().unwrap_or_else(|e| {
         panic!(
-            "cannot start the shared vLLM server with {} ({e}); run scripts/setup",
+            "cannot start the shared vLLM server with {} ({e}); run scripts/setup --vllm",
             python().display()
         )
     });

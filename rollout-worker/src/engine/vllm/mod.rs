@@ -203,7 +203,7 @@ pub async fn build(
 impl VllmEngine {
     /// Times `reload_weights` of the newest version's folder on the first
     /// server, alone (no pause, no version, no cache reset): the baseline
-    /// of `asyncrl bench engine`'s swap figure.
+    /// of `asyncrl-bench engine`'s swap figure.
     pub async fn time_raw_reload(&self) -> Result<Duration, VllmError> {
         let target = self.target().ok_or_else(|| VllmError::Down {
             endpoint: String::new(),
