@@ -142,7 +142,7 @@ fn production_binary_links_no_test_code() {
             "tree",
             "-p",
             "asyncrl",
-            "-e",
+            "--edges",
             "normal",
             "--prefix",
             "none",
@@ -243,4 +243,100 @@ fn one_crate_tokenizes_and_renders_chat_templates() {
     let g = graph();
     assert_eq!(g.users_of("tokenizers"), set(&["asyncrl-text"]));
     assert_eq!(g.users_of("minijinja"), set(&["asyncrl-text"]));
+}
+
+/// The config tables (`[run]`, `[bus.tls]`, `[[coordinator.datasets]]`, …)
+/// that a line of Rust opens as TOML text: a header at the start of a line
+/// of a raw string, or after `"` or `\n` in a string, with a line end next.
+fn toml_tables_written(line: &str) -> Vec<String> {
+    const SECTIONS: [&str; 10] = [
+        "run",
+        "staleness",
+        "bus",
+        "telemetry",
+        "model",
+        "coordinator",
+        "buffer",
+        "learner",
+        "worker",
+        "eval",
+    ];
+    let trimmed = line.trim_start();
+    if trimmed.starts_with("//") {
+        return Vec::new();
+    }
+    let mut found = Vec::new();
+    for (at, _) in trimmed.match_indices('[') {
+        let before = &trimmed[..at];
+        // `[[`: the table was looked at from its first bracket.
+        let opens = before.is_empty() || before.ends_with('"') || before.ends_with("\\n");
+        if before.ends_with('[') || !opens {
+            continue;
+        }
+        let rest = trimmed[at..].trim_start_matches('[');
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || *c == '_' || *c == '.')
+            .collect();
+        let after = rest[name.len()..].trim_start_matches(']');
+        let first = name.split('.').next().unwrap_or_default();
+        if SECTIONS.contains(&first)
+            && rest[name.len()..].starts_with(']')
+            && (after.is_empty() || after.starts_with("\\n"))
+        {
+            found.push(format!("[{name}]"));
+        }
+    }
+    found
+}
+
+#[test]
+fn tests_and_benches_build_configs_as_values() {
+    // Architecture invariant: tests and benches build a config as a
+    // `Config` value (asyncrl_harness::configs) and write it with
+    // `Config::write`, which validates it; only the config schema's own
+    // tests (the config crate, and the binary's one-line config errors in
+    // tests/cli.rs) write config TOML by hand.
+    let exempt = ["tests/cli.rs"];
+    let out = Command::new("git")
+        .args(["ls-files", "*.rs"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run git ls-files");
+    assert!(out.status.success(), "git ls-files failed");
+    let files = String::from_utf8(out.stdout).expect("utf-8 paths");
+    let mut offenders = Vec::new();
+    for file in files.lines() {
+        if file.starts_with("config/") || exempt.contains(&file) {
+            continue;
+        }
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        for (n, line) in text.lines().enumerate() {
+            for table in toml_tables_written(line) {
+                offenders.push(format!("{file}:{}: {table}", n + 1));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "config TOML written as text (build a Config value instead): {offenders:#?}"
+    );
+}
+
+#[test]
+fn config_tables_in_text_are_recognised() {
+    let tables = |l: &str| toml_tables_written(l);
+    assert_eq!(tables("[run]"), ["[run]"]);
+    assert_eq!(tables("    [bus.tls]"), ["[bus.tls]"]);
+    assert_eq!(tables(r#"r#"[[coordinator.datasets]]"#), ["[coordinator.datasets]"]);
+    assert_eq!(
+        tables(r#"std::fs::write(&p, "[bus]\nurl = \"x\"\n[model.tiny]\nhidden_size = 4");"#),
+        ["[bus]", "[model.tiny]"]
+    );
+    assert!(tables(r#".expect("[staleness]");"#).is_empty());
+    assert!(tables(r#"contains("[eval] dataset")"#).is_empty());
+    assert!(tables("/// the `[model]` defaults").is_empty());
+    assert!(tables("#[derive(Debug)]").is_empty());
+    assert!(tables("let v = [run];").is_empty());
 }

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use asyncrl_harness::configs;
+use asyncrl_learner::outputs::{METRICS_CSV, read_metrics};
 use asyncrl_testkit::NatsServer;
 
 fn asyncrl(args: &[&str]) -> Output {
@@ -49,64 +51,46 @@ fn assert_one_error_line(args: &[&str], out: &Output, names: &[&str]) {
     }
 }
 
-/// A valid config for `bus`, with `extra` lines appended to `[staleness]`
-/// and the task file `tasks`.
-fn write_config(dir: &Path, name: &str, bus: &str, staleness: &str, tasks: &Path) -> PathBuf {
-    let text = format!(
-        r#"
-[run]
-name = "bad-input"
-output_dir = "{out}"
-max_steps = 1
-
-[staleness]
-groups_per_step = 1
-group_size = 2
-{staleness}
-
-[bus]
-url = "{bus}"
-connect_timeout = "1s"
-
-[telemetry]
-listen = ""
-log_filter = "warn"
-
-[model]
-device = "cpu"
-max_new_tokens = 2
-max_seq_len = 16
-cpu_threads = 1
-
-[model.tiny]
-hidden_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 64
-
-[coordinator]
-datasets = [{{ name = "arith", path = "{tasks}" }}]
-admin_listen = ""
-"#,
-        out = dir.join("out").display(),
-        tasks = tasks.display(),
-    );
+/// A valid config for `bus` and the task file `tasks`, with `staleness`
+/// keys set in `[staleness]` as TOML values: they may be unknown or out of
+/// range, which only the text of a file can hold (a `Config` is valid).
+fn write_config(
+    dir: &Path,
+    name: &str,
+    bus: &str,
+    staleness: &[(&str, i64)],
+    tasks: &Path,
+) -> PathBuf {
+    let mut config = configs::tiny_run(dir.join("out"), bus, tasks);
+    config.run.name = "bad-input".into();
+    config.run.max_steps = 1;
+    config.staleness.groups_per_step = 1;
+    config.staleness.group_size = 2;
+    config.bus.connect_timeout = Duration::from_secs(1);
+    config.model.max_new_tokens = 2;
+    config.model.max_seq_len = 16;
     let path = dir.join(name);
-    std::fs::write(&path, text).expect("write a config");
+    if staleness.is_empty() {
+        return configs::write(&config, path);
+    }
+    let mut table: toml::Table = config
+        .to_toml()
+        .expect("a config as TOML")
+        .parse()
+        .expect("TOML");
+    let section = table
+        .get_mut("staleness")
+        .and_then(toml::Value::as_table_mut)
+        .expect("[staleness]");
+    for (key, value) in staleness {
+        section.insert((*key).to_owned(), toml::Value::Integer(*value));
+    }
+    std::fs::write(&path, table.to_string()).expect("write a config");
     path
 }
 
 fn tasks_file(dir: &Path) -> PathBuf {
-    let path = dir.join("tasks.jsonl");
-    let items = asyncrl_tasks::generate_with(
-        asyncrl_tasks::BuiltinTask::Arith,
-        8,
-        1,
-        asyncrl_tasks::GenerateOptions { max_operand: 20 },
-    );
-    asyncrl_tasks::write_jsonl(&path, &items).expect("write tasks");
-    path
+    configs::write_arith(dir.join("tasks.jsonl"), 8, 20, 1)
 }
 
 fn tempdir() -> tempfile::TempDir {
@@ -120,7 +104,7 @@ fn tempdir() -> tempfile::TempDir {
 fn a_wrong_key_is_named() {
     let dir = tempdir();
     let tasks = tasks_file(dir.path());
-    let config = write_config(dir.path(), "typo.toml", "local", "etaa = 2", &tasks);
+    let config = write_config(dir.path(), "typo.toml", "local", &[("etaa", 2)], &tasks);
     let config = config.to_str().expect("utf-8 path");
     for args in [
         vec!["train", config],
@@ -136,7 +120,7 @@ fn a_wrong_key_is_named() {
 fn an_out_of_range_eta_is_named_with_its_range() {
     let dir = tempdir();
     let tasks = tasks_file(dir.path());
-    let config = write_config(dir.path(), "eta.toml", "local", "eta = 1000", &tasks);
+    let config = write_config(dir.path(), "eta.toml", "local", &[("eta", 1000)], &tasks);
     let config = config.to_str().expect("utf-8 path");
     for args in [
         vec!["train", config],
@@ -154,13 +138,13 @@ fn a_missing_task_file_is_named() {
     let missing = dir.path().join("no-such-tasks.jsonl");
     let missing_name = missing.to_str().expect("utf-8 path");
     // One process, in-process bus.
-    let config = write_config(dir.path(), "local.toml", "local", "", &missing);
+    let config = write_config(dir.path(), "local.toml", "local", &[], &missing);
     let args = ["train", config.to_str().expect("utf-8 path")];
     let out = asyncrl(&args);
     assert_one_error_line(&args, &out, &[missing_name]);
     // The coordinator as its own process, against a real server.
     let nats = NatsServer::start().expect("start nats-server (run scripts/setup)");
-    let config = write_config(dir.path(), "nats.toml", &nats.url(), "", &missing);
+    let config = write_config(dir.path(), "nats.toml", &nats.url(), &[], &missing);
     let args = [
         "coordinator",
         "--config",
@@ -176,7 +160,7 @@ fn an_unreachable_nats_server_is_named_after_the_connect_timeout() {
     let tasks = tasks_file(dir.path());
     let port = asyncrl_testkit::free_port().expect("a free port");
     let url = format!("nats://127.0.0.1:{port}");
-    let config = write_config(dir.path(), "unreachable.toml", &url, "", &tasks);
+    let config = write_config(dir.path(), "unreachable.toml", &url, &[], &tasks);
     let config = config.to_str().expect("utf-8 path");
     for args in [
         vec!["coordinator", "--config", config],
@@ -201,7 +185,7 @@ fn an_unreachable_nats_server_is_named_after_the_connect_timeout() {
 fn a_role_without_a_nats_bus_says_so() {
     let dir = tempdir();
     let tasks = tasks_file(dir.path());
-    let config = write_config(dir.path(), "local.toml", "local", "", &tasks);
+    let config = write_config(dir.path(), "local.toml", "local", &[], &tasks);
     let config = config.to_str().expect("utf-8 path");
     for role in ["coordinator", "buffer", "learner", "worker"] {
         let args = [role, "--config", config];
@@ -237,7 +221,7 @@ fn speedup_bench_refuses_cores_it_cannot_use_before_running_anything() {
 fn a_second_in_process_run_into_the_same_directory_needs_fresh() {
     let dir = tempdir();
     let tasks = tasks_file(dir.path());
-    let config = write_config(dir.path(), "local.toml", "local", "", &tasks);
+    let config = write_config(dir.path(), "local.toml", "local", &[], &tasks);
     let config = config.to_str().expect("utf-8 path");
     let first = ["train", config];
     let out = asyncrl(&first);
@@ -247,11 +231,9 @@ fn a_second_in_process_run_into_the_same_directory_needs_fresh() {
         String::from_utf8_lossy(&out.stderr)
     );
     let steps = |dir: &Path| {
-        std::fs::read_to_string(dir.join("out").join("learner_metrics.csv"))
+        read_metrics(&dir.join("out").join(METRICS_CSV))
             .expect("metrics")
-            .lines()
-            .count()
-            - 1
+            .len()
     };
     assert_eq!(steps(dir.path()), 1);
 

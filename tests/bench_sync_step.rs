@@ -8,6 +8,7 @@
 use std::process::Command;
 
 use asyncrl_harness::cluster::csv_rows;
+use asyncrl_harness::configs;
 
 /// The `asyncrl-bench` binary beside the test binaries.
 fn bench_bin() -> std::path::PathBuf {
@@ -32,51 +33,16 @@ fn run(args: &[&str]) {
 #[test]
 fn sync_step_bench_cuts_every_counted_step_into_its_phases() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("arith.jsonl");
-    let data_arg = data.to_str().expect("utf-8");
-    run(&[
-        "data",
-        "generate",
-        "--task",
-        "arith",
-        "--n",
-        "200",
-        "--max-operand",
-        "20",
-        "--out",
-        data_arg,
-    ]);
-    let config = dir.path().join("job.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[staleness]
-eta = 4
-groups_per_step = 2
-group_size = 4
-
-[telemetry]
-listen = ""
-
-[model]
-device = "cpu"
-max_new_tokens = 4
-max_seq_len = 16
-
-[model.tiny]
-hidden_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 64
-
-[coordinator]
-datasets = [{{ name = "arith", path = "{data_arg}" }}]
-"#
-        ),
-    )
-    .expect("config");
+    let data = configs::write_arith(dir.path().join("arith.jsonl"), 200, 20, 0);
+    let mut config = configs::tiny_run(dir.path().join("run"), "local", &data);
+    config.staleness.eta = 4;
+    config.staleness.groups_per_step = 2;
+    config.staleness.group_size = 4;
+    config.model.max_new_tokens = 4;
+    config.model.max_seq_len = 16;
+    // The bench cuts steps from the roles' `info` events.
+    config.telemetry.log_filter = "info".into();
+    let config = configs::write(&config, dir.path().join("job.toml"));
     let out = dir.path().join("sync-step");
     run(&[
         "sync-step",

@@ -8,6 +8,8 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use asyncrl_harness::cluster::csv_rows;
+use asyncrl_harness::configs;
+use asyncrl_learner::outputs::{METRICS_CSV, read_metrics};
 
 /// The `asyncrl-bench` binary beside the test binaries.
 fn bench_bin() -> std::path::PathBuf {
@@ -101,22 +103,23 @@ fn speedup_bench_reports_both_modes_and_the_bound() {
     assert!(md.contains("| **measured speedup** |"), "{md}");
     non_empty_png(&out.join("speedup.png"));
     for run in ["eta0-round0", "eta2-round0"] {
-        let steps = csv_rows(&out.join("runs").join(run).join("learner_metrics.csv"));
+        let steps = read_metrics(&out.join("runs").join(run).join(METRICS_CSV))
+            .unwrap_or_else(|e| panic!("{run}: {e:#}"));
         assert_eq!(steps.len(), 5, "{run} trained its 5 steps");
         // The built-in engine is token-exact: where the learner compares its
         // log-probs with the behaviour ones (tokens of its own version), they
         // agree to 1e-4.
         for s in &steps {
-            if num(s, "logprob_gap_tokens") > 0.0 {
-                assert!(num(s, "logprob_gap_max") <= 1e-4, "{run}: {s:?}");
-                assert!(num(s, "logprob_kl").abs() <= 1e-6, "{run}: {s:?}");
+            if s.logprob_gap_tokens > 0 {
+                assert!(s.logprob_gap_max <= 1e-4, "{run}: {s:?}");
+                assert!(s.logprob_kl.abs() <= 1e-6, "{run}: {s:?}");
             }
         }
         if run == "eta0-round0" {
             // η = 0 trains only tokens of the learner's own version: every
             // step compares.
             assert!(
-                steps.iter().all(|s| num(s, "logprob_gap_tokens") > 0.0),
+                steps.iter().all(|s| s.logprob_gap_tokens > 0),
                 "{steps:?}"
             );
         }
@@ -126,70 +129,15 @@ fn speedup_bench_reports_both_modes_and_the_bound() {
 #[test]
 fn staleness_bench_writes_curves_and_a_report_per_setting() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("arith.jsonl");
-    let args = [
-        "data",
-        "generate",
-        "--task",
-        "arith",
-        "--n",
-        "200",
-        "--max-operand",
-        "20",
-        "--out",
-        data.to_str().expect("utf-8"),
-    ];
-    succeeded(&args, &asyncrl(&args));
-    let held_out = dir.path().join("arith-all.jsonl");
-    let args = [
-        "data",
-        "generate",
-        "--task",
-        "arith",
-        "--all",
-        "--max-operand",
-        "4",
-        "--out",
-        held_out.to_str().expect("utf-8"),
-    ];
-    succeeded(&args, &asyncrl(&args));
-    let config = dir.path().join("bench.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[staleness]
-groups_per_step = 2
-group_size = 4
-
-[telemetry]
-listen = ""
-log_filter = "warn"
-
-[model]
-device = "cpu"
-max_new_tokens = 4
-max_seq_len = 16
-cpu_threads = 1
-
-[model.tiny]
-hidden_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 64
-
-[coordinator]
-datasets = [{{ name = "arith", path = "{}" }}]
-
-[eval]
-dataset = {{ name = "arith", path = "{}" }}
-"#,
-            data.display(),
-            held_out.display()
-        ),
-    )
-    .expect("config");
+    let data = configs::write_arith(dir.path().join("arith.jsonl"), 200, 20, 0);
+    let held_out = configs::write_arith_all(dir.path().join("arith-all.jsonl"), 4);
+    let mut base = configs::tiny_run(dir.path().join("run"), "local", &data);
+    base.staleness.groups_per_step = 2;
+    base.staleness.group_size = 4;
+    base.model.max_new_tokens = 4;
+    base.model.max_seq_len = 16;
+    base.eval.dataset = Some(configs::arith(&held_out));
+    let config = configs::write(&base, dir.path().join("bench.toml"));
     let out = dir.path().join("staleness");
     let args = [
         "staleness",
@@ -262,9 +210,8 @@ dataset = {{ name = "arith", path = "{}" }}
     );
 
     // Without held-out problems the bench refuses to start.
-    let bare = dir.path().join("bare.toml");
-    let text = std::fs::read_to_string(&config).expect("config");
-    std::fs::write(&bare, &text[..text.find("[eval]").expect("eval")]).expect("bare config");
+    base.eval.dataset = None;
+    let bare = configs::write(&base, dir.path().join("bare.toml"));
     let args = ["staleness", bare.to_str().expect("utf-8"), "--steps", "1"];
     let output = asyncrl(&args);
     assert!(!output.status.success());

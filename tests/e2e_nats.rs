@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use asyncrl_harness::cluster::{Cluster, Expect, Spec};
+use asyncrl_learner::outputs::{EVAL_CSV, read_eval};
 
 #[test]
 fn a_multi_process_run_trains_every_trajectory_once_within_eta() {
@@ -27,13 +28,9 @@ fn a_multi_process_run_trains_every_trajectory_once_within_eta() {
     let report = cluster.finish(&Expect::default());
     assert_eq!(report.steps, 20);
     // ... and eval.csv has a row for the start and every 5th version.
-    let eval = std::fs::read_to_string(cluster.out.join("eval.csv")).expect("eval.csv");
-    let versions: Vec<&str> = eval
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').next().unwrap_or_default())
-        .collect();
-    assert_eq!(versions, ["0", "5", "10", "15", "20"], "{eval}");
+    let eval = read_eval(&cluster.out.join(EVAL_CSV)).expect("eval.csv");
+    let versions: Vec<i32> = eval.iter().map(|r| r.version).collect();
+    assert_eq!(versions, [0, 5, 10, 15, 20], "{eval:?}");
     assert_eq!(report.retrained_steps, 0);
     // Every trajectory in the stream that was never trained is accounted
     // for: without faults there are no partial attempts, and a second

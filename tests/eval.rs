@@ -7,6 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use asyncrl_harness::configs;
+use asyncrl_learner::outputs::{EVAL_CSV, read_eval};
+
 fn asyncrl(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_asyncrl"))
         .args(args)
@@ -48,97 +51,48 @@ fn s(p: &Path) -> &str {
 
 /// Every arith problem with operands below 4 (32 problems).
 fn eval_file(dir: &Path) -> PathBuf {
-    let path = dir.join("arith-all.jsonl");
-    asyncrl_tasks::write_jsonl(&path, &asyncrl_tasks::arith_all(4)).expect("write eval set");
-    path
+    configs::write_arith_all(dir.join("arith-all.jsonl"), 4)
 }
 
 /// The run's config; `model` is the warm-started model folder (none: the
 /// built-in model from the seed).
 fn config(dir: &Path, train: &Path, eval: &Path, model: Option<&Path>) -> PathBuf {
-    let text = format!(
-        r#"
-[run]
-name = "eval"
-output_dir = "{out}"
-max_steps = 5
-seed = 4
-
-[staleness]
-eta = 1
-groups_per_step = 2
-group_size = 4
-
-[telemetry]
-listen = ""
-log_filter = "warn"
-
-[model]
-{path}device = "cpu"
-max_new_tokens = 3
-max_seq_len = 16
-cpu_threads = 1
-
-[model.tiny]
-hidden_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 64
-
-[coordinator]
-datasets = [{{ name = "arith", path = "{train}" }}]
-admin_listen = ""
-
-[coordinator.initial_knobs]
-learning_rate = 3e-2
-
-[learner]
-checkpoint_every = 1
-keep_checkpoints = 8
-
-[eval]
-every_steps = 2
-samples = 2
-dataset = {{ name = "arith", path = "{eval}" }}
-"#,
-        out = dir.join("out").display(),
-        train = train.display(),
-        eval = eval.display(),
-        path = model
-            .map(|m| format!("path = \"{}\"\n", m.display()))
-            .unwrap_or_default(),
-    );
-    let path = dir.join(if model.is_some() {
+    let mut c = configs::tiny_run(dir.join("out"), "local", train);
+    c.run.name = "eval".into();
+    c.run.max_steps = 5;
+    c.run.seed = 4;
+    c.staleness.eta = 1;
+    c.staleness.groups_per_step = 2;
+    c.staleness.group_size = 4;
+    c.model.path = model.map(Path::to_owned);
+    c.model.max_new_tokens = 3;
+    c.model.max_seq_len = 16;
+    c.coordinator.initial_knobs.learning_rate = 3e-2;
+    c.learner.checkpoint_every = 1;
+    c.learner.keep_checkpoints = 8;
+    c.eval.every_steps = 2;
+    c.eval.samples = 2;
+    c.eval.dataset = Some(configs::arith(eval));
+    let name = if model.is_some() {
         "run.toml"
     } else {
         "warm.toml"
-    });
-    std::fs::write(&path, text).expect("write config");
-    path
+    };
+    configs::write(&c, dir.join(name))
 }
 
-/// (version, greedy, sampled, pass@k) of each `eval.csv` row.
+/// (version, greedy, sampled, pass@k) of each `eval.csv` row, each of 32
+/// problems and k = 2.
 fn eval_rows(csv: &Path) -> Vec<(i32, f64, f64, f64)> {
-    let text = std::fs::read_to_string(csv).expect("eval.csv");
-    let mut lines = text.lines();
-    assert_eq!(
-        lines.next(),
-        Some(asyncrl_learner::eval::EVAL_CSV_HEADER),
-        "header"
-    );
-    lines
-        .map(|l| {
-            let f: Vec<&str> = l.split(',').collect();
-            assert_eq!(f.len(), 9, "{l}");
-            assert_eq!(f[3], "32", "problems: {l}");
-            assert_eq!(f[7], "2", "k: {l}");
-            (
-                f[0].parse().unwrap(),
-                f[4].parse().unwrap(),
-                f[5].parse().unwrap(),
-                f[6].parse().unwrap(),
-            )
+    read_eval(csv)
+        .expect("eval.csv")
+        .into_iter()
+        .map(|r| {
+            let s = &r.scores;
+            assert_eq!(s.problems, 32, "problems: {r:?}");
+            assert_eq!(s.k, 2, "k: {r:?}");
+            let score = |v: Option<f64>| v.unwrap_or_else(|| panic!("a score missing: {r:?}"));
+            (r.version, score(s.greedy), score(s.sampled), score(s.pass_at_k))
         })
         .collect()
 }
@@ -146,14 +100,7 @@ fn eval_rows(csv: &Path) -> Vec<(i32, f64, f64, f64)> {
 #[test]
 fn a_run_evaluates_its_versions_and_asyncrl_eval_reproduces_them() {
     let dir = tempfile::tempdir().unwrap();
-    let train = dir.path().join("train.jsonl");
-    let items = asyncrl_tasks::generate_with(
-        asyncrl_tasks::BuiltinTask::Arith,
-        400,
-        2,
-        asyncrl_tasks::GenerateOptions { max_operand: 4 },
-    );
-    asyncrl_tasks::write_jsonl(&train, &items).unwrap();
+    let train = configs::write_arith(dir.path().join("train.jsonl"), 400, 4, 2);
     let eval = eval_file(dir.path());
     // A warm start first, so that accuracies are not all 0 and differ
     // between versions (a Hugging Face folder `asyncrl eval` also reads).
@@ -186,7 +133,7 @@ fn a_run_evaluates_its_versions_and_asyncrl_eval_reproduces_them() {
     );
 
     let run = dir.path().join("out");
-    let rows = eval_rows(&run.join("eval.csv"));
+    let rows = eval_rows(&run.join(EVAL_CSV));
     // The start, every 2nd version, and the last (5 is not a multiple of 2).
     let versions: Vec<i32> = rows.iter().map(|r| r.0).collect();
     assert_eq!(versions, vec![0, 2, 4, 5]);

@@ -178,7 +178,7 @@ fn a_nats_server_restart_is_survived_and_jetstream_keeps_its_data() {
 fn a_worker_stopped_with_sigterm_drains_and_returns_its_tasks() {
     let mut c = Cluster::start(Spec {
         // In-flight sequences are cut off at once: held tasks are returned.
-        drain_grace_period: "1ms",
+        drain_grace_period: Duration::from_millis(1),
         ..spec()
     });
     c.wait_step(3, STEP_WAIT);

@@ -9,10 +9,11 @@
 //! - a role process started with credentials that lack what it must do
 //!   exits with one error line naming the permission and the subject.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use asyncrl_config::{BusConfig, Secret};
+use asyncrl_config::{BusConfig, RoleAuth, Secret};
 use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, LEARNER_STATUS_KEY,
@@ -56,34 +57,36 @@ fn server_config() -> ServerConfig {
     config
 }
 
-/// `[bus.roles.*]` of every role: `as_user[role]` is the user it connects
-/// as (its own unless a test swaps them). The learner reads its password
-/// from a file, the others inline.
-fn role_tables(secrets: &Path, as_user: impl Fn(&str) -> &'static str) -> String {
-    let mut text = String::new();
+/// `bus.roles` of every role: `as_user[role]` is the user it connects as
+/// (its own unless a test swaps them). The learner reads its password from
+/// a file, the others have it inline.
+fn role_auth(
+    secrets: &Path,
+    as_user: impl Fn(&str) -> &'static str,
+) -> BTreeMap<String, RoleAuth> {
+    let mut roles = BTreeMap::new();
     for role in ROLES {
         let user = as_user(role);
+        let mut auth = RoleAuth {
+            user: Some(user.into()),
+            ..RoleAuth::default()
+        };
         if role == "learner" {
             let file = secrets.join(format!("{role}-password"));
             std::fs::write(&file, format!("{}\n", password(user))).unwrap();
-            text += &format!(
-                "\n[bus.roles.{role}]\nuser = \"{user}\"\npassword_file = \"{}\"\n",
-                file.display()
-            );
+            auth.password_file = Some(file);
         } else {
-            text += &format!(
-                "\n[bus.roles.{role}]\nuser = \"{user}\"\npassword = \"{}\"\n",
-                password(user)
-            );
+            auth.password = Some(Secret::new(password(user)));
         }
+        roles.insert(role.to_owned(), auth);
     }
-    text
+    roles
 }
 
 fn setup(secrets: &Path, as_user: impl Fn(&str) -> &'static str) -> NatsSetup {
     NatsSetup {
         server: Some(server_config()),
-        bus_tables: role_tables(secrets, as_user),
+        bus_roles: role_auth(secrets, as_user),
         observer: Some((OBSERVER.0.into(), OBSERVER.1.into())),
         ..NatsSetup::default()
     }

@@ -12,6 +12,8 @@ use std::sync::Arc;
 use arrow::array::{ArrayRef, ListArray, RecordBatch, StringArray, StructArray};
 use arrow::buffer::OffsetBuffer;
 use arrow::datatypes::{DataType, Field, Fields};
+use asyncrl_config::{Config, DatasetConfig, DeviceName};
+use asyncrl_harness::configs;
 use asyncrl_protos::v1::FinishReason;
 use asyncrl_text::{Message, ModelText, Prompt};
 
@@ -132,43 +134,22 @@ fn chat_rows() -> (Vec<Vec<(String, String)>>, Vec<String>) {
     (prompts, answers)
 }
 
-fn config_text(out: &Path, model: &Path, dataset_lines: &str, model_extra: &str) -> String {
-    format!(
-        r#"
-[run]
-name = "real-workloads"
-output_dir = "{out}"
-max_steps = 3
-
-[staleness]
-eta = 1
-groups_per_step = 2
-group_size = 2
-
-[bus]
-url = "local"
-
-[telemetry]
-listen = ""
-log_filter = "warn"
-
-[model]
-path = "{model}"
-device = "cpu"
-max_new_tokens = 6
-max_seq_len = 96
-cpu_threads = 1
-{model_extra}
-
-[coordinator]
-admin_listen = ""
-
-[[coordinator.datasets]]
-{dataset_lines}
-"#,
-        out = out.display(),
-        model = model.display(),
-    )
+/// A three-step run of the stand-in `model` on `dataset`, in process.
+fn config(out: &Path, model: &Path, dataset: DatasetConfig) -> Config {
+    let mut c = Config::isolated(out, "local");
+    c.run.name = "real-workloads".into();
+    c.run.max_steps = 3;
+    c.staleness.eta = 1;
+    c.staleness.groups_per_step = 2;
+    c.staleness.group_size = 2;
+    c.telemetry.log_filter = "warn".into();
+    c.model.path = Some(model.to_owned());
+    c.model.device = DeviceName::Cpu;
+    c.model.max_new_tokens = 6;
+    c.model.max_seq_len = 96;
+    c.model.cpu_threads = 1;
+    c.coordinator.datasets = vec![dataset];
+    c
 }
 
 #[test]
@@ -192,20 +173,18 @@ fn a_parquet_data_set_of_chat_messages_trains_end_to_end_with_the_models_templat
         ],
     );
     let out = dir.path().join("out");
-    let config = dir.path().join("chat.toml");
-    std::fs::write(
-        &config,
-        config_text(
-            &out,
-            &model,
-            &format!(
-                "name = \"sums\"\npath = \"{}\"\nprompt_field = \"messages\"\nverifier = \"math\"\nmax_prompt_tokens = 80",
-                data.display()
-            ),
-            &format!("stop_strings = {STOPS:?}"),
-        ),
-    )
-    .expect("write config");
+    let mut config = config(
+        &out,
+        &model,
+        DatasetConfig {
+            prompt_field: "messages".into(),
+            verifier: Some("math".into()),
+            max_prompt_tokens: Some(80),
+            ..DatasetConfig::jsonl("sums", &data)
+        },
+    );
+    config.model.stop_strings = STOPS.iter().map(|s| s.to_string()).collect();
+    let config = configs::write(&config, dir.path().join("chat.toml"));
     let config = config.to_str().expect("utf-8 path");
 
     // The check renders every prompt with the template.
@@ -301,17 +280,10 @@ fn messages_for_a_model_without_a_chat_template_are_one_error_line() {
     )
     .expect("write data");
     let out = dir.path().join("out");
-    let config = dir.path().join("c.toml");
-    std::fs::write(
-        &config,
-        config_text(
-            &out,
-            &model,
-            &format!("name = \"chat\"\npath = \"{}\"", data.display()),
-            "",
-        ),
-    )
-    .expect("write config");
+    let config = configs::write(
+        &config(&out, &model, DatasetConfig::jsonl("chat", &data)),
+        dir.path().join("c.toml"),
+    );
     let config = config.to_str().expect("utf-8 path");
     for args in [
         vec!["train", config, "--check-config"],
@@ -356,39 +328,16 @@ fn the_gsm8k_example_passes_check_config_with_a_stand_in_model() {
         ],
     );
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gsm8k-qwen2.5.toml");
-    let mut config: toml::Table = std::fs::read_to_string(&example)
-        .expect("read the example")
-        .parse()
-        .expect("the example is TOML");
-    let set = |table: &mut toml::Table, path: &[&str], value: toml::Value| {
-        let (last, parents) = path.split_last().expect("a key");
-        let mut t = table;
-        for p in parents {
-            t = t
-                .get_mut(*p)
-                .and_then(toml::Value::as_table_mut)
-                .unwrap_or_else(|| panic!("the example has no [{p}]"));
-        }
-        assert!(t.contains_key(*last), "the example sets {path:?}");
-        t.insert((*last).to_owned(), value);
-    };
-    set(
-        &mut config,
-        &["model", "path"],
-        toml::Value::String(model.display().to_string()),
-    );
-    let datasets = config
-        .get_mut("coordinator")
-        .and_then(|c| c.get_mut("datasets"))
-        .and_then(toml::Value::as_array_mut)
+    let mut config = Config::load(&example).expect("the example is a valid config");
+    assert!(config.model.path.is_some(), "the example names a model");
+    config.model.path = Some(model.clone());
+    let first = config
+        .coordinator
+        .datasets
+        .first_mut()
         .expect("the example has [[coordinator.datasets]]");
-    let first = datasets[0].as_table_mut().expect("a data set table");
-    first.insert(
-        "path".into(),
-        toml::Value::String(data.display().to_string()),
-    );
-    let path = dir.path().join("gsm8k.toml");
-    std::fs::write(&path, toml::to_string(&config).expect("TOML")).expect("write config");
+    first.path = data.clone();
+    let path = configs::write(&config, dir.path().join("gsm8k.toml"));
     let path = path.to_str().expect("utf-8 path");
     let args = ["train", path, "--check-config"];
     let report = ok(&args, &asyncrl(&args));

@@ -11,6 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use asyncrl_common::dir_bytes;
+use asyncrl_config::TrajectoryRetention;
 use asyncrl_harness::cluster::{Cluster, Expect, Spec};
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, DEAD_LETTER_STREAM, TRAJECTORY_STREAM, WEIGHTS_BUCKET,
@@ -37,7 +38,7 @@ fn streams_dir(store: &Path) -> std::path::PathBuf {
 fn the_trajectory_stream_does_not_grow_with_trained_steps() {
     let spec = Spec {
         max_steps: 40,
-        stream: "release",
+        stream: TrajectoryRetention::Release,
         ..Spec::default()
     };
     let per_step = u64::from(spec.groups_per_step * spec.group_size);
@@ -143,7 +144,7 @@ fn the_trajectory_stream_does_not_grow_with_trained_steps() {
 fn a_releasing_stream_keeps_what_a_killed_buffer_had_not_acked() {
     let mut c = Cluster::start(Spec {
         max_steps: 16,
-        stream: "release",
+        stream: TrajectoryRetention::Release,
         ..Spec::default()
     });
     c.wait_step(4, Duration::from_secs(60));

@@ -93,12 +93,12 @@ fn the_roles_run_end_to_end_over_mutual_tls() {
         NatsSetup {
             server: Some(tls_server(&pki)),
             tls: true,
-            bus_tables: format!(
-                "\n[bus.tls]\nca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
-                pki.ca.display(),
-                pki.client_cert.display(),
-                pki.client_key.display()
-            ),
+            bus_tls: Some(TlsConfig {
+                ca_file: Some(pki.ca.clone()),
+                cert_file: Some(pki.client_cert.clone()),
+                key_file: Some(pki.client_key.clone()),
+                ..TlsConfig::default()
+            }),
             observer_ca: Some(pki.ca.clone()),
             observer_cert: Some((pki.client_cert.clone(), pki.client_key.clone())),
             ..NatsSetup::default()

@@ -6,10 +6,14 @@
 //! trajectory trained twice and every token's log-prob matching the
 //! learner's.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use asyncrl_config::{Config, EngineConfig, EngineKind, EvalConfig};
+use asyncrl_harness::configs;
+use asyncrl_harness::invariants::{TrainedCheck, check_trained_file};
+use asyncrl_learner::outputs::{METRICS_CSV, TRAINED_JSONL, read_metrics};
 
 const STEPS: usize = 400;
 
@@ -33,45 +37,28 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// examples/arith.toml with its paths in `dir`, its ports free.
-fn config(dir: &Path, name: &str, engine: &str) -> PathBuf {
-    let text = std::fs::read_to_string(root().join("examples/arith.toml")).unwrap();
-    // The comparison runs STEPS steps and no held-out evaluation (the last
-    // section of the example).
-    let eval = text
-        .find("\n[eval]")
-        .expect("examples/arith.toml has [eval] last");
-    let out = dir.join(name);
-    let text = text[..eval]
-        .replace("max_steps = 2500", &format!("max_steps = {STEPS}"))
-        .replace("name = \"arith-eta4\"", &format!("name = \"{name}\""))
-        .replace(
-            "output_dir = \"runs/arith-eta4\"",
-            &format!("output_dir = \"{}\"", out.display()),
-        )
-        .replace("listen = \"127.0.0.1:9464\"", "listen = \"127.0.0.1:0\"")
-        .replace(
-            "admin_listen = \"127.0.0.1:7461\"",
-            "admin_listen = \"127.0.0.1:0\"",
-        )
-        .replace(
-            "path = \"runs/warmstart-arith\"",
-            &format!("path = \"{}\"", dir.join("warm").display()),
-        )
-        .replace(
-            "path = \"runs/data/arith-train.jsonl\"",
-            &format!("path = \"{}\"", dir.join("arith.jsonl").display()),
-        );
-    assert!(
-        text.contains(&format!("max_steps = {STEPS}")),
-        "examples/arith.toml changed"
-    );
-    let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, format!("{text}\n{engine}")).unwrap();
-    path
+/// examples/arith.toml with its paths in `dir`, its ports free, STEPS
+/// steps and no held-out evaluation, generating with `engine` (none: the
+/// built-in engine); returns the file it is written to.
+fn config(dir: &Path, name: &str, engine: Option<EngineConfig>) -> PathBuf {
+    let mut c = Config::load(&root().join("examples/arith.toml")).expect("examples/arith.toml");
+    c.run.max_steps = STEPS as u64;
+    c.run.name = name.into();
+    c.run.output_dir = dir.join(name);
+    c.telemetry.listen = "127.0.0.1:0".into();
+    c.coordinator.admin_listen = "127.0.0.1:0".into();
+    c.model.path = Some(dir.join("warm"));
+    c.coordinator.datasets = vec![configs::arith(&dir.join("arith.jsonl"))];
+    c.eval = EvalConfig::default();
+    if let Some(engine) = engine {
+        c.worker.engine = engine;
+    }
+    configs::write(&c, dir.join(format!("{name}.toml")))
 }
 
-fn vllm_engine(dir: &Path, port: u16, pid_file: &Path) -> String {
+/// A vLLM server the worker launches from `.venv-vllm` on `port`, serving
+/// the warm start; it writes its pid to `pid_file`.
+fn vllm_engine(dir: &Path, port: u16, pid_file: &Path) -> EngineConfig {
     let python = root().join(".venv-vllm/bin/python");
     let server = format!(
         "echo $$ > '{pid}'; exec env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 '{python}' -m vllm.entrypoints.openai.api_server --model '{model}' --dtype float32 --max-model-len 64 --logprobs-mode processed_logprobs --enable-scale-out --enforce-eager --host 127.0.0.1 --port {port}",
@@ -79,10 +66,14 @@ fn vllm_engine(dir: &Path, port: u16, pid_file: &Path) -> String {
         python = python.display(),
         model = dir.join("warm").display(),
     );
-    format!(
-        "[worker.engine]\nkind = \"vllm\"\nendpoints = [\"http://127.0.0.1:{port}\"]\nlaunch = [\"sh\", \"-c\", {server:?}]\nweights_dir = \"{}\"\nready_timeout = \"540s\"\n",
-        dir.join("engine-weights").display()
-    )
+    EngineConfig {
+        kind: EngineKind::Vllm,
+        endpoints: vec![format!("http://127.0.0.1:{port}")],
+        launch: vec!["sh".into(), "-c".into(), server],
+        weights_dir: dir.join("engine-weights"),
+        ready_timeout: Duration::from_secs(540),
+        ..EngineConfig::default()
+    }
 }
 
 /// `arith` data in `dir/arith.jsonl` (`data_args` after the task and seed),
@@ -94,7 +85,7 @@ fn warm_start(dir: &Path, name: &str, data_args: &[&str], warm_args: &[&str]) ->
     args.extend_from_slice(data_args);
     args.extend(["--out", data.to_str().unwrap()]);
     succeeded("data generate", &asyncrl(&args));
-    let config = config(dir, name, "");
+    let config = config(dir, name, None);
     let warm = dir.join("warm");
     let mut args = vec![
         "warmstart",
@@ -111,37 +102,22 @@ struct Run {
     rewards: Vec<f64>,
     gap_max: f64,
     lag_max: f64,
-    trained: Vec<serde_json::Value>,
+    trained: TrainedCheck,
 }
 
 fn read_run(out: &Path) -> Run {
-    let text = std::fs::read_to_string(out.join("learner_metrics.csv")).unwrap();
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
-    let (reward, gap, lag) = (
-        col("reward_mean"),
-        col("logprob_gap_max"),
-        col("version_lag_max"),
-    );
-    let mut run = Run {
-        rewards: Vec::new(),
-        gap_max: 0.0,
-        lag_max: 0.0,
-        trained: Vec::new(),
-    };
-    for line in lines {
-        let f: Vec<&str> = line.split(',').collect();
-        run.rewards.push(f[reward].parse().unwrap());
-        run.gap_max = run.gap_max.max(f[gap].parse().unwrap_or(0.0));
-        run.lag_max = run.lag_max.max(f[lag].parse().unwrap());
+    let rows = read_metrics(&out.join(METRICS_CSV)).expect("learner_metrics.csv");
+    Run {
+        rewards: rows.iter().map(|r| r.reward_mean).collect(),
+        gap_max: rows
+            .iter()
+            .map(|r| r.logprob_gap_max)
+            .filter(|g| g.is_finite())
+            .fold(0.0, f64::max),
+        lag_max: rows.iter().map(|r| r.version_lag_max).fold(0.0, f64::max),
+        // examples/arith.toml: η = 4, B·G = 16 · 8.
+        trained: check_trained_file(&out.join(TRAINED_JSONL), 4, 16 * 8),
     }
-    run.trained = std::fs::read_to_string(out.join("trained.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    run
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -149,9 +125,7 @@ fn mean(v: &[f64]) -> f64 {
 }
 
 fn steps_done(out: &Path) -> usize {
-    std::fs::read_to_string(out.join("learner_metrics.csv"))
-        .map(|t| t.lines().count().saturating_sub(1))
-        .unwrap_or(0)
+    read_metrics(&out.join(METRICS_CSV)).map_or(0, |rows| rows.len())
 }
 
 #[test]
@@ -171,7 +145,7 @@ fn train_with_vllm_learns_like_the_builtin_engine_and_survives_a_kill_9() {
 
     let port = asyncrl_testkit::free_port().unwrap();
     let pid_file = d.join("vllm.pid");
-    let vllm = config(d, "vllm", &vllm_engine(d, port, &pid_file));
+    let vllm = config(d, "vllm", Some(vllm_engine(d, port, &pid_file)));
     let mut child = Command::new(env!("CARGO_BIN_EXE_asyncrl"))
         .args(["train", vllm.to_str().unwrap()])
         .stdout(Stdio::null())
@@ -211,17 +185,10 @@ fn train_with_vllm_learns_like_the_builtin_engine_and_survives_a_kill_9() {
     let v = read_run(&d.join("vllm"));
     for (name, run) in [("built-in", &b), ("vLLM", &v)] {
         assert_eq!(run.rewards.len(), STEPS, "{name}");
-        assert_eq!(run.trained.len(), STEPS, "{name}");
-        // No trajectory trained twice.
-        let mut seen = HashSet::new();
-        for step in &run.trained {
-            for t in step["trajectories"].as_array().unwrap() {
-                assert!(
-                    seen.insert(t.as_str().unwrap().to_owned()),
-                    "{name}: {t} trained twice"
-                );
-            }
-        }
+        assert_eq!(run.trained.max_step, STEPS as u64, "{name}");
+        // No trajectory trained twice, none staler than η, versions in order.
+        let violations = run.trained.violations();
+        assert!(violations.is_empty(), "{name}: {violations:#?}");
         assert!(run.lag_max <= 4.0, "{name}: a token older than eta");
     }
     // The learner's recompute matches what vLLM sampled with.

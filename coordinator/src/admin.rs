@@ -19,7 +19,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status};
 
-use crate::CoordinatorError;
+use crate::error::CoordinatorError;
 use crate::service::{AdminCommand, ControlAction, Event, Unauthorized};
 
 /// Reads the admin token from the config (inline or file). `None`: no token

@@ -15,6 +15,7 @@ pub mod admin;
 pub mod capacity;
 pub mod ctl;
 pub mod dataset;
+mod error;
 pub mod journal;
 /// The knob schedule lives in the control crate (the learner seals it too).
 pub use asyncrl_control::knobs;
@@ -38,75 +39,13 @@ use tokio_util::sync::CancellationToken;
 
 pub use asyncrl_tasks::{TaskError, TaskItem};
 pub use dataset::TaskSet;
+pub use error::CoordinatorError;
 pub use journal::JournalError;
 pub use knobs::{KnobError, StepKnobs, seal_step};
 pub use scheduler::StateError;
 pub use tokio_util::sync::CancellationToken as ShutdownToken;
 
 use crate::service::{Actor, AdminCommand, Event};
-
-#[derive(Debug, thiserror::Error)]
-pub enum CoordinatorError {
-    #[error(transparent)]
-    Dataset(#[from] TaskError),
-    #[error("cannot read the model's tokenizer to measure prompts: {0}")]
-    Text(#[from] asyncrl_text::TextError),
-    #[error("cannot {what}: {source}")]
-    Transport {
-        what: String,
-        source: TransportError,
-    },
-    #[error(transparent)]
-    State(#[from] StateError),
-    #[error("the persisted coordinator state (KV key coordinator.state) does not decode: {0}")]
-    StateDecode(#[source] prost::DecodeError),
-    #[error(
-        "another coordinator wrote coordinator.state (revision {revision}); only one coordinator may run per run and bucket. Stopping"
-    )]
-    AnotherCoordinator { revision: u64 },
-    #[error(transparent)]
-    Journal(#[from] JournalError),
-    #[error(transparent)]
-    Knobs(#[from] KnobError),
-    #[error("cannot register the coordinator's metrics: {0}")]
-    Telemetry(#[from] TelemetryError),
-    #[error("cannot listen for the admin API on {addr}: {source}")]
-    AdminBind {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
-    #[error("admin TLS: cannot read {path}: {source}")]
-    AdminTlsFile {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("admin TLS: {0}")]
-    AdminTls(#[source] tonic::transport::Error),
-    #[error("cannot read the admin token file {path}: {source}")]
-    AdminTokenFile {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("the admin token file {0} is empty")]
-    AdminTokenEmpty(PathBuf),
-    #[error(transparent)]
-    Config(#[from] asyncrl_config::ConfigError),
-    #[error("the coordinator has stopped")]
-    Stopped,
-    #[error("a coordinator task failed: {0}")]
-    Join(#[source] tokio::task::JoinError),
-}
-
-impl CoordinatorError {
-    pub(crate) fn transport(what: impl Into<String>, source: TransportError) -> Self {
-        CoordinatorError::Transport {
-            what: what.into(),
-            source,
-        }
-    }
-}
 
 /// A running coordinator.
 pub struct Coordinator {

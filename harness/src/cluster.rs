@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,11 @@ use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerI
 use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
 use asyncrl_testkit::{NatsServer, ServerConfig};
 
+use asyncrl_config::{Config, RoleAuth, TinyModelConfig, TlsConfig, TrajectoryRetention};
+
+use crate::configs;
 use crate::invariants::check_trained_file;
+use crate::process::RoleProcess;
 use futures::StreamExt as _;
 
 /// The `asyncrl` binary under test (see [`crate::process::asyncrl_bin`]).
@@ -44,27 +48,27 @@ pub struct Spec {
     pub workers: usize,
     /// Items in the task file (more than a run admits: no epoch wraps).
     pub tasks: usize,
-    pub lease_timeout: &'static str,
-    pub heartbeat_interval: &'static str,
-    pub dead_after: &'static str,
-    pub drain_grace_period: &'static str,
+    pub lease_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    pub dead_after: Duration,
+    pub drain_grace_period: Duration,
     pub checkpoint_every: u64,
     pub max_new_tokens: usize,
     pub max_seq_len: usize,
     pub max_sequences: usize,
-    /// `[model.tiny]`: hidden, layers, heads, kv heads, intermediate.
-    pub tiny: (u32, u32, u32, u32, u32),
+    /// `[model.tiny]`.
+    pub tiny: TinyModelConfig,
     /// `bus.reconnect_max_delay` of every role.
-    pub reconnect_max_delay: &'static str,
+    pub reconnect_max_delay: Duration,
     /// `eval.every_steps` (0: no held-out evaluation); the learner then
     /// evaluates the first 16 problems of the task file.
     pub eval_every: u64,
-    /// `bus.storage.trajectories`: "keep" (the default here) keeps every
+    /// `bus.storage.trajectories`: `Keep` (the default here) keeps every
     /// published trajectory in the stream, and the invariant check audits
-    /// the buffer against it; "release" (the product's default) lets the
+    /// the buffer against it; `Release` (the product's default) lets the
     /// stream drop each once the buffer has stored it, and the check audits
     /// the buffer's own segments.
-    pub stream: &'static str,
+    pub stream: TrajectoryRetention,
 }
 
 impl Default for Spec {
@@ -76,18 +80,18 @@ impl Default for Spec {
             group_size: 4,
             workers: 2,
             tasks: 400,
-            lease_timeout: "6s",
-            heartbeat_interval: "250ms",
-            dead_after: "3s",
-            drain_grace_period: "5s",
+            lease_timeout: Duration::from_secs(6),
+            heartbeat_interval: Duration::from_millis(250),
+            dead_after: Duration::from_secs(3),
+            drain_grace_period: Duration::from_secs(5),
             checkpoint_every: 1,
             max_new_tokens: 24,
             max_seq_len: 32,
             max_sequences: 16,
-            tiny: (32, 1, 2, 1, 64),
-            reconnect_max_delay: "500ms",
+            tiny: configs::tiny_model(),
+            reconnect_max_delay: Duration::from_millis(500),
             eval_every: 0,
-            stream: "keep",
+            stream: TrajectoryRetention::Keep,
         }
     }
 }
@@ -100,8 +104,10 @@ pub struct NatsSetup {
     pub server: Option<ServerConfig>,
     /// Roles connect to `tls://127.0.0.1:PORT` instead of `nats://`.
     pub tls: bool,
-    /// TOML appended to every role's config (`[bus.tls]`, `[bus.roles.*]`).
-    pub bus_tables: String,
+    /// Every role's `bus.tls`.
+    pub bus_tls: Option<TlsConfig>,
+    /// Every role's `bus.roles` (per-role credentials).
+    pub bus_roles: BTreeMap<String, RoleAuth>,
     /// The user and password of the test's own connections (the stream
     /// audit, the `policy.version` watch).
     pub observer: Option<(String, String)>,
@@ -138,17 +144,6 @@ pub struct Expect {
 }
 
 /// One role process (and its restarts).
-struct Role {
-    name: String,
-    args: Vec<String>,
-    config: PathBuf,
-    log: PathBuf,
-    child: Option<Child>,
-    starts: u32,
-    /// Exit status of the last incarnation, once reaped.
-    exited: Option<ExitStatus>,
-}
-
 /// The numbers [`Cluster::check_invariants`] found, printed by every test.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
@@ -180,7 +175,7 @@ pub struct Cluster {
     pub setup: NatsSetup,
     pub out: PathBuf,
     pub tasks_file: PathBuf,
-    roles: Vec<Role>,
+    roles: Vec<RoleProcess>,
     rt: tokio::runtime::Runtime,
     /// Every `policy.version` announcement seen, in order.
     announcements: Arc<Mutex<Vec<WeightAnnouncement>>>,
@@ -211,14 +206,7 @@ impl Cluster {
         }
         .expect("start nats-server (run scripts/setup)");
         let out = dir.path().join("out");
-        let tasks_file = dir.path().join("tasks.jsonl");
-        let items = asyncrl_tasks::generate_with(
-            asyncrl_tasks::BuiltinTask::Arith,
-            spec.tasks,
-            7,
-            asyncrl_tasks::GenerateOptions { max_operand: 20 },
-        );
-        asyncrl_tasks::write_jsonl(&tasks_file, &items).expect("write the task file");
+        let tasks_file = configs::write_arith(dir.path().join("tasks.jsonl"), spec.tasks, 20, 7);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -238,12 +226,12 @@ impl Cluster {
             started: Instant::now(),
             _serial: serial,
         };
-        cluster.add_role("coordinator", &["coordinator"], None);
-        cluster.add_role("buffer", &["buffer"], None);
-        cluster.add_role("learner", &["learner"], None);
+        cluster.add_role("coordinator", "coordinator", None);
+        cluster.add_role("buffer", "buffer", None);
+        cluster.add_role("learner", "learner", None);
         for i in 1..=cluster.spec.workers {
             let name = format!("worker-{i}");
-            cluster.add_role(&name, &["worker"], Some(&name));
+            cluster.add_role(&name, "worker", Some(&name));
         }
         cluster.watch_versions();
         let names: Vec<String> = cluster.roles.iter().map(|r| r.name.clone()).collect();
@@ -253,114 +241,38 @@ impl Cluster {
         cluster
     }
 
-    /// The config text of a role (only `worker.id` differs). Every server
+    /// The config of a role (only `worker.id` differs). Every server
     /// listens on port 0; the ports are read back from the role's log.
-    fn config_text(&self, worker_id: Option<&str>) -> String {
+    fn config(&self, worker_id: Option<&str>) -> Config {
         let s = &self.spec;
-        let (hidden, layers, heads, kv_heads, inter) = s.tiny;
-        let worker_id = worker_id
-            .map(|id| format!("id = \"{id}\"\n"))
-            .unwrap_or_default();
-        format!(
-            r#"
-[run]
-name = "e2e"
-output_dir = "{out}"
-seed = 3
-max_steps = {max_steps}
-
-[staleness]
-eta = {eta}
-groups_per_step = {b}
-group_size = {g}
-
-[bus]
-url = "{url}"
-connect_timeout = "10s"
-request_timeout = "3s"
-reconnect_max_delay = "{reconnect}"
-
-[bus.storage]
-trajectories = "{stream}"
-report_every = "500ms"
-
-[telemetry]
-listen = "127.0.0.1:0"
-log_format = "text"
-log_filter = "{log_filter}"
-
-[model]
-device = "cpu"
-temperature = 1.0
-max_new_tokens = {max_new}
-max_seq_len = {max_seq}
-cpu_threads = 1
-
-[model.tiny]
-hidden_size = {hidden}
-num_hidden_layers = {layers}
-num_attention_heads = {heads}
-num_key_value_heads = {kv_heads}
-intermediate_size = {inter}
-
-[coordinator]
-datasets = [{{ name = "arith", path = "{tasks}" }}]
-admin_listen = "127.0.0.1:0"
-lease_timeout = "{lease}"
-heartbeat_interval = "{hb}"
-dead_after = "{dead}"
-retry_after = "50ms"
-
-[coordinator.initial_knobs]
-learning_rate = 1e-3
-
-[buffer]
-retention = "keep"
-ack_wait = "2s"
-fetch_wait = "100ms"
-
-[learner]
-checkpoint_every = {ckpt}
-keep_checkpoints = 2
-
-[worker]
-{worker_id}max_sequences = {max_seqs}
-heartbeat_interval = "{hb}"
-acquire_backoff_max = "300ms"
-drain_grace_period = "{grace}"
-weight_fetch_timeout = "30s"
-weight_retry_backoff_max = "1s"
-{eval}{bus_tables}"#,
-            out = self.out.display(),
-            bus_tables = self.setup.bus_tables,
-            // ASYNCRL_TEST_LOG (a tracing filter) makes the roles chattier.
-            log_filter = std::env::var("ASYNCRL_TEST_LOG").unwrap_or_else(|_| "info".into()),
-            max_steps = s.max_steps,
-            eta = s.eta,
-            b = s.groups_per_step,
-            g = s.group_size,
-            url = self.bus_url(),
-            reconnect = s.reconnect_max_delay,
-            stream = s.stream,
-            max_new = s.max_new_tokens,
-            max_seq = s.max_seq_len,
-            tasks = self.tasks_file.display(),
-            lease = s.lease_timeout,
-            hb = s.heartbeat_interval,
-            dead = s.dead_after,
-            ckpt = s.checkpoint_every,
-            max_seqs = s.max_sequences,
-            grace = s.drain_grace_period,
-            eval = if s.eval_every > 0 {
-                format!(
-                    "\n[eval]\nevery_steps = {}\nproblems = 16\ndataset = {{ name = \"arith\", path = \"{}\" }}\n",
-                    s.eval_every,
-                    self.tasks_file.display()
-                )
-            } else {
-                String::new()
-            },
-        )
+        let mut c = configs::cluster_role(&self.out, &self.bus_url(), &self.tasks_file);
+        c.run.name = "e2e".into();
+        c.run.max_steps = s.max_steps;
+        c.staleness.eta = s.eta;
+        c.staleness.groups_per_step = s.groups_per_step;
+        c.staleness.group_size = s.group_size;
+        c.bus.reconnect_max_delay = s.reconnect_max_delay;
+        c.bus.storage.trajectories = s.stream;
+        c.bus.storage.report_every = Duration::from_millis(500);
+        c.bus.tls = self.setup.bus_tls.clone();
+        c.bus.roles = self.setup.bus_roles.clone();
+        c.model.max_new_tokens = s.max_new_tokens;
+        c.model.max_seq_len = s.max_seq_len;
+        c.model.tiny = s.tiny.clone();
+        c.coordinator.lease_timeout = s.lease_timeout;
+        c.coordinator.heartbeat_interval = s.heartbeat_interval;
+        c.coordinator.dead_after = s.dead_after;
+        c.learner.checkpoint_every = s.checkpoint_every;
+        c.worker.id = worker_id.map(str::to_owned);
+        c.worker.max_sequences = s.max_sequences;
+        c.worker.heartbeat_interval = s.heartbeat_interval;
+        c.worker.drain_grace_period = s.drain_grace_period;
+        if s.eval_every > 0 {
+            c.eval.every_steps = s.eval_every;
+            c.eval.problems = 16;
+            c.eval.dataset = Some(configs::arith(&self.tasks_file));
+        }
+        c
     }
 
     /// The `bus.url` of the roles (and of the test's own connections).
@@ -372,21 +284,15 @@ weight_retry_backoff_max = "1s"
         }
     }
 
-    fn add_role(&mut self, name: &str, args: &[&str], worker_id: Option<&str>) {
+    fn add_role(&mut self, name: &str, role: &str, worker_id: Option<&str>) {
         let config = self.dir.path().join(format!("{name}.toml"));
-        std::fs::write(&config, self.config_text(worker_id)).expect("write a role config");
-        self.roles.push(Role {
-            name: name.to_owned(),
-            args: args.iter().map(|s| s.to_string()).collect(),
-            log: self.dir.path().join(format!("{name}.log")),
-            config,
-            child: None,
-            starts: 0,
-            exited: None,
-        });
+        configs::write(&self.config(worker_id), &config);
+        let log = self.dir.path().join(format!("{name}.log"));
+        self.roles
+            .push(RoleProcess::new(name, role, config, log));
     }
 
-    fn role(&mut self, name: &str) -> &mut Role {
+    fn role(&mut self, name: &str) -> &mut RoleProcess {
         self.roles
             .iter_mut()
             .find(|r| r.name == name)
@@ -401,88 +307,42 @@ weight_retry_backoff_max = "1s"
     /// Starts (or restarts) a role; its output is appended to its log.
     pub fn start_role(&mut self, name: &str) {
         let elapsed = self.started.elapsed().as_secs_f64();
-        let role = self.role(name);
-        assert!(
-            role.child.is_none(),
-            "{name} is still running; kill it first"
-        );
-        role.starts += 1;
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&role.log)
-            .expect("open a role log");
-        writeln!(
-            log,
-            "===== start #{} of {name} at t={elapsed:.1}s =====",
-            role.starts
-        )
-        .expect("write a role log");
-        let err = log.try_clone().expect("clone a log handle");
-        let child = Command::new(asyncrl_bin())
-            .args(&role.args)
-            .arg("--config")
-            .arg(&role.config)
-            .env("NO_COLOR", "1")
-            .env("RUST_BACKTRACE", "1")
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-        role.child = Some(child);
-        role.exited = None;
+        let bin = asyncrl_bin();
+        self.role(name)
+            .start(&bin, elapsed)
+            .unwrap_or_else(|e| panic!("start {name}: {e:#}"));
     }
 
-    fn signal(&mut self, name: &str, sig: &str) {
-        let pid = self
-            .role(name)
-            .child
-            .as_ref()
-            .unwrap_or_else(|| panic!("{name} is not running"))
-            .id();
-        let status = Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(pid.to_string())
-            .status()
-            .expect("run kill(1)");
-        assert!(status.success(), "kill -{sig} {name} ({pid}) failed");
+    fn signal(&mut self, name: &str, sig: i32) {
+        let role = self.role(name);
+        assert!(role.is_running(), "{name} is not running");
+        assert!(role.signal(sig), "kill -{sig} {name} failed");
     }
 
     /// kill -9, and reap the process.
     pub fn kill9(&mut self, name: &str) {
         let elapsed = self.started.elapsed().as_secs_f64();
         let role = self.role(name);
-        let mut child = role
-            .child
-            .take()
+        role.kill9()
             .unwrap_or_else(|| panic!("{name} is not running"));
-        child.kill().expect("SIGKILL");
-        role.exited = Some(child.wait().expect("reap a killed role"));
-        note_in_log(
-            &role.log,
-            &format!("killed with SIGKILL at t={elapsed:.1}s"),
-        );
+        role.note(&format!("killed with SIGKILL at t={elapsed:.1}s"));
     }
 
     pub fn sigterm(&mut self, name: &str) {
         let elapsed = self.started.elapsed().as_secs_f64();
-        self.signal(name, "TERM");
-        note_in_log(
-            &self.role(name).log,
-            &format!("sent SIGTERM at t={elapsed:.1}s"),
-        );
+        self.signal(name, libc::SIGTERM);
+        self.role(name)
+            .note(&format!("sent SIGTERM at t={elapsed:.1}s"));
     }
 
     /// Freezes a role (SIGSTOP): it keeps its connections and leases but
     /// does nothing.
     pub fn freeze(&mut self, name: &str) {
-        self.signal(name, "STOP");
+        self.signal(name, libc::SIGSTOP);
     }
 
     pub fn thaw(&mut self, name: &str) {
-        self.signal(name, "CONT");
+        self.signal(name, libc::SIGCONT);
     }
 
     /// Waits for a role to exit and returns its status.
@@ -493,10 +353,8 @@ weight_retry_backoff_max = "1s"
             if let Some(status) = role.exited {
                 return status;
             }
-            let child = role.child.as_mut().expect("a running or exited role");
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                role.child = None;
-                role.exited = Some(status);
+            assert!(role.is_running(), "{name} was never started");
+            if let Some(status) = role.poll() {
                 return status;
             }
             if start.elapsed() > timeout {
@@ -510,12 +368,7 @@ weight_retry_backoff_max = "1s"
     /// learner that finished with exit code 0).
     pub fn check_alive(&mut self) {
         for role in &mut self.roles {
-            let Some(child) = role.child.as_mut() else {
-                continue;
-            };
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                role.child = None;
-                role.exited = Some(status);
+            if let Some(status) = role.poll() {
                 if !(role.name == "learner" && status.success()) {
                     panic!("{} exited unexpectedly with {status}", role.name);
                 }
@@ -552,9 +405,7 @@ weight_retry_backoff_max = "1s"
     /// holding `needle` and `addr=127.0.0.1:PORT`).
     fn logged_port(&self, name: &str, needle: &str) -> Option<u16> {
         let role = self.roles.iter().find(|r| r.name == name)?;
-        let text = std::fs::read_to_string(&role.log).ok()?;
-        let current = text.rsplit("===== start #").next()?;
-        current
+        role.current_log()
             .lines()
             .filter(|l| l.contains(needle))
             .filter_map(|l| {
@@ -822,7 +673,7 @@ weight_retry_backoff_max = "1s"
         let alive: Vec<String> = self
             .roles
             .iter()
-            .filter(|r| r.child.is_some())
+            .filter(|r| r.is_running())
             .map(|r| r.name.clone())
             .collect();
         // Workers first (they drain), then buffer and coordinator.
@@ -864,7 +715,7 @@ weight_retry_backoff_max = "1s"
         // The stream: every published trajectory, by uuid. A stream that
         // releases what the buffer stored is empty once the run has
         // settled: then the buffer's segments are the record.
-        let stream = if spec.stream == "keep" {
+        let stream = if spec.stream == TrajectoryRetention::Keep {
             self.stream()
         } else {
             let (messages, pending, ack_pending) = self
@@ -1151,16 +1002,12 @@ weight_retry_backoff_max = "1s"
 
     /// The text of a role's log, every incarnation.
     pub fn log(&mut self, name: &str) -> String {
-        std::fs::read_to_string(&self.role(name).log).unwrap_or_default()
+        self.role(name).log_text()
     }
 
     /// The log of a role's current (or last) incarnation.
     pub fn current_log(&mut self, name: &str) -> String {
-        let text = self.log(name);
-        text.rsplit("===== start #")
-            .next()
-            .unwrap_or_default()
-            .to_owned()
+        self.role(name).current_log()
     }
 
     /// The coordinator's counter `name` (0 while it does not answer).
@@ -1236,11 +1083,8 @@ impl Drop for Cluster {
             self.dump_state();
         }
         for r in &mut self.roles {
-            if let Some(mut child) = r.child.take() {
-                // A frozen process dies of SIGKILL too.
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+            // A frozen process dies of SIGKILL too.
+            r.kill9();
         }
         if failed {
             self.dump_logs();
@@ -1290,12 +1134,6 @@ async fn watch_once(
 
 fn tracing_note(msg: &str) {
     eprintln!("[cluster] {msg}");
-}
-
-fn note_in_log(path: &Path, msg: &str) {
-    if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(path) {
-        let _ = writeln!(f, "===== {msg} =====");
-    }
 }
 
 fn tail(text: &str, lines: usize) -> String {

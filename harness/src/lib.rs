@@ -7,6 +7,7 @@
 //! - [`cluster`]: role processes of the `asyncrl` binary over a real
 //!   nats-server, with faults (kill -9, SIGTERM, SIGSTOP, restarts), used by
 //!   the cross-process tests;
+//! - [`configs`]: the typed configs tests and benches run with;
 //! - [`invariants`]: the one set of invariant checks of a run (exactly
 //!   once, staleness ≤ η, versions in order, contiguous steps), read from
 //!   `trained.jsonl`;
@@ -15,6 +16,7 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod configs;
 pub mod invariants;
 pub mod process;
 

@@ -1,11 +1,13 @@
-//! Role processes: where the `asyncrl` binary is, and how a role is started
-//! as a child that dies with its parent.
+//! Role processes: where the `asyncrl` binary is, how a role is started as
+//! a child that dies with its parent, and [`RoleProcess`], one role across
+//! its restarts and faults.
 
 use std::fs::File;
+use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::fd::AsRawFd as _;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 
 use anyhow::Context as _;
@@ -91,4 +93,167 @@ pub fn role_command(bin: &Path, role: &str, config: &Path, log: File) -> anyhow:
         });
     }
     Ok(cmd)
+}
+
+/// What a role logs once its SIGTERM handler is installed (`roles::start`);
+/// before that, SIGTERM kills it like SIGKILL would.
+pub const READY_LINE: &str = "serving /metrics";
+
+/// One role of a run as a child process of the `asyncrl` binary, across
+/// its incarnations: every start appends a `===== start #N of NAME at
+/// t=…s =====` line and the role's output to one log file, faults are
+/// signals (kill -9, SIGTERM, SIGSTOP/SIGCONT), and the process is killed
+/// when this is dropped. The cluster tests and the chaos bench both run
+/// their roles as these.
+#[derive(Debug)]
+pub struct RoleProcess {
+    /// `coordinator`, `worker-2`, …
+    pub name: String,
+    /// The subcommand: `coordinator`, `buffer`, `learner` or `worker`.
+    pub role: String,
+    pub config: PathBuf,
+    pub log: PathBuf,
+    /// How many times it was started.
+    pub starts: u32,
+    /// The exit status of the last incarnation, once reaped.
+    pub exited: Option<ExitStatus>,
+    /// Stopped with SIGSTOP and not continued.
+    pub frozen: bool,
+    child: Option<Child>,
+    /// Length of the log when the current incarnation started.
+    log_offset: u64,
+}
+
+impl RoleProcess {
+    pub fn new(name: &str, role: &str, config: PathBuf, log: PathBuf) -> Self {
+        Self {
+            name: name.to_owned(),
+            role: role.to_owned(),
+            config,
+            log,
+            starts: 0,
+            exited: None,
+            frozen: false,
+            child: None,
+            log_offset: 0,
+        }
+    }
+
+    /// Starts a new incarnation of the role from `bin`; `t` (seconds since
+    /// the run started) goes into the log's start line.
+    pub fn start(&mut self, bin: &Path, t: f64) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.child.is_none(),
+            "{} is still running; kill it first",
+            self.name
+        );
+        self.starts += 1;
+        let mut log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("cannot open {}", self.log.display()))?;
+        writeln!(
+            log,
+            "===== start #{} of {} at t={t:.1}s =====",
+            self.starts, self.name
+        )
+        .with_context(|| format!("cannot write {}", self.log.display()))?;
+        self.log_offset = log.metadata().map(|m| m.len()).unwrap_or(0);
+        let child = role_command(bin, &self.role, &self.config, log)?
+            .spawn()
+            .with_context(|| format!("cannot start {}", self.name))?;
+        self.child = Some(child);
+        self.exited = None;
+        self.frozen = false;
+        Ok(())
+    }
+
+    /// Whether an incarnation is running (started and not reaped).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `sig` to the running incarnation; false if there is none or
+    /// kill(2) failed.
+    pub fn signal(&mut self, sig: i32) -> bool {
+        let Some(pid) = self.pid() else {
+            return false;
+        };
+        // SAFETY: kill(2) on our own child, which we have not reaped.
+        let sent = unsafe { libc::kill(pid as i32, sig) == 0 };
+        if sent && sig == libc::SIGSTOP {
+            self.frozen = true;
+        } else if sent && sig == libc::SIGCONT {
+            self.frozen = false;
+        }
+        sent
+    }
+
+    /// kill -9 and reap (a frozen process dies of it too).
+    pub fn kill9(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = child.kill();
+        let status = child.wait().ok();
+        self.exited = status;
+        self.frozen = false;
+        status
+    }
+
+    /// Reaps the process if it has exited.
+    pub fn poll(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                self.child = None;
+                self.exited = Some(status);
+                self.frozen = false;
+                Some(status)
+            }
+            _ => None,
+        }
+    }
+
+    /// Appends `===== msg =====` to the log (a fault, as the run saw it).
+    pub fn note(&self, msg: &str) {
+        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&self.log) {
+            let _ = writeln!(f, "===== {msg} =====");
+        }
+    }
+
+    /// The whole log, every incarnation.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The log of the current (or last) incarnation.
+    pub fn current_log(&self) -> String {
+        let Ok(mut f) = File::open(&self.log) else {
+            return String::new();
+        };
+        let mut text = String::new();
+        match f
+            .seek(SeekFrom::Start(self.log_offset))
+            .and_then(|_| f.read_to_string(&mut text))
+        {
+            Ok(_) => text,
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Whether the current incarnation has installed its SIGTERM handler
+    /// ([`READY_LINE`] in its log).
+    pub fn handles_sigterm(&self) -> bool {
+        self.current_log().contains(READY_LINE)
+    }
+}
+
+impl Drop for RoleProcess {
+    fn drop(&mut self) {
+        self.kill9();
+    }
 }

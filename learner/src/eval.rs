@@ -245,11 +245,6 @@ impl EvalMetrics {
     }
 }
 
-/// The header line of `eval.csv` ([`EvalRow::COLUMNS`]), for the root
-/// package's readers until they use [`crate::outputs::read_eval`].
-pub const EVAL_CSV_HEADER: &str =
-    "version,step,wall_seconds,problems,greedy_accuracy,sampled_accuracy,pass_at_k,k,eval_seconds";
-
 /// The versions already in an `eval.csv` (a resumed learner appends).
 fn evaluated_versions(path: &Path) -> anyhow::Result<BTreeSet<i32>> {
     if !path.exists() {
@@ -441,17 +436,5 @@ fn eval_loop(
             tracing::warn!(error = %format!("{e:#}"), "cannot write the evaluation row");
         }
         on_row(row);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::outputs::CsvRecord as _;
-
-    use super::*;
-
-    #[test]
-    fn the_header_constant_is_the_rows_columns() {
-        assert_eq!(EVAL_CSV_HEADER, EvalRow::COLUMNS.join(","));
     }
 }

@@ -22,7 +22,7 @@ use super::knob_admin::{Admission, KnobAdmin};
 use super::persist::{PersistError, StateStore};
 use super::requests::{Handled, WorkerRequests};
 use super::settings::Settings;
-use crate::CoordinatorError;
+use crate::error::CoordinatorError;
 use crate::dataset::TaskSet;
 use crate::metrics::CoordinatorMetrics;
 use crate::scheduler::{Scheduler, VersionChange};

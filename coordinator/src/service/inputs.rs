@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::events::{Event, RequestKind};
 use asyncrl_protos::subjects::COORDINATOR_QUEUE_GROUP;
 
-use crate::CoordinatorError;
+use crate::error::CoordinatorError;
 
 /// Forwards requests of one subject to the actor.
 pub(crate) async fn spawn_request_forwarders(

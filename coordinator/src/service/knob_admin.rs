@@ -19,7 +19,7 @@ use asyncrl_protos::v1::{
 use asyncrl_transport::KvBucket;
 
 use super::events::{ControlAction, Unauthorized};
-use crate::CoordinatorError;
+use crate::error::CoordinatorError;
 use crate::journal::{self, Journal, JournalEntry, entry};
 use crate::knobs::{self, Decision, KNOBS_KEY, KnobError, StepKnobs};
 use crate::metrics::{CoordinatorMetrics, KnobLabel, OutcomeLabel};

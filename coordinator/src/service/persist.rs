@@ -19,7 +19,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use prost::Message;
 
-use crate::CoordinatorError;
+use crate::error::CoordinatorError;
 use crate::dataset::TaskSet;
 use crate::metrics::CoordinatorMetrics;
 use crate::scheduler::{Scheduler, SchedulerParams};

@@ -36,7 +36,6 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -52,6 +51,9 @@ use rand::{Rng as _, rngs::StdRng};
 
 use asyncrl_app::plot::{Series, line_chart};
 
+use super::stats::median;
+use crate::configs;
+use crate::process::RoleProcess;
 use crate::invariants::check_trained;
 
 /// What `asyncrl-bench chaos` runs.
@@ -209,14 +211,6 @@ pub fn slope(points: &[(f64, f64)]) -> Option<f64> {
     (sxx > 0.0).then(|| sxy / sxx)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// The memory verdict of one role.
 #[derive(Debug, Clone)]
 pub struct MemoryTrend {
@@ -272,7 +266,11 @@ pub fn memory_trend(
         .filter(|s| s.1 == inc && s.0 >= first + warmup)
         .map(|s| (s.0, s.2 as f64 / MIB))
         .collect();
-    let med = median(pts.iter().map(|p| p.1).collect());
+    let med = if pts.is_empty() {
+        0.0
+    } else {
+        median(pts.iter().map(|p| p.1).collect())
+    };
     let threshold = (frac * med).max(mib);
     let k = slope(&pts).unwrap_or(0.0);
     let projected = k * run_secs;
@@ -371,104 +369,33 @@ fn rss_bytes(pid: u32) -> Option<u64> {
 
 // ------------------------------------------------------------ the processes
 
+/// A role of the soak: its process, and what the soak expects of it.
 struct Proc {
-    name: String,
-    role: &'static str,
-    config: PathBuf,
-    log: PathBuf,
-    child: Option<Child>,
-    starts: u32,
+    p: RoleProcess,
     /// A SIGTERM was sent: its exit is expected.
     expect_exit: bool,
-    /// Set when the process was reaped.
-    exited: Option<ExitStatus>,
-    frozen: bool,
     /// The learner exited 0 at the step target.
     done: bool,
-    /// Length of the log when the current incarnation started.
-    log_offset: u64,
 }
 
-/// What a role logs once its SIGTERM handler is installed (`roles::start`);
-/// before that, SIGTERM kills it like SIGKILL would.
-const READY_LINE: &str = "serving /metrics";
+impl std::ops::Deref for Proc {
+    type Target = RoleProcess;
+    fn deref(&self) -> &RoleProcess {
+        &self.p
+    }
+}
+
+impl std::ops::DerefMut for Proc {
+    fn deref_mut(&mut self) -> &mut RoleProcess {
+        &mut self.p
+    }
+}
 
 impl Proc {
-    /// Whether the current incarnation has installed its SIGTERM handler.
-    fn handles_sigterm(&self) -> bool {
-        use std::io::{Read as _, Seek as _};
-        let Ok(mut f) = std::fs::File::open(&self.log) else {
-            return false;
-        };
-        let mut text = String::new();
-        f.seek(std::io::SeekFrom::Start(self.log_offset))
-            .and_then(|_| f.read_to_string(&mut text))
-            .is_ok_and(|_| text.contains(READY_LINE))
-    }
-
-    fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    fn note(&self, msg: &str) {
-        if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&self.log) {
-            let _ = writeln!(f, "===== {msg} =====");
-        }
-    }
-
     fn start(&mut self, bin: &Path, t: f64) -> anyhow::Result<()> {
-        self.starts += 1;
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .with_context(|| format!("cannot open {}", self.log.display()))?;
-        writeln!(
-            log,
-            "===== start #{} of {} at t={t:.1}s =====",
-            self.starts, self.name
-        )
-        .with_context(|| format!("cannot write {}", self.log.display()))?;
-        self.log_offset = log.metadata().map(|m| m.len()).unwrap_or(0);
-        let child = crate::process::role_command(bin, self.role, &self.config, log)?
-            .spawn()
-            .with_context(|| format!("cannot start {}", self.name))?;
-        self.child = Some(child);
-        self.exited = None;
+        self.p.start(bin, t)?;
         self.expect_exit = false;
-        self.frozen = false;
         Ok(())
-    }
-
-    fn signal(&self, sig: i32) -> bool {
-        match self.pid() {
-            // SAFETY: kill(2) on our own child, which we have not reaped.
-            Some(pid) => unsafe { libc::kill(pid as i32, sig) == 0 },
-            None => false,
-        }
-    }
-
-    /// kill -9 and reap.
-    fn kill9(&mut self) -> Option<ExitStatus> {
-        let mut child = self.child.take()?;
-        let _ = child.kill();
-        let status = child.wait().ok();
-        self.exited = status;
-        self.frozen = false;
-        status
-    }
-
-    /// Reaps the process if it has exited.
-    fn poll(&mut self) -> Option<ExitStatus> {
-        let child = self.child.as_mut()?;
-        match child.try_wait() {
-            Ok(Some(status)) => {
-                self.child = None;
-                self.exited = Some(status);
-                Some(status)
-            }
-            _ => None,
-        }
     }
 }
 
@@ -719,7 +646,7 @@ impl Chaos<'_> {
             .collect();
         self.recover.retain(|r| r.1 > t);
         for i in due {
-            if self.procs[i].child.is_none() && !self.procs[i].done {
+            if !self.procs[i].is_running() && !self.procs[i].done {
                 self.start_proc(i)?;
             }
         }
@@ -750,7 +677,7 @@ impl Chaos<'_> {
                 rec.outcome = format!("killed; restart after {:.1}s", p.param);
                 Some(Next::NatsUp { at: t + p.param })
             }
-            _ if self.procs[p.target].child.is_none() => {
+            _ if !self.procs[p.target].is_running() => {
                 rec.injected = false;
                 rec.outcome = if self.procs[p.target].done {
                     "skipped: the learner has finished".into()
@@ -784,7 +711,6 @@ impl Chaos<'_> {
             FaultKind::Stop => {
                 let proc = &mut self.procs[p.target];
                 proc.signal(libc::SIGSTOP);
-                proc.frozen = true;
                 proc.note(&format!("sent SIGSTOP at t={t:.1}s for {:.1}s", p.param));
                 rec.outcome = format!("stopped for {:.1}s", p.param);
                 Some(Next::Thaw {
@@ -815,7 +741,7 @@ impl Chaos<'_> {
                 if t < at {
                     return Ok(Some(Next::Restart { role, at }));
                 }
-                if self.procs[role].child.is_none() && !self.procs[role].done {
+                if !self.procs[role].is_running() && !self.procs[role].done {
                     self.start_proc(role)?;
                 }
                 let _ = write!(self.faults[rec].outcome, "; restarted at t={t:.1}s");
@@ -827,7 +753,7 @@ impl Chaos<'_> {
                 delay,
             } => {
                 let ready = self.procs[role].handles_sigterm();
-                if !ready && self.procs[role].child.is_some() && t <= deadline {
+                if !ready && self.procs[role].is_running() && t <= deadline {
                     return Ok(Some(Next::AwaitReady {
                         role,
                         deadline,
@@ -835,7 +761,7 @@ impl Chaos<'_> {
                     }));
                 }
                 let proc = &mut self.procs[role];
-                if proc.child.is_none() {
+                if !proc.is_running() {
                     // It exited on its own meanwhile (reaped as a crash).
                     let _ = write!(self.faults[rec].outcome, "; the role exited first");
                     None
@@ -915,7 +841,6 @@ impl Chaos<'_> {
                     return Ok(Some(Next::Thaw { role, at }));
                 }
                 self.procs[role].signal(libc::SIGCONT);
-                self.procs[role].frozen = false;
                 self.procs[role].note(&format!("sent SIGCONT at t={t:.1}s"));
                 let _ = write!(self.faults[rec].outcome, "; continued at t={t:.1}s");
                 None
@@ -1038,7 +963,7 @@ impl Chaos<'_> {
         });
         let mut out = Vec::new();
         for i in order {
-            if self.procs[i].child.is_none() {
+            if !self.procs[i].is_running() {
                 continue;
             }
             if self.procs[i].frozen {
@@ -1051,7 +976,7 @@ impl Chaos<'_> {
             {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            if self.procs[i].child.is_none() {
+            if !self.procs[i].is_running() {
                 let name = self.procs[i].name.clone();
                 let status = self.procs[i]
                     .exited
@@ -1090,98 +1015,36 @@ impl Chaos<'_> {
 impl Drop for Chaos<'_> {
     fn drop(&mut self) {
         for p in &mut self.procs {
-            if p.frozen {
-                p.signal(libc::SIGCONT);
-            }
+            // A frozen process dies of SIGKILL too.
             p.kill9();
         }
     }
 }
 
-/// The config of a role (only `worker.id` differs between them).
-fn config_text(
+/// The config of a role (only `worker.id` differs between them): the
+/// cluster tests' role config ([`configs::cluster_role`]) with the soak's
+/// spec, a longer connect timeout (roles are restarted while the server
+/// is down), the product's buffer retention and small segments (so that
+/// compaction runs during the soak).
+fn role_config(
     spec: &ChaosBench,
     run_dir: &Path,
     tasks: &Path,
     url: &str,
     worker: Option<&str>,
-) -> String {
-    let worker_id = worker
-        .map(|id| format!("id = \"{id}\"\n"))
-        .unwrap_or_default();
-    format!(
-        r#"[run]
-name = "chaos"
-output_dir = "{out}"
-seed = {seed}
-max_steps = {steps}
-
-[staleness]
-eta = {eta}
-groups_per_step = {b}
-group_size = {g}
-
-[bus]
-url = "{url}"
-connect_timeout = "30s"
-request_timeout = "3s"
-reconnect_max_delay = "500ms"
-
-[telemetry]
-listen = "127.0.0.1:0"
-log_format = "text"
-log_filter = "info"
-
-[model]
-device = "cpu"
-temperature = 1.0
-max_new_tokens = 24
-max_seq_len = 32
-cpu_threads = 1
-
-[model.tiny]
-hidden_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 64
-
-[coordinator]
-datasets = [{{ name = "arith", path = "{tasks}" }}]
-admin_listen = "127.0.0.1:0"
-lease_timeout = "6s"
-heartbeat_interval = "250ms"
-dead_after = "3s"
-retry_after = "50ms"
-
-[coordinator.initial_knobs]
-learning_rate = 1e-3
-
-[buffer]
-ack_wait = "2s"
-fetch_wait = "100ms"
-segment_max_bytes = 262144
-
-[learner]
-checkpoint_every = 1
-keep_checkpoints = 2
-
-[worker]
-{worker_id}max_sequences = 16
-heartbeat_interval = "250ms"
-acquire_backoff_max = "300ms"
-drain_grace_period = "5s"
-weight_fetch_timeout = "30s"
-weight_retry_backoff_max = "1s"
-"#,
-        out = run_dir.display(),
-        seed = spec.seed,
-        steps = spec.steps,
-        eta = spec.eta,
-        b = spec.groups_per_step,
-        g = spec.group_size,
-        tasks = tasks.display(),
-    )
+) -> asyncrl_config::Config {
+    let mut c = configs::cluster_role(run_dir, url, tasks);
+    c.run.name = "chaos".into();
+    c.run.seed = spec.seed;
+    c.run.max_steps = spec.steps;
+    c.staleness.eta = spec.eta;
+    c.staleness.groups_per_step = spec.groups_per_step;
+    c.staleness.group_size = spec.group_size;
+    c.bus.connect_timeout = Duration::from_secs(30);
+    c.buffer.retention = asyncrl_config::RetentionPolicy::default();
+    c.buffer.segment_max_bytes = 256 * 1024;
+    c.worker.id = worker.map(str::to_owned);
+    c
 }
 
 /// The role names of a run with `workers` workers, in target order.
@@ -1279,22 +1142,13 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
     for (name, role) in role_names(spec.workers) {
         let config = out.join(format!("{name}.toml"));
         let worker = (role == "worker").then_some(name.as_str());
-        std::fs::write(&config, config_text(spec, &run_dir, &tasks, &url, worker))
-            .with_context(|| format!("cannot write {}", config.display()))?;
-        asyncrl_config::Config::load(&config)
-            .with_context(|| format!("the generated config {} is invalid", config.display()))?;
+        role_config(spec, &run_dir, &tasks, &url, worker)
+            .write(&config)
+            .with_context(|| format!("cannot write the config of {name}"))?;
         procs.push(Proc {
-            log: logs.join(format!("{name}.log")),
-            name,
-            role,
-            config,
-            child: None,
-            starts: 0,
+            p: RoleProcess::new(&name, role, config, logs.join(format!("{name}.log"))),
             expect_exit: false,
-            exited: None,
-            frozen: false,
             done: false,
-            log_offset: 0,
         });
     }
 

@@ -201,9 +201,14 @@ async fn drive(
     })
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v.get(v.len() / 2).copied().unwrap_or_default()
+/// The median of `v` (zero when empty).
+fn median(v: Vec<Duration>) -> Duration {
+    let m = super::stats::median(v.iter().map(Duration::as_secs_f64).collect());
+    if m.is_nan() {
+        Duration::ZERO
+    } else {
+        Duration::from_secs_f64(m)
+    }
 }
 
 pub async fn run_engine_bench(opts: EngineBenchOptions) -> anyhow::Result<EngineBenchReport> {

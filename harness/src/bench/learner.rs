@@ -37,6 +37,8 @@ use tch::{Device, Kind, Tensor};
 
 use asyncrl_learner::adamw::{AdamW, AdamWConfig};
 
+use super::stats::median;
+
 /// The Python script of the PyTorch side (`harness/src/bench/torch_eager.py`).
 pub const TORCH_EAGER_SCRIPT: &str = include_str!("torch_eager.py");
 
@@ -86,7 +88,10 @@ impl Default for LearnerBenchOptions {
 pub fn default_python() -> PathBuf {
     match std::env::var_os("ASYNCRL_PYTHON") {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"),
+        _ => {
+            let harness = Path::new(env!("CARGO_MANIFEST_DIR"));
+            harness.parent().unwrap_or(harness).join(".venv/bin/python")
+        }
     }
 }
 
@@ -204,19 +209,6 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    if xs.is_empty() {
-        return 0.0;
-    }
-    xs.sort_by(f64::total_cmp);
-    let m = xs.len() / 2;
-    if xs.len() % 2 == 1 {
-        xs[m]
-    } else {
-        (xs[m - 1] + xs[m]) / 2.0
     }
 }
 
@@ -368,13 +360,6 @@ fn run_python_side(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn median_of_odd_and_even() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert_eq!(median(vec![]), 0.0);
-    }
 
     #[test]
     fn loss_at_equal_logprobs_is_minus_mean_advantage() {

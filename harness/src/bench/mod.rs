@@ -24,6 +24,7 @@
 
 pub mod chaos;
 mod coordinator;
+mod curves;
 mod engine;
 mod learner;
 mod memory;
@@ -33,6 +34,7 @@ pub mod scale_coordinator;
 pub mod scale_learner;
 mod speedup;
 mod staleness;
+mod stats;
 mod sync_step;
 mod transport;
 mod weights;

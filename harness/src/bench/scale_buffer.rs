@@ -14,7 +14,8 @@ use asyncrl_config::SamplingPolicy;
 use asyncrl_protos::Trajectory;
 use asyncrl_protos::arrow_schema::to_record_batch;
 
-use super::scale::{Chart, Curve, percentile};
+use super::curves::{Chart, Curve};
+use super::stats::percentile;
 
 pub(crate) struct Options {
     pub trajectories: Vec<usize>,

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use asyncrl_config::BusConfig;
+use asyncrl_config::{BusConfig, Config};
 use asyncrl_protos::Message;
 use asyncrl_protos::subjects::{
     TASKS_ACQUIRE, TASKS_COMPLETE, WORKERS_HEARTBEAT, WORKERS_REGISTER,
@@ -27,7 +27,8 @@ use asyncrl_transport::{Bus, NatsBus, TransportMetrics};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-use super::scale::{Chart, Curve, percentile, process_cpu_seconds};
+use super::curves::{Chart, Curve, process_cpu_seconds};
+use super::stats::percentile;
 
 pub(crate) struct Options {
     pub workers: Vec<usize>,
@@ -193,38 +194,23 @@ impl Sim {
     }
 }
 
-fn config_text(url: &str, run_dir: &Path, tasks: &Path, heartbeat: Duration) -> String {
-    let hb = heartbeat.as_millis().max(100);
-    format!(
-        r#"[run]
-name = "scale"
-output_dir = "{out}"
-
-[staleness]
-eta = 64
-groups_per_step = 4096
-group_size = 8
-
-[bus]
-url = "{url}"
-
-[telemetry]
-listen = "127.0.0.1:0"
-log_format = "text"
-log_filter = "warn"
-
-[coordinator]
-datasets = [{{ name = "arith", path = "{tasks}" }}]
-admin_listen = ""
-heartbeat_interval = "{hb}ms"
-lease_timeout = "{lease}ms"
-dead_after = "{dead}ms"
-"#,
-        out = run_dir.display(),
-        tasks = tasks.display(),
-        lease = (hb * 30).max(60_000),
-        dead = hb * 5,
-    )
+/// The coordinator's config: a large batch (B = 4096, G = 8) and η = 64,
+/// so that admission never holds the simulated workers back, and
+/// heartbeats every `heartbeat` (at least 100 ms).
+fn coordinator_config(url: &str, run_dir: &Path, tasks: &Path, heartbeat: Duration) -> Config {
+    let hb = heartbeat.max(Duration::from_millis(100));
+    let mut c = Config::isolated(run_dir, url);
+    c.run.name = "scale".into();
+    c.staleness.eta = 64;
+    c.staleness.groups_per_step = 4096;
+    c.staleness.group_size = 8;
+    c.telemetry.listen = "127.0.0.1:0".into();
+    c.telemetry.log_filter = "warn".into();
+    c.coordinator.datasets = vec![crate::configs::arith(tasks)];
+    c.coordinator.heartbeat_interval = hb;
+    c.coordinator.lease_timeout = (hb * 30).max(Duration::from_secs(60));
+    c.coordinator.dead_after = hb * 5;
+    c
 }
 
 /// The coordinator process; killed on drop.
@@ -267,10 +253,9 @@ async fn point(
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("cannot create {}", run_dir.display()))?;
     let config = dir.join(format!("coordinator-{w}.toml"));
-    std::fs::write(&config, config_text(&url, &run_dir, tasks, o.heartbeat))
-        .with_context(|| format!("cannot write {}", config.display()))?;
-    asyncrl_config::Config::load(&config)
-        .with_context(|| format!("the generated config {} is invalid", config.display()))?;
+    coordinator_config(&url, &run_dir, tasks, o.heartbeat)
+        .write(&config)
+        .context("cannot write the coordinator's config")?;
     let log = dir.join(format!("coordinator-{w}.log"));
     let coordinator = CoordinatorProcess::start(bin, &config, &log)?;
 

@@ -32,6 +32,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
+
+use super::stats::median;
 use asyncrl_config::{ClipModeName, Config, DatasetConfig, DeviceName};
 use asyncrl_rollout_worker::CompletionLengths;
 use asyncrl_tasks::BuiltinTask;
@@ -159,20 +161,6 @@ impl SpeedupReport {
     /// (T_gen + T_train) / max(T_gen, T_train).
     pub fn bound(&self) -> f64 {
         (self.t_gen + self.t_train) / self.t_gen.max(self.t_train).max(1e-12)
-    }
-}
-
-/// The median (the mean of the middle two for an even count; NaN for none).
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
 
@@ -443,21 +431,31 @@ mod tests {
     fn run_stats_count_only_the_steps_after_the_warm_up() {
         let dir = tempfile::tempdir().unwrap();
         let csv = dir.path().join("m.csv");
-        let mut text = String::from(
-            "step,wall_seconds,reward_mean,wait_seconds,compute_seconds,publish_seconds,tokens,version_lag_mean,version_lag_max,padded_tokens\n",
-        );
+        let mut log = asyncrl_learner::outputs::CsvLog::<MetricsRow>::open(csv.clone()).unwrap();
+        let row = |step: u64, wall: f64, wait: f64, tokens: i64, lag: (f64, f64), padded: i64| {
+            MetricsRow {
+                step,
+                version: step as i32,
+                wall_seconds: wall,
+                reward_mean: 0.1,
+                wait_seconds: wait,
+                compute_seconds: 0.5,
+                publish_seconds: 0.1,
+                tokens,
+                version_lag_mean: lag.0,
+                version_lag_max: lag.1,
+                padded_tokens: padded,
+                ..MetricsRow::default()
+            }
+        };
         // Two slow warm-up steps, then one step per second.
-        text.push_str("1,10.0,0.1,9.0,0.5,0.1,100,0,0,900\n");
-        text.push_str("2,12.0,0.1,1.5,0.5,0.1,100,0,0,900\n");
-        for s in 3..=6 {
-            let _ = writeln!(
-                text,
-                "{s},{}.0,0.1,0.4,0.5,0.1,200,1.5,{},640",
-                12 + (s - 2),
-                s - 2
-            );
+        log.append(&row(1, 10.0, 9.0, 100, (0.0, 0.0), 900)).unwrap();
+        log.append(&row(2, 12.0, 1.5, 100, (0.0, 0.0), 900)).unwrap();
+        for s in 3..=6u64 {
+            let wall = (12 + (s - 2)) as f64;
+            log.append(&row(s, wall, 0.4, 200, (1.5, (s - 2) as f64), 640))
+                .unwrap();
         }
-        std::fs::write(&csv, text).unwrap();
         let r = RunStats::from_csv(&csv, 4, 0, 2).unwrap();
         assert!((r.seconds_per_step - 1.0).abs() < 1e-12);
         assert!((r.wait - 0.4).abs() < 1e-12);
@@ -489,10 +487,4 @@ mod tests {
         assert!(e.contains("core 1000 is not available"), "{e}");
     }
 
-    #[test]
-    fn median_of_odd_and_even_counts() {
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(vec![]).is_nan());
-    }
 }

@@ -41,7 +41,7 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt as _;
 
-use super::speedup::median;
+use super::stats::median;
 use asyncrl_app::train::{TrainOptions, train};
 
 #[derive(Debug, Args)]

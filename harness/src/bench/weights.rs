@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::load_average;
-use super::speedup::median;
+use super::stats::median;
 
 use anyhow::{Context as _, Result, bail, ensure};
 use asyncrl_config::{BusConfig, Config, DeviceName, ModelConfig};
