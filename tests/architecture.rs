@@ -329,11 +329,16 @@ fn config_tables_in_text_are_recognised() {
     let tables = |l: &str| toml_tables_written(l);
     assert_eq!(tables("[run]"), ["[run]"]);
     assert_eq!(tables("    [bus.tls]"), ["[bus.tls]"]);
-    assert_eq!(tables(r#"r#"[[coordinator.datasets]]"#), ["[coordinator.datasets]"]);
     assert_eq!(
-        tables(r#"std::fs::write(&p, "[bus]\nurl = \"x\"\n[model.tiny]\nhidden_size = 4");"#),
-        ["[bus]", "[model.tiny]"]
+        tables(r#"r#"[[coordinator.datasets]]"#),
+        ["[coordinator.datasets]"]
     );
+    // Put together, so that this file does not hold the line it checks.
+    let written = format!(
+        r#"std::fs::write(&p, "{}\nurl = \"x\"\n{}\nhidden_size = 4");"#,
+        "[bus]", "[model.tiny]"
+    );
+    assert_eq!(tables(&written), ["[bus]", "[model.tiny]"]);
     assert!(tables(r#".expect("[staleness]");"#).is_empty());
     assert!(tables(r#"contains("[eval] dataset")"#).is_empty());
     assert!(tables("/// the `[model]` defaults").is_empty());

@@ -118,10 +118,7 @@ fn speedup_bench_reports_both_modes_and_the_bound() {
         if run == "eta0-round0" {
             // η = 0 trains only tokens of the learner's own version: every
             // step compares.
-            assert!(
-                steps.iter().all(|s| s.logprob_gap_tokens > 0),
-                "{steps:?}"
-            );
+            assert!(steps.iter().all(|s| s.logprob_gap_tokens > 0), "{steps:?}");
         }
     }
 }

@@ -92,7 +92,12 @@ fn eval_rows(csv: &Path) -> Vec<(i32, f64, f64, f64)> {
             assert_eq!(s.problems, 32, "problems: {r:?}");
             assert_eq!(s.k, 2, "k: {r:?}");
             let score = |v: Option<f64>| v.unwrap_or_else(|| panic!("a score missing: {r:?}"));
-            (r.version, score(s.greedy), score(s.sampled), score(s.pass_at_k))
+            (
+                r.version,
+                score(s.greedy),
+                score(s.sampled),
+                score(s.pass_at_k),
+            )
         })
         .collect()
 }

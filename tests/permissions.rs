@@ -60,10 +60,7 @@ fn server_config() -> ServerConfig {
 /// `bus.roles` of every role: `as_user[role]` is the user it connects as
 /// (its own unless a test swaps them). The learner reads its password from
 /// a file, the others have it inline.
-fn role_auth(
-    secrets: &Path,
-    as_user: impl Fn(&str) -> &'static str,
-) -> BTreeMap<String, RoleAuth> {
+fn role_auth(secrets: &Path, as_user: impl Fn(&str) -> &'static str) -> BTreeMap<String, RoleAuth> {
     let mut roles = BTreeMap::new();
     for role in ROLES {
         let user = as_user(role);

@@ -25,15 +25,14 @@ pub mod scheduler;
 mod service;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use asyncrl_common::{SharedClock, SystemClock};
 use asyncrl_config::Config;
 use asyncrl_protos::subjects::{LEARNER_STATUS_KEY, POLICY_VERSION_KEY};
 use asyncrl_protos::v1::{GetKnobsReply, ListWorkersReply, StatusReply};
-use asyncrl_telemetry::{Health, Metrics, TelemetryError};
-use asyncrl_transport::{Bus, TransportError};
+use asyncrl_telemetry::{Health, Metrics};
+use asyncrl_transport::Bus;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 

@@ -288,8 +288,7 @@ impl Cluster {
         let config = self.dir.path().join(format!("{name}.toml"));
         configs::write(&self.config(worker_id), &config);
         let log = self.dir.path().join(format!("{name}.log"));
-        self.roles
-            .push(RoleProcess::new(name, role, config, log));
+        self.roles.push(RoleProcess::new(name, role, config, log));
     }
 
     fn role(&mut self, name: &str) -> &mut RoleProcess {
@@ -368,10 +367,10 @@ impl Cluster {
     /// learner that finished with exit code 0).
     pub fn check_alive(&mut self) {
         for role in &mut self.roles {
-            if let Some(status) = role.poll() {
-                if !(role.name == "learner" && status.success()) {
-                    panic!("{} exited unexpectedly with {status}", role.name);
-                }
+            if let Some(status) = role.poll()
+                && !(role.name == "learner" && status.success())
+            {
+                panic!("{} exited unexpectedly with {status}", role.name);
             }
         }
     }

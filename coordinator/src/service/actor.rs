@@ -22,8 +22,8 @@ use super::knob_admin::{Admission, KnobAdmin};
 use super::persist::{PersistError, StateStore};
 use super::requests::{Handled, WorkerRequests};
 use super::settings::Settings;
-use crate::error::CoordinatorError;
 use crate::dataset::TaskSet;
+use crate::error::CoordinatorError;
 use crate::metrics::CoordinatorMetrics;
 use crate::scheduler::{Scheduler, VersionChange};
 

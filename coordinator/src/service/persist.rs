@@ -19,8 +19,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use prost::Message;
 
-use crate::error::CoordinatorError;
 use crate::dataset::TaskSet;
+use crate::error::CoordinatorError;
 use crate::metrics::CoordinatorMetrics;
 use crate::scheduler::{Scheduler, SchedulerParams};
 

@@ -53,8 +53,8 @@ use asyncrl_app::plot::{Series, line_chart};
 
 use super::stats::median;
 use crate::configs;
-use crate::process::RoleProcess;
 use crate::invariants::check_trained;
+use crate::process::{READY_LINE, RoleProcess};
 
 /// What `asyncrl-bench chaos` runs.
 #[derive(Debug, Clone)]
@@ -955,7 +955,7 @@ impl Chaos<'_> {
         // The learner (if still running) and the workers first (they
         // drain), then the buffer and the coordinator.
         let mut order: Vec<usize> = (0..self.procs.len()).collect();
-        order.sort_by_key(|&i| match self.procs[i].role {
+        order.sort_by_key(|&i| match self.procs[i].role.as_str() {
             "coordinator" => 3,
             "buffer" => 2,
             "learner" => 0,

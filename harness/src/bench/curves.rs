@@ -5,7 +5,7 @@
 //! `scale_learner.rs` measure them with these.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::Context as _;
 
@@ -303,6 +303,7 @@ impl Curve {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn xs() -> Vec<f64> {
         vec![1.0, 10.0, 100.0, 300.0, 1000.0]

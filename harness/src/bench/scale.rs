@@ -19,14 +19,13 @@
 //! names the growth that fits best.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args;
 
 use super::{load_average, scale_buffer, scale_coordinator, scale_learner};
-use asyncrl_app::plot::{Series, line_chart};
 
 #[derive(Debug, Args)]
 pub struct ScaleArgs {

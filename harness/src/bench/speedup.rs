@@ -449,8 +449,10 @@ mod tests {
             }
         };
         // Two slow warm-up steps, then one step per second.
-        log.append(&row(1, 10.0, 9.0, 100, (0.0, 0.0), 900)).unwrap();
-        log.append(&row(2, 12.0, 1.5, 100, (0.0, 0.0), 900)).unwrap();
+        log.append(&row(1, 10.0, 9.0, 100, (0.0, 0.0), 900))
+            .unwrap();
+        log.append(&row(2, 12.0, 1.5, 100, (0.0, 0.0), 900))
+            .unwrap();
         for s in 3..=6u64 {
             let wall = (12 + (s - 2)) as f64;
             log.append(&row(s, wall, 0.4, 200, (1.5, (s - 2) as f64), 640))
@@ -486,5 +488,4 @@ mod tests {
         let e = check_cores(&b).unwrap_err().to_string();
         assert!(e.contains("core 1000 is not available"), "{e}");
     }
-
 }
