@@ -1,0 +1,338 @@
+"""One learner step in PyTorch, on one process or sharded with FSDP2.
+
+The batch is the Rust learner's ``TrainBatch`` (``learner/src/batch.rs``):
+right-padded prompt + completion ids, and per completion token its place
+in the shifted log-prob matrix, behaviour log-prob, version, advantage and
+validity. A step:
+
+1. splits the rows evenly over the ranks (the world size must divide them);
+2. gets the proximal log-probs the proximal mode asks for (the recompute
+   pass, the behaviour ones, or A-3PO's from the current ones) and, where
+   the plan needs them for the whole mini-batch, gathers them from every
+   rank;
+3. plans the objective over the whole mini-batch on every rank (the same
+   plan everywhere), so that normalisers and batch statistics are global;
+4. runs its rows as micro-batches under a token budget, each loss scaled
+   so that the ranks' gradients, averaged by FSDP2, are the gradient of the
+   whole mini-batch's loss; clips the gradient norm and steps AdamW.
+
+World size 2 gives the weights of world size 1 (``tests/test_step.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .objective import (
+    ObjectiveConfig,
+    ObjectivePlan,
+    ObjectiveStats,
+    ObjectiveSums,
+    ProximalMode,
+    approx_proximal,
+)
+
+
+@dataclass
+class StepBatch:
+    """A mini-batch, all tensors of every rank (``[N, L]`` and ``[N, T]``)."""
+
+    input_ids: torch.Tensor
+    gather_index: torch.Tensor
+    behaviour: torch.Tensor
+    versions: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+
+    def rows(self, idx: torch.Tensor) -> "StepBatch":
+        return StepBatch(
+            input_ids=self.input_ids.index_select(0, idx),
+            gather_index=self.gather_index.index_select(0, idx),
+            behaviour=self.behaviour.index_select(0, idx),
+            versions=self.versions.index_select(0, idx),
+            advantages=self.advantages.index_select(0, idx),
+            mask=self.mask.index_select(0, idx),
+        )
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    proximal: ProximalMode = ProximalMode.APPROX
+    #: Sampling temperature: log-probs are ``log_softmax(logits / temperature)``.
+    temperature: float = 1.0
+    #: Rows x padded length a micro-batch may hold (at least one row).
+    max_tokens_per_microbatch: int = 8192
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class LogprobGap:
+    """Behaviour log-probs against the learner's own for the tokens sampled
+    with the weights the step starts from (the Rust ``LogprobGap``)."""
+
+    tokens: int = 0
+    mean_abs: float = 0.0
+    max_abs: float = 0.0
+    #: The k3 estimate of KL(behaviour || learner).
+    kl: float = 0.0
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0
+    objective: ObjectiveStats = field(default_factory=ObjectiveStats)
+    #: Mean entropy (at the temperature) of the valid tokens' distributions.
+    entropy: float = 0.0
+    logprob_gap: LogprobGap = field(default_factory=LogprobGap)
+    grad_norm: float = 0.0
+    microbatches: int = 0
+    tokens: int = 0
+
+
+class StepError(ValueError):
+    """A batch this trainer cannot step on (named, nothing applied)."""
+
+
+def completion_logprobs(
+    logits: torch.Tensor, batch: StepBatch, temperature: float
+) -> torch.Tensor:
+    """Log-probs of the completion tokens, ``[N, T]``, from logits
+    ``[N, L, V]`` at the sampling temperature."""
+    length = logits.shape[1]
+    scaled = logits / temperature if abs(temperature - 1.0) > 0.0 else logits
+    logp = scaled[:, : length - 1].float().log_softmax(-1)
+    nxt = batch.input_ids[:, 1:length].unsqueeze(-1)
+    per_position = logp.gather(-1, nxt).squeeze(-1)
+    return per_position.gather(1, batch.gather_index)
+
+
+def _gap_sums(
+    behaviour: torch.Tensor,
+    learner: torch.Tensor,
+    versions: torch.Tensor,
+    mask: torch.Tensor,
+    version: int,
+) -> tuple[float, float, float, float]:
+    """(tokens, sum |b - l|, max |b - l|, sum k3) over the valid tokens of
+    ``version``."""
+    same = mask.to(torch.bool) & (versions.to(torch.int64) == version)
+    if not bool(same.any()):
+        return 0.0, 0.0, 0.0, 0.0
+    d = learner.detach().to(torch.float64)[same] - behaviour.to(torch.float64)[same]
+    return (
+        float(same.sum()),
+        float(d.abs().sum()),
+        float(d.abs().max()),
+        float((d.exp() - 1.0 - d).sum()),
+    )
+
+
+def _entropy_sums(logits: torch.Tensor, batch: StepBatch, temperature: float) -> tuple[float, float]:
+    """(sum of the entropies, valid tokens) of the next-token distributions
+    that produced the valid completion tokens."""
+    with torch.no_grad():
+        length = logits.shape[1]
+        logp = (logits[:, : length - 1].float() / temperature).log_softmax(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        at = ent.gather(1, batch.gather_index)
+        mask = batch.mask.to(torch.float64)
+        return float((at.to(torch.float64) * mask).sum()), float(mask.sum())
+
+
+def microbatches(n_rows: int, padded_len: int, budget: int) -> list[list[int]]:
+    """Consecutive row indices whose rows x padded length stay within the
+    budget (a row over it runs alone)."""
+    per = max(1, budget // max(1, padded_len))
+    return [list(range(i, min(i + per, n_rows))) for i in range(0, n_rows, per)]
+
+
+class Trainer:
+    """Steps ``model`` (a causal LM returning ``.logits``; sharded with FSDP2
+    when the process group has more than one rank) on mini-batches."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        opts: TrainerOptions,
+        learning_rate: float,
+    ) -> None:
+        self.model = model
+        self.opts = opts
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=learning_rate,
+            betas=(opts.beta1, opts.beta2),
+            eps=opts.adam_eps,
+            weight_decay=opts.weight_decay,
+        )
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(input_ids=batch.input_ids).logits
+        return logits, completion_logprobs(logits, batch, self.opts.temperature)
+
+    def _logprobs(self, batch: StepBatch) -> torch.Tensor:
+        return self._forward(batch)[1]
+
+    def _detached_logprobs(self, batch: StepBatch) -> torch.Tensor:
+        with torch.no_grad():
+            parts = [
+                self._logprobs(batch.rows(torch.tensor(rows)))
+                for rows in microbatches(
+                    batch.n_rows, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch
+                )
+            ]
+        return torch.cat(parts, 0).detach()
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The ranks' row blocks, in rank order."""
+        if self.world == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts, 0)
+
+    def _reduce(self, values: list[float], op: "dist.ReduceOp.RedOpType") -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        return [float(x) for x in t.tolist()]
+
+    def train_step(
+        self,
+        batch: StepBatch,
+        cfg: ObjectiveConfig,
+        learning_rate: float,
+        learner_version: int,
+    ) -> StepStats:
+        n = batch.n_rows
+        if n == 0 or n % self.world != 0:
+            raise StepError(
+                f"the batch has {n} rows, which {self.world} ranks cannot share evenly"
+            )
+        per_rank = n // self.world
+        mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
+        local = batch.rows(mine)
+
+        # The proximal log-probs of every row, where the plan needs them.
+        if self.opts.proximal == ProximalMode.RECOMPUTE:
+            proximal: Optional[torch.Tensor] = self._gather(self._detached_logprobs(local))
+            current_all: Optional[torch.Tensor] = None
+        elif self.opts.proximal == ProximalMode.BEHAVIOUR:
+            proximal, current_all = batch.behaviour, None
+        else:
+            proximal = None
+            current_all = (
+                self._gather(self._detached_logprobs(local))
+                if ObjectivePlan.needs_proximal(cfg)
+                else None
+            )
+        plan = ObjectivePlan(
+            behaviour=batch.behaviour,
+            proximal=proximal,
+            current=current_all,
+            advantages=batch.advantages,
+            versions=batch.versions,
+            mask=batch.mask,
+            learner_version=learner_version,
+            cfg=cfg,
+        )
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = ObjectiveSums()
+        loss_sum = 0.0
+        entropy_sum, entropy_n = 0.0, 0.0
+        # The engine/trainer gap: the recompute pass covers the whole batch
+        # (the same on every rank); otherwise each rank's forward passes,
+        # still at the step's starting weights, cover its rows.
+        recomputed = self.opts.proximal == ProximalMode.RECOMPUTE and proximal is not None
+        gap = (
+            _gap_sums(batch.behaviour, proximal, batch.versions, batch.mask, learner_version)
+            if recomputed and proximal is not None
+            else (0.0, 0.0, 0.0, 0.0)
+        )
+        micro = microbatches(per_rank, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch)
+        for rows in micro:
+            local_idx = torch.tensor(rows)
+            global_idx = mine.index_select(0, local_idx)
+            part_batch = local.rows(local_idx)
+            logits, current = self._forward(part_batch)
+            part = plan.loss(global_idx, current)
+            # FSDP2 averages gradients over the ranks: scaled by the world
+            # size, the average is the gradient of the summed (global) loss.
+            (part.loss * self.world).backward()
+            sums.add(part.sums)
+            loss_sum += float(part.loss.detach())
+            e_sum, e_n = _entropy_sums(logits, part_batch, self.opts.temperature)
+            entropy_sum += e_sum
+            entropy_n += e_n
+            if not recomputed:
+                g = _gap_sums(
+                    part_batch.behaviour,
+                    current,
+                    part_batch.versions,
+                    part_batch.mask,
+                    learner_version,
+                )
+                gap = (gap[0] + g[0], gap[1] + g[1], max(gap[2], g[2]), gap[3] + g[3])
+
+        totals = self._reduce(
+            [
+                loss_sum,
+                sums.clip_low,
+                sums.clip_high,
+                sums.weight_masked,
+                sums.approx_kl,
+                sums.importance_weight,
+                float(len(micro)),
+                entropy_sum,
+                entropy_n,
+            ]
+            + ([0.0, 0.0, 0.0] if recomputed else [gap[0], gap[1], gap[3]]),
+            dist.ReduceOp.SUM,
+        )
+        if not recomputed:
+            gap = (totals[9], totals[10], self._reduce([gap[2]], dist.ReduceOp.MAX)[0], totals[11])
+        loss = totals[0]
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise StepError(f"the loss is not finite ({loss}); the step was not applied")
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opts.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+
+        gap_tokens = gap[0]
+        return StepStats(
+            loss=loss,
+            objective=plan.stats(ObjectiveSums(*totals[1:6])),
+            entropy=totals[7] / totals[8] if totals[8] > 0 else 0.0,
+            logprob_gap=LogprobGap(
+                tokens=int(gap_tokens),
+                mean_abs=gap[1] / gap_tokens if gap_tokens > 0 else 0.0,
+                max_abs=gap[2],
+                kl=gap[3] / gap_tokens if gap_tokens > 0 else 0.0,
+            ),
+            grad_norm=float(grad_norm),
+            microbatches=int(totals[6]),
+            tokens=plan.tokens,
+        )

@@ -1,0 +1,122 @@
+"""Trains a tiny random Qwen3 for a few steps on seeded batches under
+``torchrun`` (gloo on CPU), every decoder layer and the model sharded with
+FSDP2, and writes the full weights and each step's statistics (rank 0).
+
+    python -m torch.distributed.run --standalone --nproc_per_node W \\
+        tests/fsdp_run.py OUT_DIR --steps 5 --proximal recompute --clip adaptive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from asyncrl_trainer.objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
+from asyncrl_trainer.step import StepBatch, Trainer, TrainerOptions
+
+VOCAB = 128
+ROWS = 8
+PROMPT = 4
+MAX_COMPLETION = 8
+
+
+def tiny_qwen3() -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+
+
+def batch(step: int, learner_version: int) -> StepBatch:
+    """The seeded mini-batch of `step`: ragged completions, versions up to
+    three behind, one advantage per row."""
+    g = torch.Generator().manual_seed(1000 + step)
+    lengths = torch.randint(2, MAX_COMPLETION + 1, (ROWS,), generator=g)
+    length = PROMPT + MAX_COMPLETION
+    input_ids = torch.randint(0, VOCAB, (ROWS, length), generator=g)
+    t = torch.arange(MAX_COMPLETION).unsqueeze(0)
+    mask = t < lengths.unsqueeze(1)
+    gather_index = torch.where(mask, PROMPT - 1 + t, torch.zeros_like(t))
+    behaviour = -(torch.rand(ROWS, MAX_COMPLETION, generator=g) * 2.9 + 0.1)
+    versions = learner_version - torch.randint(0, 4, (ROWS, MAX_COMPLETION), generator=g)
+    advantages = (torch.rand(ROWS, 1, generator=g) * 3.0 - 1.5).expand(ROWS, MAX_COMPLETION)
+    return StepBatch(
+        input_ids=input_ids,
+        gather_index=gather_index,
+        behaviour=behaviour.masked_fill(~mask, 0.0),
+        versions=versions.masked_fill(~mask, 0),
+        advantages=advantages.masked_fill(~mask, 0.0).contiguous(),
+        mask=mask,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--proximal", default="recompute")
+    parser.add_argument("--clip", default="adaptive")
+    parser.add_argument("--aggregation", default="token")
+    parser.add_argument("--budget", type=int, default=24)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = tiny_qwen3()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    trainer = Trainer(
+        model,
+        TrainerOptions(
+            proximal=ProximalMode(args.proximal),
+            max_tokens_per_microbatch=args.budget,
+            grad_clip=1.0,
+        ),
+        learning_rate=1e-3,
+    )
+    cfg = ObjectiveConfig(
+        eps_low=0.2,
+        eps_high=0.28,
+        clip_mode=ClipMode(args.clip),
+        aggregation=Aggregation(args.aggregation),
+    )
+    steps = []
+    for step in range(args.steps):
+        stats = trainer.train_step(batch(step, step), cfg, 1e-3, step)
+        steps.append(asdict(stats))
+
+    weights = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if dist.get_rank() == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, args.out / "weights.pt")
+        (args.out / "steps.json").write_text(json.dumps(steps), encoding="utf-8")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,130 @@
+"""The torch engine's step: FSDP2 at world size 2 (gloo, two processes
+under torchrun) gives the weights of world size 1 after 5 steps, and the
+same statistics; micro-batches change nothing; a batch the ranks cannot
+share is refused before anything is applied."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrl_trainer.objective import ClipMode, ObjectiveConfig
+from asyncrl_trainer.step import (
+    StepError,
+    Trainer,
+    TrainerOptions,
+    completion_logprobs,
+    microbatches,
+)
+
+HERE = Path(__file__).parent
+
+
+def _run(out: Path, world: int, *extra: str) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(HERE / "fsdp_run.py"),
+        str(out),
+        *extra,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{cmd}\n{done.stdout}\n{done.stderr}"
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    steps = json.loads((out / "steps.json").read_text(encoding="utf-8"))
+    return weights, steps
+
+
+@pytest.mark.parametrize(
+    "proximal,clip,aggregation",
+    [("recompute", "adaptive", "token"), ("approx", "m2po", "sequence")],
+)
+def test_world_size_two_gives_the_weights_of_world_size_one(
+    tmp_path: Path, proximal: str, clip: str, aggregation: str
+) -> None:
+    args = ["--steps", "5", "--proximal", proximal, "--clip", clip, "--aggregation", aggregation]
+    one, steps_one = _run(tmp_path / "w1", 1, *args)
+    two, steps_two = _run(tmp_path / "w2", 2, *args)
+    assert one.keys() == two.keys()
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst <= 1e-5, f"weights differ by {worst}"
+    # The weights moved: the comparison is not of two untouched models.
+    fresh, _ = _run(tmp_path / "w0", 1, "--steps", "0")
+    moved = max((one[k] - fresh[k]).abs().max().item() for k in one)
+    assert moved > 1e-4, f"the weights moved only {moved}"
+    for a, b in zip(steps_one, steps_two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+        assert a["tokens"] == b["tokens"]
+        # The gradient itself, not only Adam's scale-free step, is the same.
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
+        assert abs(a["entropy"] - b["entropy"]) <= 1e-5, (a, b)
+        for part in ("objective", "logprob_gap"):
+            for key, value in a[part].items():
+                assert abs(value - b[part][key]) <= 1e-5, (part, key, a, b)
+
+
+def test_micro_batches_stay_within_the_token_budget() -> None:
+    assert microbatches(5, 10, 20) == [[0, 1], [2, 3], [4]]
+    # A row longer than the budget runs alone.
+    assert microbatches(2, 50, 20) == [[0], [1]]
+
+
+def _local() -> tuple[Any, Any]:
+    sys.path.insert(0, str(HERE))
+    from fsdp_run import batch, tiny_qwen3
+
+    return batch, tiny_qwen3
+
+
+def test_the_gap_measures_behaviour_against_the_learner() -> None:
+    batch, tiny_qwen3 = _local()
+    model = tiny_qwen3()
+    b = batch(0, 7)
+    b.versions = torch.where(b.mask, torch.full_like(b.versions, 7), b.versions)
+    with torch.no_grad():
+        own = completion_logprobs(model(input_ids=b.input_ids).logits, b, 1.0)
+    b.behaviour = torch.where(b.mask, own, torch.zeros_like(own))
+    trainer = Trainer(model, TrainerOptions(), learning_rate=1e-3)
+    exact = trainer.train_step(b, ObjectiveConfig(), 1e-3, 7).logprob_gap
+    assert exact.tokens == int(b.mask.sum())
+    assert exact.max_abs <= 1e-5 and exact.kl <= 1e-8, exact
+    # An engine whose log-probs are 0.1 off: the gap says so (the second
+    # step starts from other weights, so compare against them).
+    with torch.no_grad():
+        own = completion_logprobs(model(input_ids=b.input_ids).logits, b, 1.0)
+    b.behaviour = torch.where(b.mask, own - 0.1, torch.zeros_like(own))
+    off = trainer.train_step(b, ObjectiveConfig(), 1e-3, 7).logprob_gap
+    assert abs(off.mean_abs - 0.1) <= 1e-5 and abs(off.max_abs - 0.1) <= 1e-5, off
+
+
+def test_a_non_finite_loss_is_refused_and_nothing_is_applied() -> None:
+    batch, tiny_qwen3 = _local()
+    model = tiny_qwen3()
+    trainer = Trainer(model, TrainerOptions(), learning_rate=1e-3)
+    b = batch(0, 0)
+    # A hostile behaviour log-prob: the off-policy weight overflows.
+    b.behaviour[0, 0] = -1e4
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StepError, match="not finite"):
+        trainer.train_step(b, ObjectiveConfig(clip_mode=ClipMode.PPO, importance_weight_cap=1e308), 1e-3, 0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_batch_the_ranks_cannot_share_is_refused() -> None:
+    batch, tiny_qwen3 = _local()
+    model = tiny_qwen3()
+    trainer = Trainer(model, TrainerOptions(), learning_rate=1e-3)
+    trainer.world = 3  # as if three ranks shared the 8 rows
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StepError, match="8 rows, which 3 ranks"):
+        trainer.train_step(batch(0, 0), ObjectiveConfig(), 1e-3, 0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
