@@ -60,6 +60,16 @@ class StepBatch:
             mask=self.mask.index_select(0, idx),
         )
 
+    def to(self, device: torch.device) -> "StepBatch":
+        return StepBatch(
+            input_ids=self.input_ids.to(device),
+            gather_index=self.gather_index.to(device),
+            behaviour=self.behaviour.to(device),
+            versions=self.versions.to(device),
+            advantages=self.advantages.to(device),
+            mask=self.mask.to(device),
+        )
+
     @property
     def n_rows(self) -> int:
         return int(self.input_ids.shape[0])
@@ -192,7 +202,7 @@ class Trainer:
     def _detached_logprobs(self, batch: StepBatch) -> torch.Tensor:
         with torch.no_grad():
             parts = [
-                self._logprobs(batch.rows(torch.tensor(rows)))
+                self._logprobs(batch.rows(torch.tensor(rows, device=batch.input_ids.device)))
                 for rows in microbatches(
                     batch.n_rows, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch
                 )
@@ -226,8 +236,10 @@ class Trainer:
             raise StepError(
                 f"the batch has {n} rows, which {self.world} ranks cannot share evenly"
             )
+        device = next(self.model.parameters()).device
+        batch = batch.to(device)
         per_rank = n // self.world
-        mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
+        mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank, device=device)
         local = batch.rows(mine)
 
         # The proximal log-probs of every row, where the plan needs them.
@@ -271,7 +283,7 @@ class Trainer:
         )
         micro = microbatches(per_rank, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch)
         for rows in micro:
-            local_idx = torch.tensor(rows)
+            local_idx = torch.tensor(rows, device=device)
             global_idx = mine.index_select(0, local_idx)
             part_batch = local.rows(local_idx)
             logits, current = self._forward(part_batch)
