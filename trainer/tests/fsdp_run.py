@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from asyncrl_trainer.checkpoint import export_weights, load_checkpoint, save_checkpoint
 from asyncrl_trainer.objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
 from asyncrl_trainer.step import StepBatch, Trainer, TrainerOptions
 
@@ -76,6 +77,10 @@ def main() -> None:
     parser.add_argument("--clip", default="adaptive")
     parser.add_argument("--aggregation", default="token")
     parser.add_argument("--budget", type=int, default=24)
+    parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step and stop")
+    parser.add_argument("--ckpt", type=Path, default=None, help="the checkpoint folder")
+    parser.add_argument("--resume", action="store_true", help="start from --ckpt")
+    parser.add_argument("--export", type=Path, default=None, help="export the weights here at the end")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -102,9 +107,17 @@ def main() -> None:
         aggregation=Aggregation(args.aggregation),
     )
     steps = []
-    for step in range(args.steps):
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.ckpt, model, trainer.optimizer)
+    for step in range(start, args.steps):
         stats = trainer.train_step(batch(step, step), cfg, 1e-3, step)
         steps.append(asdict(stats))
+        if args.save_at == step + 1:
+            save_checkpoint(args.ckpt, model, trainer.optimizer, step + 1)
+            break
+    if args.export is not None:
+        export_weights(args.export, model, max_shard_size="100KB")
 
     weights = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

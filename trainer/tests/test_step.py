@@ -72,6 +72,45 @@ def test_world_size_two_gives_the_weights_of_world_size_one(
                 assert abs(value - b[part][key]) <= 1e-5, (part, key, a, b)
 
 
+def test_a_checkpoint_resumes_the_run_exactly_and_reshards(tmp_path: Path) -> None:
+    args = ["--proximal", "recompute", "--clip", "adaptive"]
+    straight, _ = _run(tmp_path / "straight", 2, "--steps", "5", *args)
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path / "first", 2, "--steps", "5", "--save-at", "3", "--ckpt", str(ckpt), *args)
+    assert (ckpt / "asyncrl_step.json").is_file()
+    assert not (tmp_path / ".ckpt.tmp").exists(), "the temporary folder was renamed"
+    # Resumed at the same world size: the same weights as the run that
+    # never stopped (the model and AdamW's moments and step restored).
+    resumed, steps = _run(tmp_path / "resumed", 2, "--steps", "5", "--resume", "--ckpt", str(ckpt), *args)
+    assert len(steps) == 2, "steps 4 and 5 only"
+    worst = max((straight[k] - resumed[k]).abs().max().item() for k in straight)
+    assert worst <= 1e-6, f"resumed weights differ by {worst}"
+    # Resharded: the world-size-2 checkpoint loads at world size 1.
+    one, _ = _run(tmp_path / "one", 1, "--steps", "5", "--resume", "--ckpt", str(ckpt), *args)
+    worst = max((straight[k] - one[k]).abs().max().item() for k in straight)
+    assert worst <= 1e-5, f"resharded weights differ by {worst}"
+
+
+def test_exported_weights_load_in_transformers_with_their_checksums(tmp_path: Path) -> None:
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "weights"
+    trained, _ = _run(tmp_path / "run", 2, "--steps", "2", "--export", str(out))
+    index = json.loads((out / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1, "sharded with an index above max_shard_size"
+    sums = json.loads((out / "sha256.json").read_text(encoding="utf-8"))
+    assert sorted(sums) == files
+    for name in files:
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == sums[name]
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    loaded = model.state_dict()
+    for key, value in trained.items():
+        assert torch.equal(loaded[key], value), key
+
+
 def test_micro_batches_stay_within_the_token_budget() -> None:
     assert microbatches(5, 10, 20) == [[0, 1], [2, 3], [4]]
     # A row longer than the budget runs alone.

@@ -1,0 +1,140 @@
+"""Checkpoints and weights of the torch engine.
+
+- :func:`save_checkpoint` / :func:`load_checkpoint`: the model and AdamW
+  state as a sharded torch distributed checkpoint (DCP: every rank writes
+  its own shards), and the step it was taken after. A checkpoint is
+  written into a temporary folder and renamed into place once every rank
+  has written (rank 0 renames), so a kill mid-write leaves the previous one
+  and a folder to ignore, never a half-written checkpoint under the final
+  name. DCP reshards on load: a checkpoint of world size 2 loads at 1.
+- :func:`export_weights`: the full weights as a Hugging Face model folder
+  (``config.json``, safetensors sharded with an index above
+  ``max_shard_size``), with a ``sha256`` file per weight file, written the
+  same way (temporary folder, then rename) by rank 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+#: The file beside the DCP shards that names the step (written last).
+STEP_FILE = "asyncrl_step.json"
+#: The file of an exported folder that lists each weight file's sha256.
+SHA256_FILE = "sha256.json"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def save_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> None:
+    """Every rank calls it. ``path`` must not exist yet."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"checkpoint {path} exists already")
+    tmp = _tmp(path)
+    if _rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # a write that was killed
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        (tmp / STEP_FILE).write_text(json.dumps({"step": step}), encoding="utf-8")
+        _fsync_dir(tmp)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+    _barrier()
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Every rank calls it; returns the step the checkpoint was taken after."""
+    path = Path(path)
+    step_file = path / STEP_FILE
+    if not step_file.is_file():
+        raise FileNotFoundError(f"{path} is no complete checkpoint (no {STEP_FILE})")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return int(json.loads(step_file.read_text(encoding="utf-8"))["step"])
+
+
+def export_weights(path: Path, model: nn.Module, max_shard_size: str = "5GB") -> None:
+    """Every rank calls it; rank 0 writes the Hugging Face folder ``path``
+    (which must not exist yet)."""
+    path = Path(path)
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if _rank() == 0:
+        if path.exists():
+            raise FileExistsError(f"weights folder {path} exists already")
+        tmp = _tmp(path)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        pretrained = getattr(model, "save_pretrained", None)
+        if pretrained is None:
+            raise TypeError(f"{type(model).__name__} is no Hugging Face model (no save_pretrained)")
+        pretrained(tmp, state_dict=full, max_shard_size=max_shard_size)
+        sums = {
+            f.name: _sha256(f)
+            for f in sorted(tmp.iterdir())
+            if f.suffix == ".safetensors"
+        }
+        (tmp / SHA256_FILE).write_text(json.dumps(sums, indent=1), encoding="utf-8")
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+    _barrier()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
