@@ -143,7 +143,6 @@ pub struct Expect {
     pub learner_restarts: u64,
 }
 
-/// One role process (and its restarts).
 /// The numbers [`Cluster::check_invariants`] found, printed by every test.
 #[derive(Debug, Clone, Default)]
 pub struct Report {

@@ -92,18 +92,20 @@ def export_weights(path: Path, model: nn.Module, max_shard_size: str = "5GB") ->
     """Every rank calls it; rank 0 writes the Hugging Face folder ``path``
     (which must not exist yet)."""
     path = Path(path)
+    # Checked by every rank before the collective below, so that no rank
+    # waits for one that gave up.
+    if path.exists():
+        raise FileExistsError(f"weights folder {path} exists already")
+    pretrained = getattr(model, "save_pretrained", None)
+    if pretrained is None:
+        raise TypeError(f"{type(model).__name__} is no Hugging Face model (no save_pretrained)")
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     if _rank() == 0:
-        if path.exists():
-            raise FileExistsError(f"weights folder {path} exists already")
         tmp = _tmp(path)
         if tmp.exists():
             shutil.rmtree(tmp)
-        pretrained = getattr(model, "save_pretrained", None)
-        if pretrained is None:
-            raise TypeError(f"{type(model).__name__} is no Hugging Face model (no save_pretrained)")
         pretrained(tmp, state_dict=full, max_shard_size=max_shard_size)
         sums = {
             f.name: _sha256(f)

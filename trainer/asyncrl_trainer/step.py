@@ -275,7 +275,7 @@ class Trainer:
         # The engine/trainer gap: the recompute pass covers the whole batch
         # (the same on every rank); otherwise each rank's forward passes,
         # still at the step's starting weights, cover its rows.
-        recomputed = self.opts.proximal == ProximalMode.RECOMPUTE and proximal is not None
+        recomputed = self.opts.proximal == ProximalMode.RECOMPUTE
         gap = (
             _gap_sums(batch.behaviour, proximal, batch.versions, batch.mask, learner_version)
             if recomputed and proximal is not None

@@ -1012,15 +1012,6 @@ impl Chaos<'_> {
     }
 }
 
-impl Drop for Chaos<'_> {
-    fn drop(&mut self) {
-        for p in &mut self.procs {
-            // A frozen process dies of SIGKILL too.
-            p.kill9();
-        }
-    }
-}
-
 /// The config of a role (only `worker.id` differs between them): the
 /// cluster tests' role config ([`configs::cluster_role`]) with the soak's
 /// spec, a longer connect timeout (roles are restarted while the server
