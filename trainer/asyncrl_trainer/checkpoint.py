@@ -52,9 +52,15 @@ def _tmp(path: Path) -> Path:
 
 
 def save_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    learner_meta: str = "",
 ) -> None:
-    """Every rank calls it. ``path`` must not exist yet."""
+    """Every rank calls it. ``path`` must not exist yet. ``learner_meta``:
+    the learner's own record of the checkpoint (JSON text), kept in the
+    step file and given back by :func:`read_learner_meta`."""
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"checkpoint {path} exists already")
@@ -66,7 +72,10 @@ def save_checkpoint(
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
-        (tmp / STEP_FILE).write_text(json.dumps({"step": step}), encoding="utf-8")
+        (tmp / STEP_FILE).write_text(
+            json.dumps({"step": step, "learner_meta": learner_meta}), encoding="utf-8"
+        )
+        _fsync_file(tmp / STEP_FILE)
         _fsync_dir(tmp)
         os.rename(tmp, path)
         _fsync_dir(path.parent)
@@ -88,9 +97,52 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return int(json.loads(step_file.read_text(encoding="utf-8"))["step"])
 
 
-def export_weights(path: Path, model: nn.Module, max_shard_size: str = "5GB") -> None:
+def read_learner_meta(path: Path) -> str:
+    """The ``learner_meta`` a complete checkpoint was saved with."""
+    step_file = Path(path) / STEP_FILE
+    if not step_file.is_file():
+        raise FileNotFoundError(f"{path} is no complete checkpoint (no {STEP_FILE})")
+    return str(json.loads(step_file.read_text(encoding="utf-8")).get("learner_meta", ""))
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Every rank calls it: replaces the weights with a Hugging Face folder's
+    (``model.safetensors`` or the shards its index lists, as
+    :func:`export_weights` writes). Every parameter must be there, except
+    an output embedding tied to the input one."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} holds no model.safetensors and no index")
+    full: dict[str, torch.Tensor] = {}
+    for name in files:
+        full.update(load_file(str(path / name)))
+    expected = set(get_model_state_dict(model).keys())
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    missing = sorted(k for k in expected - full.keys() if not (tied and k == "lm_head.weight"))
+    unknown = sorted(full.keys() - expected)
+    if missing or unknown:
+        raise ValueError(
+            f"the weights in {path} do not fit the model: missing {missing[:5]}, "
+            f"unknown {unknown[:5]}"
+        )
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+
+
+def export_weights(
+    path: Path, model: nn.Module, max_shard_size: "str | int" = "5GB"
+) -> list[str]:
     """Every rank calls it; rank 0 writes the Hugging Face folder ``path``
-    (which must not exist yet)."""
+    (which must not exist yet). Returns the safetensors files (rank 0)."""
     path = Path(path)
     # Checked by every rank before the collective below, so that no rank
     # waits for one that gave up.
@@ -119,6 +171,7 @@ def export_weights(path: Path, model: nn.Module, max_shard_size: str = "5GB") ->
         os.rename(tmp, path)
         _fsync_dir(path.parent)
     _barrier()
+    return sorted(sums) if _rank() == 0 else []
 
 
 def _sha256(path: Path) -> str:

@@ -230,7 +230,12 @@ class Trainer:
         cfg: ObjectiveConfig,
         learning_rate: float,
         learner_version: int,
+        proximal_rows: Optional[torch.Tensor] = None,
     ) -> StepStats:
+        """One optimizer step on the mini-batch ``batch``. ``proximal_rows``:
+        recomputed proximal log-probs of its rows taken before the batch's
+        first mini-batch (:meth:`train_batch`); by default the recompute
+        pass runs here."""
         n = batch.n_rows
         if n == 0 or n % self.world != 0:
             raise StepError(
@@ -244,7 +249,11 @@ class Trainer:
 
         # The proximal log-probs of every row, where the plan needs them.
         if self.opts.proximal == ProximalMode.RECOMPUTE:
-            proximal: Optional[torch.Tensor] = self._gather(self._detached_logprobs(local))
+            proximal: Optional[torch.Tensor] = (
+                proximal_rows.to(device)
+                if proximal_rows is not None
+                else self._gather(self._detached_logprobs(local))
+            )
             current_all: Optional[torch.Tensor] = None
         elif self.opts.proximal == ProximalMode.BEHAVIOUR:
             proximal, current_all = batch.behaviour, None
@@ -348,3 +357,107 @@ class Trainer:
             microbatches=int(totals[6]),
             tokens=plan.tokens,
         )
+
+
+    def recompute(self, batch: StepBatch) -> torch.Tensor:
+        """The current weights' log-probs of every row (each rank computes
+        its share; the world size must divide the rows)."""
+        n = batch.n_rows
+        if n == 0 or n % self.world != 0:
+            raise StepError(
+                f"the batch has {n} rows, which {self.world} ranks cannot share evenly"
+            )
+        device = next(self.model.parameters()).device
+        per_rank = n // self.world
+        mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank, device=device)
+        return self._gather(self._detached_logprobs(batch.to(device).rows(mine)))
+
+    def train_batch(
+        self,
+        batch: StepBatch,
+        order: list[int],
+        minibatches: int,
+        cfg: ObjectiveConfig,
+        learning_rate: float,
+        learner_version: int,
+    ) -> StepStats:
+        """A learner step as the Rust trainer takes it: the rows in
+        ``order`` cut into ``minibatches`` slices of ``ceil(rows / k)``, one
+        optimizer step each; the recompute pass once, before the first. The
+        statistics are token-weighted over the mini-batches, the gradient
+        norm is the largest, and the gap is the recompute pass's (else the
+        first mini-batch's, whose forward still sees the starting weights)."""
+        n = batch.n_rows
+        if sorted(order) != list(range(n)):
+            raise StepError(f"the order is no permutation of the batch's {n} rows")
+        k = max(1, min(minibatches, n))
+        size = max(1, -(-n // k))
+        chunks = [order[i : i + size] for i in range(0, n, size)]
+        for chunk in chunks:
+            if len(chunk) % self.world != 0:
+                raise StepError(
+                    f"a mini-batch of {len(chunk)} rows cannot be shared evenly by "
+                    f"{self.world} ranks (learner.torch.world_size must divide the rows "
+                    "of every mini-batch)"
+                )
+        proximal = (
+            self.recompute(batch)
+            if self.opts.proximal == ProximalMode.RECOMPUTE and len(chunks) > 1
+            else None
+        )
+        total = StepStats()
+        weighted = dict.fromkeys(
+            (
+                "clip_low_fraction",
+                "clip_high_fraction",
+                "weight_masked_fraction",
+                "m2po_masked_fraction",
+                "approx_kl",
+                "mean_importance_weight",
+                "mean_version_lag",
+            ),
+            0.0,
+        )
+        loss_sum, entropy_sum, tokens, max_lag = 0.0, 0.0, 0, 0.0
+        for i, chunk in enumerate(chunks):
+            idx = torch.tensor(chunk, dtype=torch.int64)
+            stats = self.train_step(
+                batch.rows(idx),
+                cfg,
+                learning_rate,
+                learner_version,
+                proximal_rows=None if proximal is None else proximal.index_select(0, idx.to(proximal.device)),
+            )
+            if i == 0:
+                total.logprob_gap = stats.logprob_gap
+            w = float(stats.tokens)
+            tokens += stats.tokens
+            loss_sum += stats.loss * w
+            entropy_sum += stats.entropy * w
+            for key in weighted:
+                weighted[key] += getattr(stats.objective, key) * w
+            max_lag = max(max_lag, stats.objective.max_version_lag)
+            total.grad_norm = max(total.grad_norm, stats.grad_norm)
+            total.microbatches += stats.microbatches
+        if proximal is not None:
+            # The recompute pass saw the whole batch at the starting weights.
+            g = _gap_sums(batch.behaviour, proximal, batch.versions, batch.mask, learner_version)
+            total.logprob_gap = LogprobGap(
+                tokens=int(g[0]),
+                mean_abs=g[1] / g[0] if g[0] > 0 else 0.0,
+                max_abs=g[2],
+                kl=g[3] / g[0] if g[0] > 0 else 0.0,
+            )
+
+        def norm(x: float) -> float:
+            return x / tokens if tokens > 0 else 0.0
+
+        total.tokens = tokens
+        total.loss = norm(loss_sum)
+        total.entropy = norm(entropy_sum)
+        total.objective = ObjectiveStats(
+            tokens=tokens,
+            max_version_lag=max_lag,
+            **{key: norm(v) for key, v in weighted.items()},
+        )
+        return total

@@ -1,0 +1,274 @@
+"""The engine as the learner drives it: ``torchrun`` with two gloo ranks,
+``asyncrl.v1.TrainerEngine`` over its Unix socket, batches as the Arrow IPC
+rows trainer.proto describes."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import grpc
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from asyncrl_trainer.objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
+from asyncrl_trainer.server import batch_from_ipc, load_stubs
+from asyncrl_trainer.step import Trainer, TrainerOptions
+
+pb2, pb2_grpc = load_stubs()
+
+VOCAB = 96
+ROWS = 8
+LR = 1e-3
+
+
+def tiny_model(path: Path) -> None:
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+
+
+def rows(step: int) -> pa.Table:
+    """Ragged rows: prompt of 3-5 tokens, completion of 1-6."""
+    g = torch.Generator().manual_seed(500 + step)
+    cols: dict[str, list[Any]] = {
+        k: [] for k in ("input_ids", "gather_index", "behaviour", "versions", "advantages", "mask")
+    }
+    for r in range(ROWS):
+        prompt = int(torch.randint(3, 6, (1,), generator=g))
+        completion = int(torch.randint(1, 7, (1,), generator=g))
+        cols["input_ids"].append(torch.randint(0, VOCAB, (prompt + completion,), generator=g).tolist())
+        cols["gather_index"].append([prompt - 1 + t for t in range(completion)])
+        cols["behaviour"].append((-(torch.rand(completion, generator=g) * 2.0 + 0.1)).tolist())
+        cols["versions"].append([max(0, step - int(torch.randint(0, 3, (1,), generator=g)))] * completion)
+        cols["advantages"].append([float(r % 3) - 1.0] * completion)
+        cols["mask"].append([True] * completion)
+    return pa.table(
+        {
+            "input_ids": pa.array(cols["input_ids"], pa.list_(pa.int64())),
+            "gather_index": pa.array(cols["gather_index"], pa.list_(pa.int64())),
+            "behaviour": pa.array(cols["behaviour"], pa.list_(pa.float32())),
+            "versions": pa.array(cols["versions"], pa.list_(pa.int32())),
+            "advantages": pa.array(cols["advantages"], pa.list_(pa.float32())),
+            "mask": pa.array(cols["mask"], pa.list_(pa.bool_())),
+        }
+    )
+
+
+def ipc(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def order(step: int) -> list[int]:
+    return torch.randperm(ROWS, generator=torch.Generator().manual_seed(step)).tolist()
+
+
+OBJECTIVE = ObjectiveConfig(eps_low=0.2, eps_high=0.28, clip_mode=ClipMode.ADAPTIVE)
+
+
+def request(step: int) -> Any:
+    return pb2.TrainStepRequest(
+        step=step + 1,
+        learner_version=step,
+        batch_arrow_ipc=ipc(rows(step)),
+        order=order(step),
+        minibatches=2,
+        objective=pb2.StepObjective(
+            eps_low=OBJECTIVE.eps_low,
+            eps_high=OBJECTIVE.eps_high,
+            clip_mode=2,
+            importance_weight_cap=OBJECTIVE.importance_weight_cap,
+            adaptive_quantile=OBJECTIVE.adaptive_quantile,
+            adaptive_temperature=OBJECTIVE.adaptive_temperature,
+            m2po_threshold=OBJECTIVE.m2po_threshold,
+            aggregation=1,
+        ),
+        learning_rate=LR,
+    )
+
+
+class Engine:
+    def __init__(self, model: Path, socket: Path, world: int, log: Path) -> None:
+        self.socket = socket
+        self.log = log
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world}",
+                "-m",
+                "asyncrl_trainer.server",
+                "--model",
+                str(model),
+                "--socket",
+                str(socket),
+                "--proximal",
+                "recompute",
+                "--max-tokens-per-microbatch",
+                "24",
+                "--learning-rate",
+                str(LR),
+            ],
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.channel = grpc.insecure_channel(f"unix:{socket}")
+        self.stub = pb2_grpc.TrainerEngineStub(self.channel)
+
+    def ready(self, timeout: float = 240.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the engine exited: {self.log.read_text()}")
+            try:
+                return self.stub.Describe(pb2.DescribeRequest(), timeout=5)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.stub.Shutdown(pb2.ShutdownRequest(), timeout=60)
+            except grpc.RpcError:
+                pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.channel.close()
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    tiny_model(tmp_path / "model")
+    e = Engine(tmp_path / "model", tmp_path / "engine.sock", 2, tmp_path / "engine.log")
+    yield e
+    e.close()
+
+
+def reference_weights(model_dir: Path, steps: int) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = Trainer(
+        model,
+        TrainerOptions(proximal=ProximalMode.RECOMPUTE, max_tokens_per_microbatch=24),
+        learning_rate=LR,
+    )
+    for step in range(steps):
+        trainer.train_batch(batch_from_ipc(ipc(rows(step)), 0), order(step), 2, OBJECTIVE, LR, step)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_two_ranks_over_grpc_train_checkpoint_and_export_like_one_process(
+    engine: Engine, tmp_path: Path
+) -> None:
+    info = engine.ready()
+    assert (info.world_size, info.model_type, info.vocab_size) == (2, "qwen3", VOCAB)
+    assert info.max_position_embeddings == 64
+
+    first = engine.stub.TrainStep(request(0), timeout=120)
+    assert first.tokens > 0 and first.microbatches >= 2
+    assert first.logprob_gap.tokens > 0 and first.grad_norm > 0
+    # A checkpoint after step 1, then two more steps.
+    engine.stub.SaveCheckpoint(
+        pb2.SaveCheckpointRequest(path=str(tmp_path / "ckpt"), learner_meta_json='{"step": 1}'),
+        timeout=120,
+    )
+    for step in (1, 2):
+        engine.stub.TrainStep(request(step), timeout=120)
+    engine.stub.ExportWeights(pb2.ExportWeightsRequest(path=str(tmp_path / "after3")), timeout=120)
+
+    # Two ranks give the weights of one unsharded process.
+    got = load_file(str(tmp_path / "after3" / "model.safetensors"))
+    want = reference_weights(tmp_path / "model", 3)
+    for name, tensor in got.items():
+        assert torch.allclose(tensor, want[name], atol=1e-5), name
+
+    # Restored, the same two steps give the same weights again.
+    meta = engine.stub.LoadCheckpoint(
+        pb2.LoadCheckpointRequest(path=str(tmp_path / "ckpt")), timeout=120
+    )
+    assert meta.learner_meta_json == '{"step": 1}'
+    for step in (1, 2):
+        engine.stub.TrainStep(request(step), timeout=120)
+    engine.stub.ExportWeights(pb2.ExportWeightsRequest(path=str(tmp_path / "again")), timeout=120)
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    for name, tensor in got.items():
+        assert torch.equal(tensor, again[name]), name
+
+    # Published weights adopted: the first export loads back exactly.
+    engine.stub.LoadWeights(pb2.LoadWeightsRequest(path=str(tmp_path / "after3")), timeout=120)
+    engine.stub.ExportWeights(pb2.ExportWeightsRequest(path=str(tmp_path / "loaded")), timeout=120)
+    loaded = load_file(str(tmp_path / "loaded" / "model.safetensors"))
+    for name, tensor in got.items():
+        assert torch.equal(tensor, loaded[name]), name
+
+
+def test_bad_calls_are_refused_with_the_reason_and_the_engine_keeps_serving(
+    engine: Engine, tmp_path: Path
+) -> None:
+    engine.ready()
+    bad = request(0)
+    bad.order[:] = [0, 1, 2]
+    with pytest.raises(grpc.RpcError) as refused:
+        engine.stub.TrainStep(bad, timeout=120)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "permutation" in refused.value.details()
+
+    outside = rows(0).to_pydict()
+    outside["input_ids"][3][0] = VOCAB + 7
+    bad = request(0)
+    bad.batch_arrow_ipc = ipc(pa.table(outside, schema=rows(0).schema))
+    with pytest.raises(grpc.RpcError) as refused:
+        engine.stub.TrainStep(bad, timeout=120)
+    assert "outside the vocabulary" in refused.value.details()
+
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(grpc.RpcError) as refused:
+        engine.stub.ExportWeights(pb2.ExportWeightsRequest(path=str(tmp_path / "taken")), timeout=60)
+    assert "exists already" in refused.value.details()
+
+    # Still serving, and nothing was applied: a good step trains.
+    assert engine.stub.TrainStep(request(0), timeout=120).tokens > 0
+
+
+def test_a_folder_transformers_cannot_load_ends_the_group_with_one_line_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    e = Engine(folder, tmp_path / "engine.sock", 1, tmp_path / "engine.log")
+    try:
+        rc = e.proc.wait(timeout=240)
+    finally:
+        e.close()
+    assert rc != 0
+    lines = [l for l in e.log.read_text().splitlines() if l.startswith("error: model.path")]
+    assert len(lines) == 1, e.log.read_text()
+    assert str(folder) in lines[0]
