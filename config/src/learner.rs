@@ -53,9 +53,84 @@ pub enum LossAggregationName {
     Sequence,
 }
 
+/// Which engine computes the learner's step (docs/ARCHITECTURE.md, "Trainer
+/// engines").
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainerEngineName {
+    /// The libtorch trainer in this process (tch): the built-in Llama and
+    /// Qwen2 architectures on one device.
+    #[default]
+    Builtin,
+    /// A PyTorch process group started with torchrun (`trainer/`): any
+    /// Hugging Face causal LM, sharded with FSDP2 over
+    /// `learner.torch.world_size` processes.
+    Torch,
+}
+
+impl TrainerEngineName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TrainerEngineName::Builtin => "builtin",
+            TrainerEngineName::Torch => "torch",
+        }
+    }
+}
+
+/// Mixed precision of the `torch` engine's FSDP2 shards.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum MixedPrecisionName {
+    /// bf16 on CUDA, none (fp32) on the CPU.
+    #[default]
+    Auto,
+    /// fp32 compute and weights.
+    None,
+    /// bf16 parameters in forward and backward, fp32 gradient reduction and
+    /// master weights.
+    Bf16,
+}
+
+/// `[learner.torch]`: the `torch` trainer engine's process group.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TorchEngineConfig {
+    /// Processes (one per GPU) that shard the model; it must divide the
+    /// rows of every mini-batch.
+    pub world_size: usize,
+    /// The Python interpreter with torch, transformers and `asyncrl-trainer`
+    /// (scripts/setup installs them into .venv and puts it first on PATH).
+    pub python: PathBuf,
+    pub mixed_precision: MixedPrecisionName,
+    /// Recompute each decoder layer's activations in the backward pass.
+    pub activation_checkpointing: bool,
+    /// Keep parameters, gradients and optimizer state in host memory.
+    pub cpu_offload: bool,
+    /// How long the group may take to load the model and serve.
+    #[serde(with = "humantime_serde")]
+    pub start_timeout: Duration,
+}
+
+impl Default for TorchEngineConfig {
+    fn default() -> Self {
+        Self {
+            world_size: 1,
+            python: PathBuf::from("python3"),
+            mixed_precision: MixedPrecisionName::Auto,
+            activation_checkpointing: false,
+            cpu_offload: false,
+            start_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LearnerConfig {
+    /// The engine that computes the step: `builtin` or `torch`.
+    pub trainer: TrainerEngineName,
+    /// The `torch` engine's settings (read when `trainer = "torch"`).
+    pub torch: TorchEngineConfig,
     pub proximal: ProximalName,
     pub advantage_norm: AdvantageNormName,
     pub loss_aggregation: LossAggregationName,
@@ -97,6 +172,8 @@ pub struct LearnerConfig {
 impl Default for LearnerConfig {
     fn default() -> Self {
         Self {
+            trainer: TrainerEngineName::Builtin,
+            torch: TorchEngineConfig::default(),
             proximal: ProximalName::Approx,
             advantage_norm: AdvantageNormName::MeanStd,
             loss_aggregation: LossAggregationName::Token,
@@ -152,6 +229,19 @@ impl LearnerConfig {
             1000,
         )?;
         crate::check_cores("learner.cpu_affinity", &self.cpu_affinity)?;
+        check_range("learner.torch.world_size", self.torch.world_size, 1, 4096)?;
+        if self.torch.python.as_os_str().is_empty() {
+            return Err(ConfigError::invalid(
+                "learner.torch.python",
+                "must name a Python interpreter",
+            ));
+        }
+        if self.torch.start_timeout.is_zero() {
+            return Err(ConfigError::invalid(
+                "learner.torch.start_timeout",
+                "must be longer than 0s",
+            ));
+        }
         if self.batch_poll_interval.is_zero() {
             return Err(ConfigError::invalid(
                 "learner.batch_poll_interval",
@@ -165,6 +255,53 @@ impl LearnerConfig {
 #[cfg(test)]
 mod tests {
     use crate::test_check::check;
+
+    #[test]
+    fn trainer_engine_table() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("", None),
+            ("[learner]\ntrainer = \"builtin\"", None),
+            (
+                "[learner]\ntrainer = \"torch\"",
+                Some("`model.path` the torch trainer engine"),
+            ),
+            (
+                "[model]\npath = \"m\"\n[learner]\ntrainer = \"torch\"",
+                None,
+            ),
+            (
+                "[learner]\ntrainer = \"megatron\"",
+                Some("`learner.trainer`"),
+            ),
+            // 8 groups × 8 rows = 64 rows share evenly over 1, 2, 4, 8 ranks.
+            (
+                "[model]\npath = \"m\"\n[learner]\ntrainer = \"torch\"\n[learner.torch]\nworld_size = 8",
+                None,
+            ),
+            (
+                "[model]\npath = \"m\"\n[learner]\ntrainer = \"torch\"\n[learner.torch]\nworld_size = 3",
+                Some("`learner.torch.world_size` 3 ranks cannot share the batch evenly: 64 rows"),
+            ),
+            (
+                "[model]\npath = \"m\"\n[learner]\ntrainer = \"torch\"\nminibatches = 16\n[learner.torch]\nworld_size = 8",
+                Some("`learner.torch.world_size` 8 ranks cannot share the batch evenly"),
+            ),
+            // The builtin engine has no ranks to share with.
+            ("[learner.torch]\nworld_size = 3", None),
+            (
+                "[learner.torch]\nworld_size = 0",
+                Some("`learner.torch.world_size` = 0 is out of range"),
+            ),
+            ("[learner.torch]\nranks = 2", Some("`learner.torch.ranks`")),
+            (
+                "[learner.torch]\nmixed_precision = \"fp8\"",
+                Some("`learner.torch.mixed_precision`"),
+            ),
+        ];
+        for (text, want) in cases {
+            check(text, *want);
+        }
+    }
 
     #[test]
     fn max_tokens_per_microbatch_table() {

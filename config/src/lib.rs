@@ -29,7 +29,10 @@ pub use coordinator::{
     DatasetFormat, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode, knob_ranges,
 };
 pub use eval::{EvalConfig, MAX_EVAL_SAMPLES};
-pub use learner::{AdvantageNormName, LearnerConfig, LossAggregationName, ProximalName};
+pub use learner::{
+    AdvantageNormName, LearnerConfig, LossAggregationName, MixedPrecisionName, ProximalName,
+    TorchEngineConfig, TrainerEngineName,
+};
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};
 pub use storage::{StorageConfig, TrajectoryRetention};
@@ -164,6 +167,33 @@ impl Config {
         self.learner.validate()?;
         self.worker.validate()?;
         self.eval.validate()?;
+        self.check_torch_engine()
+    }
+
+    /// The `torch` engine trains a model folder, and shares every
+    /// mini-batch's rows evenly over its ranks: `groups_per_step × group_size` rows, cut into
+    /// `learner.minibatches` equal mini-batches, each a multiple of
+    /// `learner.torch.world_size`.
+    fn check_torch_engine(&self) -> Result<(), ConfigError> {
+        if self.learner.trainer != TrainerEngineName::Torch {
+            return Ok(());
+        }
+        if self.model.path.is_none() {
+            return Err(ConfigError::invalid(
+                "model.path",
+                "the torch trainer engine (learner.trainer = \"torch\") trains a Hugging Face model folder: set model.path",
+            ));
+        }
+        let rows = self.staleness.groups_per_step as usize * self.staleness.group_size as usize;
+        let (k, world) = (self.learner.minibatches, self.learner.torch.world_size);
+        if rows % k != 0 || (rows / k) % world != 0 {
+            return Err(ConfigError::invalid(
+                "learner.torch.world_size",
+                &format!(
+                    "{world} ranks cannot share the batch evenly: {rows} rows (staleness.groups_per_step × staleness.group_size) in {k} mini-batches (learner.minibatches)"
+                ),
+            ));
+        }
         Ok(())
     }
 }

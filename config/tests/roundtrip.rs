@@ -14,10 +14,10 @@ use asyncrl_config::{
     AdminTlsConfig, AdvantageNormName, BUS_ROLES, BatchingMode, BufferConfig, BusConfig,
     ClipModeName, Config, CoordinatorConfig, DatasetConfig, DatasetFormat, DeviceName, EngineApi,
     EngineConfig, EngineKind, EvalConfig, FsyncPolicy, InitialKnobs, LearnerConfig, LogFormat,
-    LongPrompts, LossAggregationName, ModelConfig, PauseMode, ProximalName, RetentionPolicy,
-    RoleAuth, RunConfig, SamplingPolicy, Secret, SegmentCompression, StalenessConfig,
-    StorageConfig, TelemetryConfig, TinyModelConfig, TlsConfig, TrajectoryRetention,
-    WeightDtypeName, WorkerConfig, WorkerRewardConfig,
+    LongPrompts, LossAggregationName, MixedPrecisionName, ModelConfig, PauseMode, ProximalName,
+    RetentionPolicy, RoleAuth, RunConfig, SamplingPolicy, Secret, SegmentCompression,
+    StalenessConfig, StorageConfig, TelemetryConfig, TinyModelConfig, TlsConfig, TorchEngineConfig,
+    TrainerEngineName, TrajectoryRetention, WeightDtypeName, WorkerConfig, WorkerRewardConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
@@ -616,13 +616,38 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
             dur_ms(1, 60_000),
             proptest::collection::vec(0usize..1024, 0..4),
         ),
+        (
+            1usize..=4096,
+            path(),
+            prop_oneof![
+                Just(MixedPrecisionName::Auto),
+                Just(MixedPrecisionName::None),
+                Just(MixedPrecisionName::Bf16)
+            ],
+            any::<bool>(),
+            any::<bool>(),
+            dur_ms(1, 3_600_000),
+        ),
     )
         .prop_map(
             |(
                 (proximal, norm, agg, m2po, minibatches, max_tokens, warmup),
                 (wd, beta1, beta2, eps, clip),
                 (ckpt_dir, ckpt_every, keep_ckpt, keep_versions, poll, cores),
+                (world_size, python, mixed_precision, checkpointing, offload, start_timeout),
             )| LearnerConfig {
+                // The torch engine's world size must divide the batch (a
+                // cross-section check with its own tests); its section
+                // round-trips either way.
+                trainer: TrainerEngineName::Builtin,
+                torch: TorchEngineConfig {
+                    world_size,
+                    python,
+                    mixed_precision,
+                    activation_checkpointing: checkpointing,
+                    cpu_offload: offload,
+                    start_timeout,
+                },
                 proximal,
                 advantage_norm: norm,
                 loss_aggregation: agg,

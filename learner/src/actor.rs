@@ -1,18 +1,20 @@
-//! The trainer on its own OS thread. tch tensors are not `Sync` and the
-//! model must never block the async runtime, so every operation on the
-//! trainer is a closure sent to that thread; the caller awaits the reply.
+//! The trainer engine on its own OS thread. tch tensors are not `Sync`, the
+//! model must never block the async runtime, and the `torch` engine's
+//! client blocks on its calls, so every operation on the engine is a
+//! closure sent to that thread; the caller awaits the reply.
 
 use std::sync::mpsc;
 
 use tokio::sync::oneshot;
 
-use crate::trainer::Trainer;
+use crate::engine::TrainerEngine;
 
-type Job = Box<dyn FnOnce(&mut Trainer) + Send>;
+type Engine = Box<dyn TrainerEngine>;
+type Job = Box<dyn FnOnce(&mut dyn TrainerEngine) + Send>;
 
 pub use asyncrl_policy::pin_current_thread;
 
-/// A handle to the thread that owns the [`Trainer`].
+/// A handle to the thread that owns the [`TrainerEngine`].
 #[derive(Clone)]
 pub struct TrainerActor {
     tx: mpsc::Sender<Job>,
@@ -23,9 +25,10 @@ pub struct TrainerActor {
 pub struct ActorGone;
 
 impl TrainerActor {
-    /// Builds the trainer on a new thread with `build` and serves it.
+    /// Builds the engine on a new thread with `build` and serves it (the
+    /// engine is dropped on that thread when every handle is gone).
     pub async fn spawn<E: Send + 'static>(
-        build: impl FnOnce() -> Result<Trainer, E> + Send + 'static,
+        build: impl FnOnce() -> Result<Engine, E> + Send + 'static,
     ) -> Result<Result<Self, E>, ActorGone> {
         let (tx, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = oneshot::channel();
@@ -46,7 +49,7 @@ impl TrainerActor {
                     // A panicking job must not take the trainer down with it
                     // silently: the caller sees its reply channel dropped.
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        job(&mut trainer)
+                        job(trainer.as_mut())
                     }));
                     if outcome.is_err() {
                         tracing::error!("a trainer job panicked; the trainer keeps serving");
@@ -64,11 +67,11 @@ impl TrainerActor {
     /// Runs `f` on the trainer thread and returns its result.
     pub async fn call<R: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Trainer) -> R + Send + 'static,
+        f: impl FnOnce(&mut dyn TrainerEngine) -> R + Send + 'static,
     ) -> Result<R, ActorGone> {
         let (tx, rx) = oneshot::channel();
         self.tx
-            .send(Box::new(move |t: &mut Trainer| {
+            .send(Box::new(move |t: &mut dyn TrainerEngine| {
                 let _ = tx.send(f(t));
             }))
             .map_err(|_| ActorGone)?;

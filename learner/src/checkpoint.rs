@@ -169,7 +169,9 @@ pub fn read_weights(dir: &Path) -> Result<LoadedCheckpoint, CheckpointError> {
 }
 
 /// Complete checkpoint directories under `root`, newest first.
-fn complete_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+/// The `step-NNNNNNNN` folders under `root`, newest first (whatever engine
+/// wrote them; each engine checks its own for completeness).
+pub fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     let entries = match fs::read_dir(root) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -199,7 +201,7 @@ pub fn latest_weights(root: &Path) -> Result<Option<LoadedCheckpoint>, Checkpoin
 }
 
 fn newest(root: &Path, optimizer: bool) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
-    for (_, dir) in complete_dirs(root)? {
+    for (_, dir) in step_dirs(root)? {
         match read_dir_checked(&dir, optimizer) {
             Ok(c) => return Ok(Some(c)),
             Err(e) => {
@@ -213,7 +215,7 @@ fn newest(root: &Path, optimizer: bool) -> Result<Option<LoadedCheckpoint>, Chec
 /// Deletes all but the `keep` newest complete checkpoints, and leftover
 /// temporary directories of other processes (crashed writes).
 pub fn prune(root: &Path, keep: usize) -> Result<(), CheckpointError> {
-    for (_, dir) in complete_dirs(root)?.into_iter().skip(keep.max(1)) {
+    for (_, dir) in step_dirs(root)?.into_iter().skip(keep.max(1)) {
         fs::remove_dir_all(&dir).map_err(io(&dir))?;
     }
     let own = format!(".tmp-{}", std::process::id());
@@ -256,7 +258,7 @@ mod tests {
         assert_eq!(latest.meta.step, 3);
         assert_eq!(latest.model, vec![3u8; 10]);
         prune(dir.path(), 2).unwrap();
-        let left: Vec<u64> = complete_dirs(dir.path())
+        let left: Vec<u64> = step_dirs(dir.path())
             .unwrap()
             .into_iter()
             .map(|d| d.0)

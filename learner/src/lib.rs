@@ -4,8 +4,10 @@
 //!   approximate proximal log-probs, `ppo` / `adaptive` / `m2po` clipping;
 //!   [`advantages`]: GRPO group normalisation.
 //! - [`batch`]: the buffer's Arrow groups as right-padded tensors.
-//! - [`trainer`]: one step on the thread that owns the model ([`actor`]),
-//!   with [`adamw`] (checkpointable state) and [`checkpoint`]s.
+//! - [`engine`]: the trainer-engine boundary; [`trainer`] is the built-in
+//!   engine (one step on the thread that owns the model, [`actor`], with
+//!   [`adamw`] and [`checkpoint`]s), [`torch_engine`] drives the PyTorch
+//!   one (`trainer/`, FSDP2) over gRPC.
 //! - [`service`]: the role: knobs, batches (the next one fetched while a
 //!   step trains), weight publication (uploaded while the next step
 //!   trains), resume; [`pending`]: the batches it holds until their
@@ -21,6 +23,7 @@ pub mod adamw;
 pub mod advantages;
 pub mod batch;
 pub mod checkpoint;
+pub mod engine;
 pub mod eval;
 pub mod metrics;
 pub mod objective;
@@ -28,6 +31,7 @@ pub mod outputs;
 pub mod pending;
 pub mod service;
 pub mod sft;
+pub mod torch_engine;
 pub mod trainer;
 
 use std::fmt;

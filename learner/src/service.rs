@@ -53,6 +53,7 @@ use crate::actor::TrainerActor;
 use crate::advantages::AdvantageNorm;
 use crate::batch::BatchError;
 use crate::checkpoint;
+use crate::engine::TrainerEngine;
 use crate::eval::Evaluator;
 use crate::metrics::LearnerMetrics;
 use crate::objective::{LossAggregation, ObjectiveConfig, ProximalMode};
@@ -60,7 +61,7 @@ use crate::outputs::{
     CsvLog, EvalRow, METRICS_CSV, MetricsRow, TRAINED_JSONL, TrainedLog, TrainedStep,
 };
 use crate::pending::PendingBatches;
-use crate::trainer::{StepSettings, StepStats, TrainError, Trainer, TrainerOptions};
+use crate::trainer::{StepSettings, StepStats, TrainError, TrainerOptions};
 use asyncrl_common::{Backoff, unix_ms};
 
 /// What a learner run did.
@@ -176,27 +177,14 @@ pub async fn run_with_progress(
     progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
 ) -> anyhow::Result<LearnerSummary> {
     let ckpt_dir = checkpoint_dir(&config);
-    let latest = {
-        let dir = ckpt_dir.clone();
-        tokio::task::spawn_blocking(move || checkpoint::load_latest(&dir))
-            .await
-            .context("the checkpoint loader panicked")??
-    };
-    let opts = trainer_options(&config);
-    let model_section = config.model.clone();
-    let seed = config.run.seed;
     let affinity = config.learner.cpu_affinity.clone();
-    let actor = TrainerActor::spawn(move || -> anyhow::Result<Trainer> {
+    let engine_config = config.clone();
+    let engine_ckpt_dir = ckpt_dir.clone();
+    let actor = TrainerActor::spawn(move || -> anyhow::Result<Box<dyn TrainerEngine>> {
         if let Err(e) = crate::actor::pin_current_thread(&affinity) {
             tracing::warn!(cores = ?affinity, error = %e, "cannot pin the trainer thread");
         }
-        let policy = asyncrl_policy::from_config::load_policy(&model_section, seed)?;
-        let mut trainer = Trainer::new(policy, opts);
-        if let Some(ckpt) = &latest {
-            trainer.restore(ckpt)?;
-            tracing::info!(checkpoint = %ckpt.dir.display(), step = ckpt.meta.step, version = ckpt.meta.version, "resumed from checkpoint");
-        }
-        Ok(trainer)
+        crate::engine::start(&engine_config, &engine_ckpt_dir)
     })
     .await??;
 

@@ -53,6 +53,9 @@ pub enum TrainError {
     Torch(#[from] tch::TchError),
     #[error("the loss is not finite ({0}); the step was not applied")]
     NonFiniteLoss(f64),
+    /// The `torch` engine process group failed or refused a call.
+    #[error(transparent)]
+    Engine(#[from] crate::torch_engine::EngineError),
 }
 
 /// Static settings of the trainer (from `[learner]` and `[model]`).
@@ -184,11 +187,7 @@ impl Trainer {
 
     /// The learning rate of step `step` (1-based) under linear warmup.
     pub fn scheduled_lr(&self, base: f64, step: u64) -> f64 {
-        if self.opts.warmup_steps == 0 {
-            base
-        } else {
-            base * (step as f64 / self.opts.warmup_steps as f64).min(1.0)
-        }
+        scheduled_lr(&self.opts, base, step)
     }
 
     /// Trains one step on `batches` (complete groups) and bumps the version.
@@ -219,12 +218,7 @@ impl Trainer {
         let recomputed = self.opts.proximal == ProximalMode::Recompute;
 
         let n = batch.input_ids.size()[0];
-        let mut order: Vec<i64> = (0..n).collect();
-        // Fisher-Yates with our own PRNG, so a checkpointed state replays exactly.
-        for i in (1..order.len()).rev() {
-            let j = (self.rng.next_u64() % (i as u64 + 1)) as usize;
-            order.swap(i, j);
-        }
+        let order = shuffled_order(&mut self.rng, n);
         let k = self.opts.minibatches.clamp(1, n.max(1) as usize);
         let lr = self.scheduled_lr(knobs.learning_rate, self.step + 1);
         let mut stats = StepStats {
@@ -317,29 +311,7 @@ impl Trainer {
         self.policy.mark_weights_changed();
         stats.step = self.step;
         stats.version = version;
-        stats.groups = host.groups;
-        stats.trajectories = host.rewards.len();
-        stats.tokens = host.tokens;
-        stats.padded_tokens = batch.input_ids.numel() as i64;
-        let scored: Vec<f64> = host
-            .rewards
-            .iter()
-            .flatten()
-            .map(|r| f64::from(*r))
-            .collect();
-        stats.reward_failed = host.rewards.len() - scored.len();
-        stats.reward_mean = if scored.is_empty() {
-            0.0
-        } else {
-            scored.iter().sum::<f64>() / scored.len() as f64
-        };
-        let lags = (-host.versions.to_kind(Kind::Int64) + i64::from(version_before))
-            .masked_select(&host.mask);
-        stats.version_lags = Vec::<i64>::try_from(lags)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|l| l.max(0) as u32)
-            .collect();
+        record_batch_facts(&mut stats, &host, version_before);
         stats.compute_seconds = start.elapsed().as_secs_f64();
         Ok(stats)
     }
@@ -570,6 +542,55 @@ impl Trainer {
         self.step = u64::try_from(version).unwrap_or(0);
         Ok(())
     }
+}
+
+/// The learning rate of step `step` (1-based) under linear warmup.
+pub(crate) fn scheduled_lr(opts: &TrainerOptions, base: f64, step: u64) -> f64 {
+    if opts.warmup_steps == 0 {
+        base
+    } else {
+        base * (step as f64 / opts.warmup_steps as f64).min(1.0)
+    }
+}
+
+/// The learner's seeded shuffle of `n` rows (Fisher-Yates with our own
+/// PRNG, so a checkpointed state replays exactly); every engine trains its
+/// mini-batches in this order.
+pub(crate) fn shuffled_order(rng: &mut SplitMix64, n: i64) -> Vec<i64> {
+    let mut order: Vec<i64> = (0..n).collect();
+    for i in (1..order.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+/// What a step's statistics say about its batch whatever engine trained it:
+/// groups, rows, tokens, padded positions, rewards and version lags.
+pub(crate) fn record_batch_facts(stats: &mut StepStats, host: &TrainBatch, version_before: i32) {
+    stats.groups = host.groups;
+    stats.trajectories = host.rewards.len();
+    stats.tokens = host.tokens;
+    stats.padded_tokens = host.input_ids.numel() as i64;
+    let scored: Vec<f64> = host
+        .rewards
+        .iter()
+        .flatten()
+        .map(|r| f64::from(*r))
+        .collect();
+    stats.reward_failed = host.rewards.len() - scored.len();
+    stats.reward_mean = if scored.is_empty() {
+        0.0
+    } else {
+        scored.iter().sum::<f64>() / scored.len() as f64
+    };
+    let lags =
+        (-host.versions.to_kind(Kind::Int64) + i64::from(version_before)).masked_select(&host.mask);
+    stats.version_lags = Vec::<i64>::try_from(lags)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|l| l.max(0) as u32)
+        .collect();
 }
 
 /// What a mini-batch's forward + backward reports: its loss, objective

@@ -346,3 +346,104 @@ mod tests {
         assert_eq!(err, ContractError::ArrowColumn { column: WORKER_ID });
     }
 }
+
+/// The rows a trainer engine trains on (`TrainStepRequest.batch_arrow_ipc`,
+/// trainer.proto): one row per trajectory, as the learner assembled and
+/// checked them.
+pub mod trainer_rows {
+    use std::sync::Arc;
+
+    use arrow::array::{
+        ArrayRef, BooleanBuilder, Float32Builder, Int32Builder, Int64Builder, ListBuilder,
+        RecordBatch,
+    };
+    use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+    use arrow::error::ArrowError;
+
+    pub const INPUT_IDS: &str = "input_ids";
+    pub const GATHER_INDEX: &str = "gather_index";
+    pub const BEHAVIOUR: &str = "behaviour";
+    pub const VERSIONS: &str = "versions";
+    pub const ADVANTAGES: &str = "advantages";
+    pub const MASK: &str = "mask";
+
+    fn list_of(item: DataType) -> DataType {
+        DataType::List(Arc::new(Field::new("item", item, true)))
+    }
+
+    pub fn schema() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new(INPUT_IDS, list_of(DataType::Int64), false),
+            Field::new(GATHER_INDEX, list_of(DataType::Int64), false),
+            Field::new(BEHAVIOUR, list_of(DataType::Float32), false),
+            Field::new(VERSIONS, list_of(DataType::Int32), false),
+            Field::new(ADVANTAGES, list_of(DataType::Float32), false),
+            Field::new(MASK, list_of(DataType::Boolean), false),
+        ]))
+    }
+
+    /// One row: prompt + completion ids, and per trained token its gather
+    /// index, behaviour log-prob, version, advantage and mask (one length).
+    pub struct Row<'a> {
+        pub input_ids: &'a [i64],
+        pub gather_index: &'a [i64],
+        pub behaviour: &'a [f32],
+        pub versions: &'a [i32],
+        pub advantages: &'a [f32],
+        pub mask: &'a [bool],
+    }
+
+    /// The rows as one record batch of [`schema`], as an Arrow IPC stream.
+    pub fn encode(rows: &[Row<'_>]) -> Result<Vec<u8>, ArrowError> {
+        let mut ids = ListBuilder::new(Int64Builder::new());
+        let mut gather = ListBuilder::new(Int64Builder::new());
+        let mut behaviour = ListBuilder::new(Float32Builder::new());
+        let mut versions = ListBuilder::new(Int32Builder::new());
+        let mut advantages = ListBuilder::new(Float32Builder::new());
+        let mut mask = ListBuilder::new(BooleanBuilder::new());
+        for (i, r) in rows.iter().enumerate() {
+            let t = r.gather_index.len();
+            if [
+                r.behaviour.len(),
+                r.versions.len(),
+                r.advantages.len(),
+                r.mask.len(),
+            ]
+            .iter()
+            .any(|&n| n != t)
+            {
+                return Err(ArrowError::InvalidArgumentError(format!(
+                    "trainer row {i}: the per-token lists differ in length"
+                )));
+            }
+            ids.values().append_slice(r.input_ids);
+            ids.append(true);
+            gather.values().append_slice(r.gather_index);
+            gather.append(true);
+            behaviour.values().append_slice(r.behaviour);
+            behaviour.append(true);
+            versions.values().append_slice(r.versions);
+            versions.append(true);
+            advantages.values().append_slice(r.advantages);
+            advantages.append(true);
+            mask.values().append_slice(r.mask);
+            mask.append(true);
+        }
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(ids.finish()),
+            Arc::new(gather.finish()),
+            Arc::new(behaviour.finish()),
+            Arc::new(versions.finish()),
+            Arc::new(advantages.finish()),
+            Arc::new(mask.finish()),
+        ];
+        let batch = RecordBatch::try_new(schema(), columns)?;
+        let mut out = Vec::new();
+        {
+            let mut w = arrow::ipc::writer::StreamWriter::try_new(&mut out, &batch.schema())?;
+            w.write(&batch)?;
+            w.finish()?;
+        }
+        Ok(out)
+    }
+}

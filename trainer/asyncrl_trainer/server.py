@@ -106,7 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--adam-eps", type=float, default=1e-8)
-    p.add_argument("--mixed-precision", default="none", choices=["none", "bf16"])
+    p.add_argument(
+        "--mixed-precision",
+        default="auto",
+        choices=["auto", "none", "bf16"],
+        help="auto: bf16 on CUDA, none (fp32) on the CPU",
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -151,7 +156,7 @@ def shard(model: nn.Module, args: argparse.Namespace, device: torch.device) -> N
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh}
-    if args.mixed_precision == "bf16":
+    if args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cuda"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
