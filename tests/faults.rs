@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use asyncrl_config::TrainerEngineName;
 use asyncrl_harness::cluster::{Cluster, Expect, Spec};
 
 const STEP_WAIT: Duration = Duration::from_secs(60);
@@ -98,6 +99,109 @@ fn a_learner_killed_with_sigkill_resumes_from_its_checkpoint() {
     c.finish(&Expect {
         learner_restarts: 1,
     });
+}
+
+/// A run whose learner trains with the torch engine (a torchrun group of
+/// one gloo rank) on the tiny model as a Hugging Face folder.
+fn torch_spec(checkpoint_every: u64) -> Spec {
+    Spec {
+        trainer: TrainerEngineName::Torch,
+        max_steps: 16,
+        checkpoint_every,
+        ..spec()
+    }
+}
+
+/// The engine starts in seconds, but a loaded machine may take longer.
+const TORCH_WAIT: Duration = Duration::from_secs(180);
+
+fn alive(pid: u32) -> bool {
+    // A zombie (exited, not yet reaped by its parent) is dead.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
+        .is_some_and(|zombie| !zombie)
+}
+
+fn kill(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on a process of this test's cluster.
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+/// Resumed: the restarted learner logs it (both engines use the line).
+fn assert_resumed(c: &mut Cluster) {
+    c.wait("the restarted learner to resume", TORCH_WAIT, |c| {
+        c.current_log("learner").contains("resumed from checkpoint")
+    });
+}
+
+#[test]
+fn a_learner_on_the_torch_engine_killed_with_sigkill_takes_its_trainer_along_and_resumes() {
+    let mut c = Cluster::start(torch_spec(3));
+    c.wait_step(4, TORCH_WAIT);
+    let ranks = c.trainer_ranks();
+    assert!(!ranks.is_empty(), "the learner runs no torch engine rank");
+    c.kill9("learner");
+    // No orphaned trainer keeps the model (and on a GPU its memory).
+    c.wait("the engine to die with its learner", STEP_WAIT, |_| {
+        ranks.iter().all(|&p| !alive(p))
+    });
+    c.start_role("learner");
+    assert_resumed(&mut c);
+    let report = c.finish(&Expect {
+        learner_restarts: 1,
+    });
+    assert_eq!(report.steps, 16);
+}
+
+#[test]
+fn a_torch_engine_killed_mid_step_and_mid_checkpoint_fails_its_learner_which_resumes() {
+    let mut c = Cluster::start(torch_spec(1));
+    let ckpt = c.out.join("checkpoints");
+    let writing = |dir: &std::path::Path| {
+        std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries.filter_map(Result::ok).any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with(".step-") && name.ends_with(".tmp")
+            })
+        })
+    };
+    for (fault, at_step) in [("mid-step", 3), ("mid-checkpoint", 8)] {
+        c.wait_step(at_step, TORCH_WAIT);
+        let rank = *c.trainer_ranks().first().expect("a torch engine rank");
+        // Frozen at a moment that is (or is not) inside a checkpoint write,
+        // then killed there.
+        let mut caught = false;
+        for _ in 0..20_000 {
+            kill(rank, libc::SIGSTOP);
+            if writing(&ckpt) == (fault == "mid-checkpoint") {
+                caught = true;
+                break;
+            }
+            kill(rank, libc::SIGCONT);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(caught, "never caught the engine {fault}");
+        kill(rank, libc::SIGKILL);
+        // The learner fails at once, naming the engine; it does not hang.
+        let status = c.wait_exit("learner", STEP_WAIT);
+        assert!(!status.success(), "{fault}: the learner exited {status}");
+        let log = c.current_log("learner");
+        assert!(
+            log.contains("torch trainer engine"),
+            "{fault}: the learner's error does not name the engine: {}",
+            log.lines().rev().take(5).collect::<Vec<_>>().join("\n")
+        );
+        c.start_role("learner");
+        assert_resumed(&mut c);
+    }
+    // Versions continue and nothing is trained twice or lost (the invariants).
+    let report = c.finish(&Expect {
+        learner_restarts: 2,
+    });
+    assert_eq!(report.steps, 16);
 }
 
 #[test]

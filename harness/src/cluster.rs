@@ -22,7 +22,9 @@ use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerI
 use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
 use asyncrl_testkit::{NatsServer, ServerConfig};
 
-use asyncrl_config::{Config, RoleAuth, TinyModelConfig, TlsConfig, TrajectoryRetention};
+use asyncrl_config::{
+    Config, RoleAuth, TinyModelConfig, TlsConfig, TrainerEngineName, TrajectoryRetention,
+};
 
 use crate::configs;
 use crate::invariants::check_trained_file;
@@ -69,6 +71,10 @@ pub struct Spec {
     /// stream drop each once the buffer has stored it, and the check audits
     /// the buffer's own segments.
     pub stream: TrajectoryRetention,
+    /// `learner.trainer`. With `Torch`, the tiny model is written as a
+    /// Hugging Face folder that every role loads (`model.path`): the torch
+    /// engine trains a model folder.
+    pub trainer: TrainerEngineName,
 }
 
 impl Default for Spec {
@@ -92,6 +98,7 @@ impl Default for Spec {
             reconnect_max_delay: Duration::from_millis(500),
             eval_every: 0,
             stream: TrajectoryRetention::Keep,
+            trainer: TrainerEngineName::Builtin,
         }
     }
 }
@@ -174,6 +181,8 @@ pub struct Cluster {
     pub setup: NatsSetup,
     pub out: PathBuf,
     pub tasks_file: PathBuf,
+    /// The model folder every role loads (a torch-engine run).
+    pub model_dir: Option<PathBuf>,
     roles: Vec<RoleProcess>,
     rt: tokio::runtime::Runtime,
     /// Every `policy.version` announcement seen, in order.
@@ -206,6 +215,15 @@ impl Cluster {
         .expect("start nats-server (run scripts/setup)");
         let out = dir.path().join("out");
         let tasks_file = configs::write_arith(dir.path().join("tasks.jsonl"), spec.tasks, 20, 7);
+        let model_dir = (spec.trainer == TrainerEngineName::Torch).then(|| {
+            let dir = dir.path().join("model");
+            let mut section = configs::cluster_role(&out, "local", &tasks_file).model;
+            section.tiny = spec.tiny.clone();
+            asyncrl_policy::from_config::load_policy(&section, 3)
+                .and_then(|p| p.save_pretrained(&dir, None))
+                .expect("write the tiny model as a Hugging Face folder");
+            dir
+        });
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -218,6 +236,7 @@ impl Cluster {
             setup,
             out,
             tasks_file,
+            model_dir,
             roles: Vec::new(),
             rt,
             announcements: Arc::default(),
@@ -262,6 +281,8 @@ impl Cluster {
         c.coordinator.heartbeat_interval = s.heartbeat_interval;
         c.coordinator.dead_after = s.dead_after;
         c.learner.checkpoint_every = s.checkpoint_every;
+        c.learner.trainer = s.trainer;
+        c.model.path = self.model_dir.clone();
         c.worker.id = worker_id.map(str::to_owned);
         c.worker.max_sequences = s.max_sequences;
         c.worker.heartbeat_interval = s.heartbeat_interval;
@@ -315,6 +336,21 @@ impl Cluster {
         let role = self.role(name);
         assert!(role.is_running(), "{name} is not running");
         assert!(role.signal(sig), "kill -{sig} {name} failed");
+    }
+
+    /// The processes of the learner's torch engine that run the model (the
+    /// ranks, not torchrun): descendants of the learner process.
+    pub fn trainer_ranks(&mut self) -> Vec<u32> {
+        let Some(learner) = self.role("learner").pid() else {
+            return Vec::new();
+        };
+        crate::process::descendants(learner)
+            .into_iter()
+            .filter(|(_, cmd)| {
+                cmd.contains("asyncrl_trainer.server") && !cmd.contains("torch.distributed.run")
+            })
+            .map(|(pid, _)| pid)
+            .collect()
     }
 
     /// kill -9, and reap the process.

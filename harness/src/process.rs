@@ -252,6 +252,38 @@ impl RoleProcess {
     }
 }
 
+/// Every live descendant of `pid` with its command line (from /proc).
+pub fn descendants(pid: u32) -> Vec<(u32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    // (pid, parent pid, command line) of every process.
+    let all: Vec<(u32, u32, String)> = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            // The fields after the command name (which may hold spaces).
+            let rest = &stat[stat.rfind(')')? + 2..];
+            let ppid = rest.split(' ').nth(1)?.parse().ok()?;
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+                .unwrap_or_default();
+            Some((p, ppid, cmd))
+        })
+        .collect();
+    let mut out = Vec::new();
+    let mut frontier = vec![pid];
+    while let Some(parent) = frontier.pop() {
+        for (p, ppid, cmd) in &all {
+            if *ppid == parent {
+                out.push((*p, cmd.clone()));
+                frontier.push(*p);
+            }
+        }
+    }
+    out
+}
+
 impl Drop for RoleProcess {
     fn drop(&mut self) {
         self.kill9();

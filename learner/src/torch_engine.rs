@@ -325,6 +325,17 @@ impl TorchEngine {
     }
 
     fn resume(&mut self, root: &Path) -> Result<(), TrainError> {
+        // Checkpoint writes a kill cut off (`.step-NNNNNNNN.tmp`, never
+        // renamed into place) are garbage.
+        if let Ok(entries) = std::fs::read_dir(root) {
+            for e in entries.filter_map(Result::ok) {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with(".step-") && name.ends_with(".tmp") {
+                    tracing::info!(folder = %e.path().display(), "removing a checkpoint write that was cut off");
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         for (_, dir) in checkpoint::step_dirs(root)? {
             if !dir.join(STEP_FILE).is_file() {
                 continue;
