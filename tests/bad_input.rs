@@ -258,3 +258,82 @@ fn a_second_in_process_run_into_the_same_directory_needs_fresh() {
     let out = asyncrl(&nats);
     assert_one_error_line(&nats, &out, &["--fresh", "over NATS"]);
 }
+
+/// `config`'s TOML with `[learner]` keys replaced by `learner` and
+/// `[learner.torch]` keys by `torch` (values a `Config` may not hold).
+fn with_learner_keys(config: &Path, learner: &[(&str, toml::Value)], torch: &[(&str, toml::Value)]) {
+    let mut table: toml::Table = std::fs::read_to_string(config)
+        .expect("read a config")
+        .parse()
+        .expect("TOML");
+    let section = table
+        .entry("learner")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut()
+        .expect("[learner]");
+    for (key, value) in learner {
+        section.insert((*key).to_owned(), value.clone());
+    }
+    let sub = section
+        .entry("torch")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut()
+        .expect("[learner.torch]");
+    for (key, value) in torch {
+        sub.insert((*key).to_owned(), value.clone());
+    }
+    std::fs::write(config, table.to_string()).expect("write a config");
+}
+
+#[test]
+fn the_torch_engine_names_an_unknown_engine_a_world_size_and_a_model_folder_it_cannot_load() {
+    let dir = tempdir();
+    let tasks = tasks_file(dir.path());
+    let nats = NatsServer::start().expect("start nats-server (run scripts/setup)");
+    // A folder transformers cannot load (the learner alone: a vLLM worker
+    // would never look at it).
+    let model = dir.path().join("not-a-model");
+    std::fs::create_dir_all(&model).expect("mkdir");
+    std::fs::write(model.join("config.json"), r#"{"model_type": "no-such-architecture"}"#)
+        .expect("write config.json");
+    let torch = toml::Value::String("torch".into());
+    let cases: Vec<(&str, Vec<(&str, toml::Value)>, Vec<(&str, toml::Value)>, Vec<String>)> = vec![
+        (
+            "unknown.toml",
+            vec![("trainer", toml::Value::String("megatron".into()))],
+            vec![],
+            vec!["learner.trainer".into(), "megatron".into()],
+        ),
+        (
+            "world.toml",
+            vec![("trainer", torch.clone())],
+            // 1 group × 2 rows cannot be shared by 4 ranks.
+            vec![("world_size", toml::Value::Integer(4))],
+            vec!["learner.torch.world_size".into()],
+        ),
+        (
+            "folder.toml",
+            vec![("trainer", torch)],
+            vec![],
+            vec!["model.path".into(), model.display().to_string()],
+        ),
+    ];
+    for (name, learner, torch, names) in cases {
+        let config = write_config(dir.path(), name, &nats.url(), &[], &tasks);
+        with_learner_keys(&config, &learner, &torch);
+        let mut text: toml::Table = std::fs::read_to_string(&config)
+            .expect("read")
+            .parse()
+            .expect("TOML");
+        text["model"]
+            .as_table_mut()
+            .expect("[model]")
+            .insert("path".into(), toml::Value::String(model.display().to_string()));
+        std::fs::write(&config, text.to_string()).expect("write");
+        let config = config.to_str().expect("utf-8 path");
+        let args = ["learner", "--config", config];
+        let out = asyncrl(&args);
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        assert_one_error_line(&args, &out, &names);
+    }
+}
