@@ -261,7 +261,11 @@ fn a_second_in_process_run_into_the_same_directory_needs_fresh() {
 
 /// `config`'s TOML with `[learner]` keys replaced by `learner` and
 /// `[learner.torch]` keys by `torch` (values a `Config` may not hold).
-fn with_learner_keys(config: &Path, learner: &[(&str, toml::Value)], torch: &[(&str, toml::Value)]) {
+fn with_learner_keys(
+    config: &Path,
+    learner: &[(&str, toml::Value)],
+    torch: &[(&str, toml::Value)],
+) {
     let mut table: toml::Table = std::fs::read_to_string(config)
         .expect("read a config")
         .parse()
@@ -294,10 +298,18 @@ fn the_torch_engine_names_an_unknown_engine_a_world_size_and_a_model_folder_it_c
     // would never look at it).
     let model = dir.path().join("not-a-model");
     std::fs::create_dir_all(&model).expect("mkdir");
-    std::fs::write(model.join("config.json"), r#"{"model_type": "no-such-architecture"}"#)
-        .expect("write config.json");
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"model_type": "no-such-architecture"}"#,
+    )
+    .expect("write config.json");
     let torch = toml::Value::String("torch".into());
-    let cases: Vec<(&str, Vec<(&str, toml::Value)>, Vec<(&str, toml::Value)>, Vec<String>)> = vec![
+    let cases: Vec<(
+        &str,
+        Vec<(&str, toml::Value)>,
+        Vec<(&str, toml::Value)>,
+        Vec<String>,
+    )> = vec![
         (
             "unknown.toml",
             vec![("trainer", toml::Value::String("megatron".into()))],
@@ -325,10 +337,10 @@ fn the_torch_engine_names_an_unknown_engine_a_world_size_and_a_model_folder_it_c
             .expect("read")
             .parse()
             .expect("TOML");
-        text["model"]
-            .as_table_mut()
-            .expect("[model]")
-            .insert("path".into(), toml::Value::String(model.display().to_string()));
+        text["model"].as_table_mut().expect("[model]").insert(
+            "path".into(),
+            toml::Value::String(model.display().to_string()),
+        );
         std::fs::write(&config, text.to_string()).expect("write");
         let config = config.to_str().expect("utf-8 path");
         let args = ["learner", "--config", config];

@@ -6,17 +6,52 @@
 //! Architecture invariant: a version is announced only after its object is
 //! completely stored (the announcement carries the sha256 the store
 //! computed), and fetched bytes are checked against that sha256.
+//!
+//! The `shared_path` transport keeps the same guarantees without the bus
+//! carrying the bytes: the learner writes the version as a Hugging Face
+//! folder `policy-vNNNNNNNN` under a root every worker mounts (under a
+//! temporary name, renamed complete, with `sha256.json`), then announces
+//! the folder and each file's sha256; readers ([`read_folder`]) check every
+//! file against the announcement, so a half-written or altered folder is
+//! never loaded. Old folders are pruned as old objects are.
 
 use asyncrl_common::unix_ms;
 use asyncrl_protos::subjects::{
-    CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT, weights_object_name,
-    weights_object_version,
+    CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT, WEIGHTS_FORMAT_FOLDER,
+    weights_object_name, weights_object_version,
 };
+use asyncrl_protos::v1::WeightFile;
 use asyncrl_protos::{Message, WeightAnnouncement};
 use std::sync::Arc;
 
 use asyncrl_transport::{Bus, KvBucket, ObjectStore, TransportError};
 use bytes::Bytes;
+
+/// The file of a version folder that lists each weight file's sha256 (the
+/// torch engine's `SHA256_FILE`).
+pub const FOLDER_SHA256_FILE: &str = "sha256.json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum FolderError {
+    #[error("weights folder {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("weights folder {folder}: {reason}")]
+    Invalid { folder: String, reason: String },
+    #[error(
+        "weights file {path}: sha256 {actual} (size {size}), the announcement says {expected} (size {expected_size})"
+    )]
+    Mismatch {
+        path: std::path::PathBuf,
+        expected: String,
+        actual: String,
+        size: u64,
+        expected_size: u64,
+    },
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
@@ -56,9 +91,169 @@ pub async fn publish(
         format: WEIGHTS_FORMAT.into(),
         published_at_unix_ms: unix_ms(),
         step,
+        ..Default::default()
     };
     announce(kv, &announcement).await?;
     Ok(announcement)
+}
+
+/// The weight files of a complete version folder, as its `sha256.json`
+/// lists them (with their sizes on disk).
+pub fn folder_files(dir: &std::path::Path) -> Result<Vec<WeightFile>, FolderError> {
+    let sums_path = dir.join(FOLDER_SHA256_FILE);
+    let text = std::fs::read_to_string(&sums_path).map_err(|source| FolderError::Io {
+        path: sums_path.clone(),
+        source,
+    })?;
+    let sums: std::collections::BTreeMap<String, String> =
+        parse_sums(&text).ok_or_else(|| FolderError::Invalid {
+            folder: dir.display().to_string(),
+            reason: format!("{FOLDER_SHA256_FILE} is not a JSON object of file names to sha256s"),
+        })?;
+    if sums.is_empty() {
+        return Err(FolderError::Invalid {
+            folder: dir.display().to_string(),
+            reason: format!("{FOLDER_SHA256_FILE} lists no weight file"),
+        });
+    }
+    sums.into_iter()
+        .map(|(name, sha256)| {
+            let path = dir.join(&name);
+            let size = std::fs::metadata(&path)
+                .map_err(|source| FolderError::Io { path, source })?
+                .len();
+            Ok(WeightFile {
+                name,
+                sha256,
+                byte_size: size,
+            })
+        })
+        .collect()
+}
+
+/// `{"file": "sha256", ...}` (the only shape `sha256.json` has).
+fn parse_sums(text: &str) -> Option<std::collections::BTreeMap<String, String>> {
+    let value: serde_json::Value = serde_json::from_str(text).ok()?;
+    value
+        .as_object()?
+        .iter()
+        .map(|(k, v)| Some((k.clone(), v.as_str()?.to_ascii_lowercase())))
+        .collect()
+}
+
+/// Announces the complete version folder `dir` (trained `step`), with the
+/// sha256 of each file. Returns the announcement written.
+pub async fn publish_folder(
+    kv: &dyn KvBucket,
+    version: i32,
+    step: u64,
+    dir: &std::path::Path,
+) -> Result<WeightAnnouncement, PublishFolderError> {
+    let owned = dir.to_owned();
+    let files = tokio::task::spawn_blocking(move || folder_files(&owned))
+        .await
+        .map_err(|e| FolderError::Io {
+            path: dir.to_owned(),
+            source: std::io::Error::other(e),
+        })??;
+    let announcement = WeightAnnouncement {
+        version,
+        object_name: String::new(),
+        sha256: String::new(),
+        byte_size: files.iter().map(|f| f.byte_size).sum(),
+        format: WEIGHTS_FORMAT_FOLDER.into(),
+        published_at_unix_ms: unix_ms(),
+        step,
+        folder: dir.display().to_string(),
+        files,
+    };
+    announce(kv, &announcement).await?;
+    Ok(announcement)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PublishFolderError {
+    #[error(transparent)]
+    Folder(#[from] FolderError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+/// Reads every file of an announced folder, each checked against its
+/// announced sha256 and size (blocking: call it off the async runtime).
+pub fn read_folder(announcement: &WeightAnnouncement) -> Result<Vec<(String, Bytes)>, FolderError> {
+    let folder = std::path::Path::new(&announcement.folder);
+    if announcement.files.is_empty() {
+        return Err(FolderError::Invalid {
+            folder: announcement.folder.clone(),
+            reason: "the announcement lists no file".into(),
+        });
+    }
+    announcement
+        .files
+        .iter()
+        .map(|f| {
+            if f.name.contains('/') || f.name.contains("..") {
+                return Err(FolderError::Invalid {
+                    folder: announcement.folder.clone(),
+                    reason: format!("file name {:?} leaves the folder", f.name),
+                });
+            }
+            let path = folder.join(&f.name);
+            let bytes = std::fs::read(&path).map_err(|source| FolderError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let actual = asyncrl_common::sha256_hex(&bytes);
+            if actual != f.sha256.to_ascii_lowercase() || bytes.len() as u64 != f.byte_size {
+                return Err(FolderError::Mismatch {
+                    path,
+                    expected: f.sha256.clone(),
+                    actual,
+                    size: bytes.len() as u64,
+                    expected_size: f.byte_size,
+                });
+            }
+            Ok((f.name.clone(), Bytes::from(bytes)))
+        })
+        .collect()
+}
+
+/// Deletes the version folders `policy-vNNNNNNNN` of versions
+/// `≤ newest − keep` under `root`, and writes that were cut off
+/// (`.policy-v*.tmp`). Returns how many were deleted.
+pub fn prune_folders(
+    root: &std::path::Path,
+    newest: i32,
+    keep: usize,
+) -> Result<usize, FolderError> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(source) => {
+            return Err(FolderError::Io {
+                path: root.to_owned(),
+                source,
+            });
+        }
+    };
+    let mut deleted = 0;
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let old = name
+            .strip_prefix("policy-v")
+            .and_then(|v| v.parse::<i64>().ok())
+            .is_some_and(|v| v <= i64::from(newest) - keep as i64);
+        let cut_off = name.starts_with(".policy-v") && name.ends_with(".tmp");
+        if old || cut_off {
+            std::fs::remove_dir_all(e.path()).map_err(|source| FolderError::Io {
+                path: e.path(),
+                source,
+            })?;
+            deleted += 1;
+        }
+    }
+    Ok(deleted)
 }
 
 /// Writes an announcement as it is.
@@ -162,6 +357,108 @@ mod tests {
             let kept = store.info(&weights_object_name(v)).await.unwrap().is_some();
             assert_eq!(kept, v >= 2, "version {v}");
         }
+    }
+
+    /// A version folder as an exporter writes it: the files, then
+    /// `sha256.json`, under a temporary name renamed complete.
+    fn write_folder(
+        root: &std::path::Path,
+        version: i32,
+        files: &[(&str, &[u8])],
+    ) -> std::path::PathBuf {
+        let dest = root.join(asyncrl_protos::subjects::weights_folder_name(version));
+        let tmp = root.join(format!(".policy-v{version:08}.tmp"));
+        std::fs::create_dir_all(&tmp).unwrap();
+        let mut sums = serde_json::Map::new();
+        for (name, bytes) in files {
+            std::fs::write(tmp.join(name), bytes).unwrap();
+            sums.insert(
+                (*name).to_owned(),
+                serde_json::Value::String(asyncrl_common::sha256_hex(bytes)),
+            );
+        }
+        std::fs::write(
+            tmp.join(FOLDER_SHA256_FILE),
+            serde_json::Value::Object(sums).to_string(),
+        )
+        .unwrap();
+        std::fs::rename(&tmp, &dest).unwrap();
+        dest
+    }
+
+    #[tokio::test]
+    async fn a_folder_is_announced_with_its_checksums_and_read_back_only_intact() {
+        let bus = LocalBus::new();
+        let (_, kv) = open(&bus).await.unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let dir = write_folder(
+            root.path(),
+            3,
+            &[
+                ("model-00001-of-00002.safetensors", b"first"),
+                ("model-00002-of-00002.safetensors", b"second!"),
+            ],
+        );
+        let ann = publish_folder(kv.as_ref(), 3, 3, &dir).await.unwrap();
+        assert_eq!(announced(kv.as_ref()).await.unwrap().as_ref(), Some(&ann));
+        assert_eq!((ann.version, ann.byte_size), (3, 12));
+        assert_eq!(ann.format, WEIGHTS_FORMAT_FOLDER);
+        assert_eq!(ann.files.len(), 2);
+        let read = read_folder(&ann).unwrap();
+        assert_eq!(
+            read[1],
+            (
+                "model-00002-of-00002.safetensors".to_owned(),
+                Bytes::from_static(b"second!")
+            )
+        );
+
+        // Altered after the announcement (same size, other bytes): refused.
+        std::fs::write(dir.join("model-00001-of-00002.safetensors"), b"firsT").unwrap();
+        assert!(matches!(
+            read_folder(&ann),
+            Err(FolderError::Mismatch { .. })
+        ));
+        // A file that is gone, or a name that leaves the folder: refused.
+        std::fs::remove_file(dir.join("model-00001-of-00002.safetensors")).unwrap();
+        assert!(matches!(read_folder(&ann), Err(FolderError::Io { .. })));
+        let mut escape = ann.clone();
+        escape.files[0].name = "../elsewhere".into();
+        assert!(matches!(
+            read_folder(&escape),
+            Err(FolderError::Invalid { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_folder_without_its_checksums_is_never_announced() {
+        let bus = LocalBus::new();
+        let (_, kv) = open(&bus).await.unwrap();
+        let root = tempfile::tempdir().unwrap();
+        // A write cut off before sha256.json: nothing to announce.
+        let half = root.path().join("policy-v00000001");
+        std::fs::create_dir_all(&half).unwrap();
+        std::fs::write(half.join("model.safetensors"), b"partial").unwrap();
+        let err = publish_folder(kv.as_ref(), 1, 1, &half).await.unwrap_err();
+        assert!(err.to_string().contains(FOLDER_SHA256_FILE), "{err}");
+        assert_eq!(announced(kv.as_ref()).await.unwrap(), None);
+    }
+
+    #[test]
+    fn old_and_cut_off_folders_are_pruned() {
+        let root = tempfile::tempdir().unwrap();
+        for v in 1..=5 {
+            write_folder(root.path(), v, &[("model.safetensors", b"w")]);
+        }
+        std::fs::create_dir_all(root.path().join(".policy-v00000006.tmp")).unwrap();
+        std::fs::create_dir_all(root.path().join("unrelated")).unwrap();
+        assert_eq!(prune_folders(root.path(), 5, 2).unwrap(), 4);
+        let mut left: Vec<String> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["policy-v00000004", "policy-v00000005", "unrelated"]);
     }
 
     #[tokio::test]

@@ -41,6 +41,12 @@ pub const COORDINATOR_QUEUE_GROUP: &str = "asyncrl-coordinator";
 pub const BUFFER_QUEUE_GROUP: &str = "asyncrl-buffer";
 /// Format of the weights objects (`WeightAnnouncement.format`).
 pub const WEIGHTS_FORMAT: &str = "safetensors";
+/// `WeightAnnouncement.format` of a version in a shared folder.
+pub const WEIGHTS_FORMAT_FOLDER: &str = "hf-folder";
+/// The folder of a version under the shared_path transport's root.
+pub fn weights_folder_name(version: i32) -> String {
+    format!("policy-v{version:08}")
+}
 
 /// A JetStream stream of the contract: its name and the subjects it holds.
 /// Retention and the duplicate window come from the deployment's bus

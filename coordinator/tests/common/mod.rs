@@ -199,6 +199,7 @@ impl Learner {
             format: "safetensors".into(),
             published_at_unix_ms: self.clock.now_unix_ms(),
             step: version.max(0) as u64,
+            ..Default::default()
         };
         self.kv
             .put(POLICY_VERSION_KEY, Bytes::from(a.encode_to_vec()))

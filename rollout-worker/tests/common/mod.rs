@@ -284,6 +284,7 @@ pub async fn store_and_announce(
         format: "safetensors".into(),
         published_at_unix_ms: 1,
         step: version as u64,
+        ..Default::default()
     };
     announce(bus.as_ref(), &ann).await.expect("announce");
     ann
