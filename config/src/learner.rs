@@ -77,6 +77,19 @@ impl TrainerEngineName {
     }
 }
 
+/// How the learner hands each version's weights to the workers.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightTransportName {
+    /// The NATS object store `WEIGHTS` (one safetensors object a version).
+    #[default]
+    ObjectStore,
+    /// A Hugging Face folder per version under `learner.shared_weights_dir`,
+    /// storage every worker mounts at the same path; only the announcement
+    /// goes over the bus.
+    SharedPath,
+}
+
 /// Mixed precision of the `torch` engine's FSDP2 shards.
 #[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -131,6 +144,11 @@ pub struct LearnerConfig {
     pub trainer: TrainerEngineName,
     /// The `torch` engine's settings (read when `trainer = "torch"`).
     pub torch: TorchEngineConfig,
+    /// `object_store` or `shared_path`.
+    pub weight_transport: WeightTransportName,
+    /// The shared folder of `weight_transport = "shared_path"` (the same
+    /// path on the learner and every worker).
+    pub shared_weights_dir: Option<PathBuf>,
     pub proximal: ProximalName,
     pub advantage_norm: AdvantageNormName,
     pub loss_aggregation: LossAggregationName,
@@ -174,6 +192,8 @@ impl Default for LearnerConfig {
         Self {
             trainer: TrainerEngineName::Builtin,
             torch: TorchEngineConfig::default(),
+            weight_transport: WeightTransportName::ObjectStore,
+            shared_weights_dir: None,
             proximal: ProximalName::Approx,
             advantage_norm: AdvantageNormName::MeanStd,
             loss_aggregation: LossAggregationName::Token,
@@ -236,6 +256,14 @@ impl LearnerConfig {
                 "must name a Python interpreter",
             ));
         }
+        if self.weight_transport == WeightTransportName::SharedPath
+            && self.shared_weights_dir.is_none()
+        {
+            return Err(ConfigError::invalid(
+                "learner.shared_weights_dir",
+                "weight_transport = \"shared_path\" needs the shared folder",
+            ));
+        }
         if self.torch.start_timeout.is_zero() {
             return Err(ConfigError::invalid(
                 "learner.torch.start_timeout",
@@ -293,6 +321,19 @@ mod tests {
                 Some("`learner.torch.world_size` = 0 is out of range"),
             ),
             ("[learner.torch]\nranks = 2", Some("`learner.torch.ranks`")),
+            ("[learner]\nweight_transport = \"object_store\"", None),
+            (
+                "[learner]\nweight_transport = \"shared_path\"\nshared_weights_dir = \"/mnt/w\"",
+                None,
+            ),
+            (
+                "[learner]\nweight_transport = \"shared_path\"",
+                Some("`learner.shared_weights_dir`"),
+            ),
+            (
+                "[learner]\nweight_transport = \"nfs\"",
+                Some("`learner.weight_transport`"),
+            ),
             (
                 "[learner.torch]\nmixed_precision = \"fp8\"",
                 Some("`learner.torch.mixed_precision`"),

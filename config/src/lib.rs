@@ -31,7 +31,7 @@ pub use coordinator::{
 pub use eval::{EvalConfig, MAX_EVAL_SAMPLES};
 pub use learner::{
     AdvantageNormName, LearnerConfig, LossAggregationName, MixedPrecisionName, ProximalName,
-    TorchEngineConfig, TrainerEngineName,
+    TorchEngineConfig, TrainerEngineName, WeightTransportName,
 };
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};

@@ -17,7 +17,8 @@ use asyncrl_config::{
     LongPrompts, LossAggregationName, MixedPrecisionName, ModelConfig, PauseMode, ProximalName,
     RetentionPolicy, RoleAuth, RunConfig, SamplingPolicy, Secret, SegmentCompression,
     StalenessConfig, StorageConfig, TelemetryConfig, TinyModelConfig, TlsConfig, TorchEngineConfig,
-    TrainerEngineName, TrajectoryRetention, WeightDtypeName, WorkerConfig, WorkerRewardConfig,
+    TrainerEngineName, TrajectoryRetention, WeightDtypeName, WeightTransportName, WorkerConfig,
+    WorkerRewardConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
@@ -648,6 +649,8 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
                     cpu_offload: offload,
                     start_timeout,
                 },
+                weight_transport: WeightTransportName::ObjectStore,
+                shared_weights_dir: None,
                 proximal,
                 advantage_norm: norm,
                 loss_aggregation: agg,

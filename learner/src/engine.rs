@@ -44,6 +44,18 @@ pub trait TrainerEngine: Send {
     /// Adopts published weights of `version`, newer than the restored
     /// checkpoint (the step counter continues from it).
     fn adopt_published(&mut self, bytes: &[u8], version: i32) -> Result<(), TrainError>;
+    /// Writes the current weights as a complete Hugging Face folder at
+    /// `dest` (written under a temporary name and renamed, with a
+    /// `sha256.json` of its safetensors files): the `shared_path` transport.
+    fn export_folder(&mut self, dest: &Path) -> Result<(), TrainError>;
+    /// Adopts the published folder `dir` of `version` whose files the
+    /// caller has read and checked (`files`).
+    fn adopt_folder(
+        &mut self,
+        dir: &Path,
+        files: &[(String, bytes::Bytes)],
+        version: i32,
+    ) -> Result<(), TrainError>;
     /// Writes a checkpoint of the current state under `root` (a folder
     /// `step-NNNNNNNN`, complete or absent) and returns its path.
     fn write_checkpoint(&mut self, root: &Path) -> Result<PathBuf, TrainError>;
@@ -84,6 +96,29 @@ impl TrainerEngine for Trainer {
 
     fn write_checkpoint(&mut self, root: &Path) -> Result<PathBuf, TrainError> {
         Trainer::write_checkpoint(self, root)
+    }
+
+    fn export_folder(&mut self, dest: &Path) -> Result<(), TrainError> {
+        Trainer::export_folder(self, dest)
+    }
+
+    fn adopt_folder(
+        &mut self,
+        dir: &Path,
+        files: &[(String, bytes::Bytes)],
+        version: i32,
+    ) -> Result<(), TrainError> {
+        let [(_, bytes)] = files else {
+            return Err(checkpoint::CheckpointError::Invalid {
+                path: dir.to_owned(),
+                reason: format!(
+                    "the built-in trainer adopts one weights file, the folder has {}",
+                    files.len()
+                ),
+            }
+            .into());
+        };
+        Trainer::adopt_published(self, bytes, version)
     }
 }
 

@@ -219,6 +219,10 @@ pub async fn run_with_progress(
         },
         publisher: Publisher {
             weights,
+            shared_root: (config.learner.weight_transport
+                == asyncrl_config::WeightTransportName::SharedPath)
+                .then(|| config.learner.shared_weights_dir.clone())
+                .flatten(),
             kv: kv.clone(),
             metrics: metrics.clone(),
             keep: config.learner.keep_weight_versions,
@@ -253,30 +257,65 @@ impl Ctx {
                     published_version = a.version,
                     "versions newer than the checkpoint were published before a restart: adopting the published weights"
                 );
-                let bytes = asyncrl_control::weights::fetch(self.publisher.weights.as_ref(), &a)
-                    .await
-                    .with_context(|| {
-                        format!(
-                            "cannot resume: cannot fetch the published weights of version {}",
-                            a.version
-                        )
-                    })?;
                 let version = a.version;
-                self.actor
-                    .call(move |t| t.adopt_published(&bytes, version))
-                    .await??;
+                let cannot = || {
+                    format!("cannot resume: cannot read the published weights of version {version}")
+                };
+                if a.folder.is_empty() {
+                    let bytes =
+                        asyncrl_control::weights::fetch(self.publisher.weights.as_ref(), &a)
+                            .await
+                            .with_context(cannot)?;
+                    self.actor
+                        .call(move |t| t.adopt_published(&bytes, version))
+                        .await??;
+                } else {
+                    let ann = a.clone();
+                    let files = tokio::task::spawn_blocking(move || {
+                        asyncrl_control::weights::read_folder(&ann)
+                    })
+                    .await
+                    .context("the weights reader panicked")?
+                    .with_context(cannot)?;
+                    let dir = PathBuf::from(&a.folder);
+                    self.actor
+                        .call(move |t| t.adopt_folder(&dir, &files, version))
+                        .await??;
+                }
             }
             Some(a) if a.version == local => {}
             _ => {
                 let step = self.actor.call(|t| t.step()).await?;
-                let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
-                self.publisher.clone().publish(local, step, bytes).await?;
+                let weights = self.snapshot(local).await?;
+                self.publisher.clone().publish(local, step, weights).await?;
             }
         }
         // Batches kept for steps whose versions are announced are done.
         let step = self.actor.call(|t| t.step()).await?;
         self.publisher.pending.remove_through(step).await?;
         Ok(())
+    }
+
+    /// The trainer's weights of `version` as the transport publishes them:
+    /// bytes for the object store, or a complete folder under the shared
+    /// root.
+    async fn snapshot(&self, version: i32) -> anyhow::Result<Weights> {
+        match &self.publisher.shared_root {
+            None => Ok(Weights::Bytes(Bytes::from(
+                self.actor.call(|t| t.weights_bytes()).await??,
+            ))),
+            Some(root) => {
+                let dest = root.join(asyncrl_protos::subjects::weights_folder_name(version));
+                let to = dest.clone();
+                self.actor
+                    .call(move |t| t.export_folder(&to))
+                    .await?
+                    .with_context(|| {
+                        format!("cannot export version {version} to {}", dest.display())
+                    })?;
+                Ok(Weights::Folder(dest))
+            }
+        }
     }
 
     async fn write_status(&self, train_s: f64, wait_s: f64) {
@@ -402,13 +441,13 @@ impl Ctx {
             // The trainer's snapshot of the weights; the upload runs while
             // the next step trains, after the previous one is announced.
             let snapshot_start = Instant::now();
-            let bytes = Bytes::from(self.actor.call(|t| t.weights_bytes()).await??);
+            let weights = self.snapshot(stats.version).await?;
             let snapshot_s = snapshot_start.elapsed().as_secs_f64();
             if let Some(previous) = upload.take() {
                 self.announced(previous, &mut csv, run_start).await?;
             }
             let publisher = self.publisher.clone();
-            let (version_s, step_s, uploading) = (stats.version, stats.step, bytes.clone());
+            let (version_s, step_s, uploading) = (stats.version, stats.step, weights.clone());
             let task = tokio::spawn(async move {
                 let publish_s = publisher.publish(version_s, step_s, uploading).await?;
                 Ok(Announced {
@@ -420,7 +459,7 @@ impl Ctx {
                 task: AbortOnDrop(task),
                 stats: stats.clone(),
                 wait_s,
-                bytes,
+                weights,
                 last: max_steps > 0 && stats.step >= max_steps,
             });
             write_status(
@@ -500,7 +539,12 @@ impl Ctx {
         if let Some(ev) = self.evaluator.as_mut()
             && ev.wants(version, stats.step, up.last)
         {
-            ev.submit(version, stats.step, wall, up.bytes);
+            match up.weights.bytes().await {
+                Ok(bytes) => ev.submit(version, stats.step, wall, bytes),
+                Err(e) => {
+                    tracing::warn!(version, error = %format!("{e:#}"), "cannot evaluate this version");
+                }
+            }
         }
         csv.append(&metrics_row(stats, wall, up.wait_s, done.publish_s))
     }
@@ -707,6 +751,8 @@ impl Fetcher {
 #[derive(Clone)]
 struct Publisher {
     weights: Arc<dyn ObjectStore>,
+    /// `learner.shared_weights_dir` under the `shared_path` transport.
+    shared_root: Option<PathBuf>,
     kv: Arc<dyn KvBucket>,
     metrics: LearnerMetrics,
     /// `learner.keep_weight_versions`.
@@ -720,20 +766,41 @@ impl Publisher {
     /// the put: the announcement carries the sha256 the store computed),
     /// retrying transient errors; then deletes old versions and the kept
     /// batches of the steps now announced. Returns the seconds it took.
-    async fn publish(self, version: i32, step: u64, bytes: Bytes) -> anyhow::Result<f64> {
+    async fn publish(self, version: i32, step: u64, weights: Weights) -> anyhow::Result<f64> {
         let started = Instant::now();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            match asyncrl_control::weights::publish(
-                self.weights.as_ref(),
-                self.kv.as_ref(),
-                version,
-                step,
-                bytes.clone(),
-            )
-            .await
-            {
-                Ok(_) => break,
+            let outcome = match &weights {
+                Weights::Bytes(bytes) => asyncrl_control::weights::publish(
+                    self.weights.as_ref(),
+                    self.kv.as_ref(),
+                    version,
+                    step,
+                    bytes.clone(),
+                )
+                .await
+                .map(drop),
+                Weights::Folder(dir) => {
+                    match asyncrl_control::weights::publish_folder(
+                        self.kv.as_ref(),
+                        version,
+                        step,
+                        dir,
+                    )
+                    .await
+                    {
+                        Ok(_) => Ok(()),
+                        Err(asyncrl_control::weights::PublishFolderError::Transport(e)) => Err(e),
+                        Err(e) => {
+                            return Err(anyhow::Error::new(e).context(format!(
+                                "cannot publish the weights of version {version}"
+                            )));
+                        }
+                    }
+                }
+            };
+            match outcome {
+                Ok(()) => break,
                 Err(e) if e.is_transient() && !self.shutdown.is_cancelled() => {
                     self.metrics.weight_publish_failures.inc();
                     tracing::warn!(version, error = %e, "publishing weights failed; retrying");
@@ -748,21 +815,63 @@ impl Publisher {
         self.metrics.weight_publications.inc();
         self.metrics.version.set(i64::from(version));
         let upload_s = started.elapsed().as_secs_f64();
-        tracing::info!(
-            version,
-            step,
-            bytes = bytes.len(),
-            upload_s,
-            "weights published"
-        );
+        tracing::info!(version, step, weights = %weights, upload_s, "weights published");
         // Keep the newest versions; older ones can no longer be asked for.
-        if let Err(e) =
-            asyncrl_control::weights::prune(self.weights.as_ref(), version, self.keep).await
-        {
-            tracing::warn!(version, error = %e, "cannot delete the weights of old versions");
+        let pruned = match (&weights, &self.shared_root) {
+            (Weights::Folder(_), Some(root)) => {
+                let (root, keep) = (root.clone(), self.keep);
+                tokio::task::spawn_blocking(move || {
+                    asyncrl_control::weights::prune_folders(&root, version, keep)
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("the folder pruner panicked: {e}"))
+                .and_then(|r| r.map(drop).map_err(anyhow::Error::new))
+            }
+            _ => asyncrl_control::weights::prune(self.weights.as_ref(), version, self.keep)
+                .await
+                .map(drop)
+                .map_err(anyhow::Error::new),
+        };
+        if let Err(e) = pruned {
+            tracing::warn!(version, error = %format!("{e:#}"), "cannot delete the weights of old versions");
         }
         self.pending.remove_through(step).await?;
         Ok(started.elapsed().as_secs_f64())
+    }
+}
+
+/// A version's weights as its transport carries them.
+#[derive(Clone)]
+enum Weights {
+    /// Safetensors bytes for the object store.
+    Bytes(Bytes),
+    /// A complete Hugging Face folder under the shared root.
+    Folder(PathBuf),
+}
+
+impl std::fmt::Display for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Weights::Bytes(b) => write!(f, "{} bytes", b.len()),
+            Weights::Folder(dir) => write!(f, "folder {}", dir.display()),
+        }
+    }
+}
+
+impl Weights {
+    /// The weights as one safetensors file (what `[eval]`'s built-in model
+    /// loads): a folder's `model.safetensors`.
+    async fn bytes(&self) -> anyhow::Result<Bytes> {
+        match self {
+            Weights::Bytes(b) => Ok(b.clone()),
+            Weights::Folder(dir) => {
+                let file = dir.join("model.safetensors");
+                tokio::fs::read(&file)
+                    .await
+                    .map(Bytes::from)
+                    .with_context(|| format!("cannot read {}", file.display()))
+            }
+        }
     }
 }
 
@@ -772,7 +881,7 @@ struct Upload {
     task: AbortOnDrop<anyhow::Result<Announced>>,
     stats: StepStats,
     wait_s: f64,
-    bytes: Bytes,
+    weights: Weights,
     last: bool,
 }
 

@@ -635,6 +635,36 @@ impl TrainerEngine for TorchEngine {
         Ok(())
     }
 
+    fn export_folder(&mut self, dest: &Path) -> Result<(), TrainError> {
+        if dest.exists() {
+            // The same version exported before a crash: replace it.
+            std::fs::remove_dir_all(dest)
+                .map_err(io_err(format!("cannot replace {}", dest.display())))?;
+        }
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(io_err(format!("cannot create {}", parent.display())))?;
+        }
+        // The engine's default shard size (5 GB): large models are sharded.
+        self.export(dest, 0)?;
+        Ok(())
+    }
+
+    fn adopt_folder(
+        &mut self,
+        dir: &Path,
+        _files: &[(String, bytes::Bytes)],
+        version: i32,
+    ) -> Result<(), TrainError> {
+        let path = dir.to_string_lossy().into_owned();
+        self.call("LoadWeights", |mut c| async move {
+            c.load_weights(LoadWeightsRequest { path }).await
+        })?;
+        self.version = version;
+        self.step = u64::try_from(version).unwrap_or(0);
+        Ok(())
+    }
+
     fn write_checkpoint(&mut self, root: &Path) -> Result<PathBuf, TrainError> {
         let dest = root.join(format!("step-{:08}", self.step));
         if dest.exists() {

@@ -477,6 +477,39 @@ impl Trainer {
         Ok(self.policy.weights_to_safetensors(self.opts.weight_dtype)?)
     }
 
+    /// The current weights as a Hugging Face folder at `dest` (config,
+    /// tokenizer, one `model.safetensors` in the publication dtype, and
+    /// `sha256.json`), written under a temporary name, fsynced and renamed.
+    pub fn export_folder(&self, dest: &Path) -> Result<(), TrainError> {
+        let io = |path: &Path| {
+            let path = path.to_owned();
+            move |source| checkpoint::CheckpointError::Io { path, source }
+        };
+        let name = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = dest.with_file_name(format!(".{name}.tmp"));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+        }
+        self.policy.save_pretrained(&tmp, None)?;
+        let weights = self.weights_bytes()?;
+        let file = tmp.join("model.safetensors");
+        checkpoint::write_synced(&file, &weights)?;
+        let sums = serde_json::json!({ "model.safetensors": asyncrl_common::sha256_hex(&weights) });
+        checkpoint::write_synced(&tmp.join("sha256.json"), sums.to_string().as_bytes())?;
+        checkpoint::sync_dir(&tmp)?;
+        if dest.exists() {
+            std::fs::remove_dir_all(dest).map_err(io(dest))?;
+        }
+        std::fs::rename(&tmp, dest).map_err(io(dest))?;
+        if let Some(parent) = dest.parent() {
+            checkpoint::sync_dir(parent)?;
+        }
+        Ok(())
+    }
+
     /// Writes a checkpoint of the current state under `root`.
     pub fn write_checkpoint(&self, root: &Path) -> Result<PathBuf, TrainError> {
         let model = self.policy.weights_to_safetensors(WeightDtype::F32)?;

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use asyncrl_protos::WeightAnnouncement;
 use asyncrl_protos::subjects::{
-    CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT,
+    CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT, WEIGHTS_FORMAT_FOLDER,
 };
 use asyncrl_transport::{Bus, TransportError};
 use bytes::Bytes;
@@ -213,18 +213,27 @@ async fn fetch_and_load(
     shared: &Arc<Shared>,
     ann: &WeightAnnouncement,
 ) -> Result<(), FetchFailure> {
-    if !(ann.format.is_empty() || ann.format == WEIGHTS_FORMAT) {
+    let readable = if ann.folder.is_empty() {
+        ann.format.is_empty() || ann.format == WEIGHTS_FORMAT
+    } else {
+        ann.format == WEIGHTS_FORMAT_FOLDER
+    };
+    if !readable {
         return Err(FetchFailure {
             label: "format",
             message: format!(
-                "weights in format {:?}; this worker reads safetensors",
+                "weights in format {:?}; this worker reads {WEIGHTS_FORMAT} objects and {WEIGHTS_FORMAT_FOLDER} folders",
                 ann.format
             ),
             retry: false,
         });
     }
-    let name = asyncrl_control::weights::object_name(ann);
     let timeout = shared.settings.weight_fetch_timeout;
+    if !ann.folder.is_empty() {
+        let bytes = read_shared_folder(ann, timeout).await?;
+        return load(shared, ann, &ann.folder, bytes).await;
+    }
+    let name = asyncrl_control::weights::object_name(ann);
     let bytes: Bytes = match tokio::time::timeout(timeout, fetch(&shared.bus, ann)).await {
         Err(_) => {
             return Err(FetchFailure {
@@ -258,6 +267,79 @@ async fn fetch_and_load(
             retry: true,
         });
     }
+    load(shared, ann, &name, bytes).await
+}
+
+/// A version of the `shared_path` transport: every file of its folder,
+/// checked against the announced sha256s (a folder altered or half-written
+/// is refused, and fetched again later), as one safetensors file.
+async fn read_shared_folder(
+    ann: &WeightAnnouncement,
+    timeout: Duration,
+) -> Result<Bytes, FetchFailure> {
+    use asyncrl_control::weights::FolderError;
+    let owned = ann.clone();
+    let read = tokio::task::spawn_blocking(move || asyncrl_control::weights::read_folder(&owned));
+    let files = match tokio::time::timeout(timeout, read).await {
+        Err(_) => {
+            return Err(FetchFailure {
+                label: "timeout",
+                message: format!("reading {} took longer than {timeout:?}", ann.folder),
+                retry: true,
+            });
+        }
+        Ok(Err(e)) => {
+            return Err(FetchFailure {
+                label: "transport",
+                message: format!("the folder reader failed: {e}"),
+                retry: true,
+            });
+        }
+        Ok(Ok(Err(e))) => {
+            let label = match &e {
+                FolderError::Mismatch { .. } => "checksum",
+                FolderError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                    "not_found"
+                }
+                _ => "transport",
+            };
+            return Err(FetchFailure {
+                label,
+                message: e.to_string(),
+                retry: true,
+            });
+        }
+        Ok(Ok(Ok(files))) => files,
+    };
+    merge_shards(&files).map_err(|e| FetchFailure {
+        label: "load",
+        message: format!("the weights in {} are no safetensors: {e}", ann.folder),
+        retry: false,
+    })
+}
+
+/// One safetensors file holding every tensor of `files` (the shards of a
+/// folder; one file is passed through as it is).
+fn merge_shards(files: &[(String, Bytes)]) -> Result<Bytes, safetensors::SafeTensorError> {
+    if let [(_, bytes)] = files {
+        return Ok(bytes.clone());
+    }
+    let parsed = files
+        .iter()
+        .map(|(_, b)| safetensors::SafeTensors::deserialize(b))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        parsed.iter().flat_map(|st| st.tensors()).collect();
+    safetensors::serialize(tensors, None).map(Bytes::from)
+}
+
+/// Swaps fetched and checked weights into the engine.
+async fn load(
+    shared: &Arc<Shared>,
+    ann: &WeightAnnouncement,
+    name: &str,
+    bytes: Bytes,
+) -> Result<(), FetchFailure> {
     shared
         .metrics
         .weights_fetched_version

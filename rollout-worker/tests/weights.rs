@@ -387,3 +387,114 @@ async fn workers_of_one_process_share_fetches_and_each_checks_them() {
         assert_eq!(summary.final_version, Some(7));
     }
 }
+
+/// The `shared_path` transport: a version announced as a folder (here
+/// sharded, with its index) loads only while every file matches its
+/// announced sha256; an altered shard keeps the old weights, is counted and
+/// retried, and the repaired folder loads, its shards as one model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_folder_loads_only_intact_and_its_shards_as_one_model() {
+    const G: u32 = 2;
+    let rig = Rig::nats(
+        model_section(12, 48),
+        4,
+        Vec::new(),
+        ScriptOptions {
+            group_size: G,
+            ..ScriptOptions::default()
+        },
+    )
+    .await;
+    let Rig {
+        bus, coordinator, ..
+    } = &rig;
+    let (p5, p6) = (rig.policy(100), rig.policy(200));
+    rig.publish(5, &p5).await;
+    let RunningWorker {
+        handles,
+        shutdown,
+        task: worker,
+    } = start_worker_at(rig.config.clone(), bus, 5).await;
+
+    // Version 6 as the learner writes it: a folder, sharded (small shards).
+    let root = tempfile::tempdir().unwrap();
+    let dir = root
+        .path()
+        .join(asyncrl_protos::subjects::weights_folder_name(6));
+    p6.save_pretrained(&dir, Some(4096)).unwrap();
+    let mut sums = serde_json::Map::new();
+    let mut shards: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    shards.sort();
+    assert!(shards.len() >= 2, "the folder is sharded: {shards:?}");
+    for shard in &shards {
+        sums.insert(
+            shard.file_name().unwrap().to_string_lossy().into_owned(),
+            serde_json::Value::String(sha256_hex(&std::fs::read(shard).unwrap())),
+        );
+    }
+    std::fs::write(
+        dir.join(asyncrl_control::weights::FOLDER_SHA256_FILE),
+        serde_json::Value::Object(sums).to_string(),
+    )
+    .unwrap();
+    let kv = bus
+        .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
+        .await
+        .unwrap();
+    // A shard altered after sha256.json was written (same size), then
+    // announced: refused, counted, retried.
+    let intact = std::fs::read(&shards[0]).unwrap();
+    let mut altered = intact.clone();
+    let last = altered.len() - 1;
+    altered[last] ^= 0xff;
+    std::fs::write(&shards[0], &altered).unwrap();
+    let ann = asyncrl_control::weights::publish_folder(kv.as_ref(), 6, 6, &dir)
+        .await
+        .unwrap();
+    assert_eq!(ann.files.len(), shards.len());
+    assert!(
+        eventually(Duration::from_secs(10), || failures(
+            &handles.weight_fetch_failures,
+            "checksum"
+        ) >= 2)
+        .await,
+        "an altered shard is counted and retried: version {}, failures {:?}",
+        handles.policy_version.get(),
+        WEIGHT_FAILURE_REASONS
+            .iter()
+            .map(|r| (*r, failures(&handles.weight_fetch_failures, r)))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(handles.policy_version.get(), 5, "old weights kept");
+
+    // Repaired: version 6 loads without a new announcement.
+    std::fs::write(&shards[0], &intact).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || handles.policy_version.get()
+            == 6)
+        .await,
+        "version 6 loaded once its folder is intact"
+    );
+    coordinator.push_tasks(ScriptedTask::generated(BuiltinTask::Arith, 1, 1));
+    let (done, _) = coordinator
+        .wait_for(Duration::from_secs(30), |l| l.completed_leases().len() == 1)
+        .await;
+    assert!(done);
+    shutdown.cancel();
+    worker.await.unwrap().unwrap();
+    let got = read_trajectories(bus.as_ref(), "folder", G as usize, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), G as usize);
+    for r in &got {
+        let t = &r.trajectory;
+        assert!(t.policy_versions.iter().all(|&v| v == 6));
+        // Sampled with the folder's weights, all shards of them.
+        let lp = recompute(&p6, &t.prompt_token_ids, &t.completion_token_ids);
+        assert!(max_abs_diff(&lp, &t.behaviour_logprobs) <= 1e-4);
+    }
+}
