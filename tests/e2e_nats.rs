@@ -4,8 +4,10 @@
 
 use std::time::Duration;
 
+use asyncrl_config::{TrainerEngineName, WeightTransportName};
 use asyncrl_harness::cluster::{Cluster, Expect, Spec};
 use asyncrl_learner::outputs::{EVAL_CSV, read_eval};
+use asyncrl_protos::subjects::WEIGHTS_FORMAT_FOLDER;
 
 #[test]
 fn a_multi_process_run_trains_every_trajectory_once_within_eta() {
@@ -50,4 +52,82 @@ fn a_multi_process_run_trains_every_trajectory_once_within_eta() {
         (2 + 1) * 4,
         "(η + 1)·B complete tasks wait at the end"
     );
+}
+
+/// A run whose weights go through a shared folder (`shared_path`), not the
+/// object store: every announcement names a complete folder with its
+/// files' checksums, the workers sample with the versions they load from
+/// it, old folders are pruned, and the invariants hold. With the torch
+/// engine the learner is also killed once: the restarted one adopts the
+/// newest published folder or retrains from its checkpoint.
+fn shared_weights_run(trainer: TrainerEngineName, kill_learner: bool) {
+    let mut c = Cluster::start(Spec {
+        max_steps: 16,
+        checkpoint_every: 3,
+        eval_every: if kill_learner { 0 } else { 5 },
+        trainer,
+        weight_transport: WeightTransportName::SharedPath,
+        ..Spec::default()
+    });
+    let root = c.shared_weights_dir();
+    if kill_learner {
+        c.wait_step(5, Duration::from_secs(180));
+        c.kill9("learner");
+        c.start_role("learner");
+    }
+    let report = c.finish(&Expect {
+        learner_restarts: u64::from(kill_learner),
+    });
+    assert_eq!(report.steps, 16);
+    let announcements = c.announcements();
+    assert!(!announcements.is_empty());
+    for a in &announcements {
+        assert_eq!(a.format, WEIGHTS_FORMAT_FOLDER, "{a:?}");
+        assert!(a.folder.starts_with(root.to_str().unwrap()), "{a:?}");
+        assert!(
+            !a.files.is_empty() && a.files.iter().all(|f| f.sha256.len() == 64),
+            "{a:?}"
+        );
+        assert!(a.object_name.is_empty(), "no object: {a:?}");
+    }
+    // The workers loaded what the folders held: late trajectories were
+    // sampled with late versions.
+    let newest_sampled = c
+        .stream()
+        .iter()
+        .flat_map(|t| t.policy_versions.iter().copied())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        newest_sampled >= 8,
+        "sampled with versions up to {newest_sampled}"
+    );
+    // Old folders are pruned (keep_weight_versions), none is left half-written.
+    let mut folders: Vec<String> = std::fs::read_dir(&root)
+        .expect("the shared folder")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    folders.sort();
+    let keep = asyncrl_config::LearnerConfig::default().keep_weight_versions;
+    assert!(folders.len() <= keep, "{folders:?}");
+    assert_eq!(folders.last().map(String::as_str), Some("policy-v00000016"));
+    assert!(
+        folders.iter().all(|f| f.starts_with("policy-v")),
+        "{folders:?}"
+    );
+    if !kill_learner {
+        let eval = read_eval(&c.out.join(EVAL_CSV)).expect("eval.csv");
+        let versions: Vec<i32> = eval.iter().map(|r| r.version).collect();
+        assert_eq!(versions, [0, 5, 10, 15, 16], "{eval:?}");
+    }
+}
+
+#[test]
+fn the_builtin_engine_publishes_through_a_shared_folder() {
+    shared_weights_run(TrainerEngineName::Builtin, false);
+}
+
+#[test]
+fn the_torch_engine_publishes_through_a_shared_folder_across_a_learner_kill() {
+    shared_weights_run(TrainerEngineName::Torch, true);
 }

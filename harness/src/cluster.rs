@@ -24,6 +24,7 @@ use asyncrl_testkit::{NatsServer, ServerConfig};
 
 use asyncrl_config::{
     Config, RoleAuth, TinyModelConfig, TlsConfig, TrainerEngineName, TrajectoryRetention,
+    WeightTransportName,
 };
 
 use crate::configs;
@@ -75,6 +76,9 @@ pub struct Spec {
     /// Hugging Face folder that every role loads (`model.path`): the torch
     /// engine trains a model folder.
     pub trainer: TrainerEngineName,
+    /// `learner.weight_transport`; `SharedPath` puts the version folders in
+    /// the cluster's `weights/` folder (`Cluster::shared_weights_dir`).
+    pub weight_transport: WeightTransportName,
 }
 
 impl Default for Spec {
@@ -99,6 +103,7 @@ impl Default for Spec {
             eval_every: 0,
             stream: TrajectoryRetention::Keep,
             trainer: TrainerEngineName::Builtin,
+            weight_transport: WeightTransportName::ObjectStore,
         }
     }
 }
@@ -282,6 +287,9 @@ impl Cluster {
         c.coordinator.dead_after = s.dead_after;
         c.learner.checkpoint_every = s.checkpoint_every;
         c.learner.trainer = s.trainer;
+        c.learner.weight_transport = s.weight_transport;
+        c.learner.shared_weights_dir = (s.weight_transport == WeightTransportName::SharedPath)
+            .then(|| self.shared_weights_dir());
         c.model.path = self.model_dir.clone();
         c.worker.id = worker_id.map(str::to_owned);
         c.worker.max_sequences = s.max_sequences;
@@ -336,6 +344,11 @@ impl Cluster {
         let role = self.role(name);
         assert!(role.is_running(), "{name} is not running");
         assert!(role.signal(sig), "kill -{sig} {name} failed");
+    }
+
+    /// The root of the version folders under the `shared_path` transport.
+    pub fn shared_weights_dir(&self) -> PathBuf {
+        self.dir.path().join("weights")
     }
 
     /// The processes of the learner's torch engine that run the model (the
