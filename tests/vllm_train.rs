@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use asyncrl_config::{Config, EngineConfig, EngineKind, EvalConfig};
+use asyncrl_config::{
+    Config, EngineConfig, EngineKind, EvalConfig, ProximalName, TrainerEngineName,
+    WeightTransportName,
+};
 use asyncrl_harness::configs;
 use asyncrl_harness::invariants::{TrainedCheck, check_trained_file};
 use asyncrl_learner::outputs::{METRICS_CSV, TRAINED_JSONL, read_metrics};
@@ -59,18 +62,29 @@ fn config(dir: &Path, name: &str, engine: Option<EngineConfig>) -> PathBuf {
 /// A vLLM server the worker launches from `.venv-vllm` on `port`, serving
 /// the warm start; it writes its pid to `pid_file`.
 fn vllm_engine(dir: &Path, port: u16, pid_file: &Path) -> EngineConfig {
+    vllm_engine_for(
+        &dir.join("warm"),
+        &dir.join("engine-weights"),
+        port,
+        pid_file,
+    )
+}
+
+/// A vLLM server the worker launches from `.venv-vllm` on `port`, serving
+/// `model`, its weights swapped through `weights_dir`.
+fn vllm_engine_for(model: &Path, weights_dir: &Path, port: u16, pid_file: &Path) -> EngineConfig {
     let python = root().join(".venv-vllm/bin/python");
     let server = format!(
         "echo $$ > '{pid}'; exec env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 '{python}' -m vllm.entrypoints.openai.api_server --model '{model}' --dtype float32 --max-model-len 64 --logprobs-mode processed_logprobs --enable-scale-out --enforce-eager --host 127.0.0.1 --port {port}",
         pid = pid_file.display(),
         python = python.display(),
-        model = dir.join("warm").display(),
+        model = model.display(),
     );
     EngineConfig {
         kind: EngineKind::Vllm,
         endpoints: vec![format!("http://127.0.0.1:{port}")],
         launch: vec!["sh".into(), "-c".into(), server],
-        weights_dir: dir.join("engine-weights"),
+        weights_dir: weights_dir.to_owned(),
         ready_timeout: Duration::from_secs(540),
         ..EngineConfig::default()
     }
@@ -280,4 +294,136 @@ fn engine_bench_reports_throughput_overhead_and_swap_ratios() {
     assert_eq!(report.matches("tokens/s\n").count(), 2, "{report}");
     // The bench stopped the server it launched.
     assert!(std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err());
+}
+
+/// An architecture the built-in model does not run, end to end: a tiny
+/// random Hugging Face model of it (`asyncrl_trainer.tiny`, the built-in
+/// model's character tokenizer) trained by the torch engine while vLLM
+/// generates, with each weight transport. η = 0, so every step trains
+/// tokens sampled by the version it starts from and the learner's
+/// recompute (transformers, under that version) covers every one of them;
+/// weight decay makes every version differ, so a vLLM that missed a reload
+/// would show in the gap. Each run's gap must stay within 1e-4.
+fn architecture_round_trip(arch: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = d.join("arith.jsonl");
+    succeeded(
+        "data generate",
+        &asyncrl(&[
+            "data",
+            "generate",
+            "--task",
+            "arith",
+            "--seed",
+            "1",
+            "--n",
+            "2000",
+            "--max-operand",
+            "20",
+            "--out",
+            data.to_str().unwrap(),
+        ]),
+    );
+    let tokenizer = d.join("tokenizer-source");
+    let section = Config::load(&root().join("examples/arith.toml"))
+        .unwrap()
+        .model;
+    let builtin = asyncrl_config::ModelConfig {
+        path: None,
+        ..section
+    };
+    asyncrl_policy::from_config::load_policy(&builtin, 0)
+        .and_then(|p| p.save_pretrained(&tokenizer, None))
+        .expect("the built-in tiny model as a folder");
+    let model = d.join(arch);
+    let python = root().join(".venv/bin/python");
+    succeeded(
+        "asyncrl_trainer.tiny",
+        &Command::new(&python)
+            .args([
+                "-m",
+                "asyncrl_trainer.tiny",
+                "--arch",
+                arch,
+                "--tokenizer-from",
+            ])
+            .arg(&tokenizer)
+            .arg("--out")
+            .arg(&model)
+            .output()
+            .unwrap(),
+    );
+    for transport in [
+        WeightTransportName::ObjectStore,
+        WeightTransportName::SharedPath,
+    ] {
+        let name = format!("{arch}-{transport:?}");
+        let out = d.join(&name);
+        let port = asyncrl_testkit::free_port().unwrap();
+        let mut c = Config::load(&root().join("examples/arith.toml")).unwrap();
+        c.run.max_steps = 4;
+        c.run.name = name.clone();
+        c.run.output_dir = out.clone();
+        c.telemetry.listen = "127.0.0.1:0".into();
+        c.coordinator.admin_listen = "127.0.0.1:0".into();
+        c.coordinator.datasets = vec![configs::arith(&data)];
+        c.coordinator.initial_knobs.learning_rate = 1e-2;
+        c.eval = EvalConfig::default();
+        c.model.path = Some(model.clone());
+        c.staleness.eta = 0;
+        c.staleness.groups_per_step = 4;
+        c.staleness.group_size = 4;
+        c.learner.trainer = TrainerEngineName::Torch;
+        c.learner.torch.python = python.clone();
+        c.learner.proximal = ProximalName::Recompute;
+        c.learner.weight_decay = 1.0;
+        c.learner.weight_transport = transport;
+        c.learner.shared_weights_dir = Some(out.join("shared"));
+        c.worker.engine = vllm_engine_for(
+            &model,
+            &out.join("engine-weights"),
+            port,
+            &d.join("vllm.pid"),
+        );
+        let config = configs::write(&c, d.join(format!("{name}.toml")));
+        succeeded(&name, &asyncrl(&["train", config.to_str().unwrap()]));
+        let rows = read_metrics(&out.join(METRICS_CSV)).expect("learner_metrics.csv");
+        assert_eq!(rows.len(), 4, "{name}");
+        for r in &rows {
+            assert!(
+                r.logprob_gap_tokens > 0,
+                "{name}: step {} compared no token",
+                r.step
+            );
+            assert!(
+                r.logprob_gap_max <= 1e-4,
+                "{name}: step {}: vLLM's log-probs differ from the trainer's by {}",
+                r.step,
+                r.logprob_gap_max
+            );
+        }
+        let published = out.join("shared").join("policy-v00000004");
+        assert_eq!(
+            published.join("sha256.json").is_file(),
+            transport == WeightTransportName::SharedPath,
+            "{name}: {}",
+            published.display()
+        );
+    }
+}
+
+#[test]
+fn qwen3_trains_with_the_torch_engine_and_stays_token_exact_in_vllm() {
+    architecture_round_trip("qwen3");
+}
+
+#[test]
+fn gemma3_trains_with_the_torch_engine_and_stays_token_exact_in_vllm() {
+    architecture_round_trip("gemma3_text");
+}
+
+#[test]
+fn llama_trains_with_the_torch_engine_and_stays_token_exact_in_vllm() {
+    architecture_round_trip("llama");
 }

@@ -140,8 +140,6 @@ fn architecture(config: &Config) -> anyhow::Result<Option<String>> {
         return Ok(None);
     };
     let path = dir.join("config.json");
-    let cfg = asyncrl_policy::ModelConfig::from_file(&path)
-        .with_context(|| format!("model.path: {}", path.display()))?;
     let weights = ["model.safetensors", "model.safetensors.index.json"];
     if !weights.iter().any(|w| dir.join(w).is_file()) {
         anyhow::bail!(
@@ -150,6 +148,32 @@ fn architecture(config: &Config) -> anyhow::Result<Option<String>> {
             weights.join(" or ")
         );
     }
+    // The built-in model runs the workers' generation, the built-in trainer
+    // or `[eval]`: then it must know the architecture. Otherwise vLLM and
+    // the torch engine load it, and the config only has to name it.
+    let builtin_needed = config.worker.engine.kind == asyncrl_config::EngineKind::Builtin
+        || config.learner.trainer == asyncrl_config::TrainerEngineName::Builtin
+        || config.eval.enabled();
+    if !builtin_needed {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("model.path: cannot read {}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("model.path: {} is not JSON", path.display()))?;
+        let text_config = json.get("text_config").unwrap_or(&json);
+        let field = |k: &str| text_config.get(k).or_else(|| json.get(k)).cloned();
+        let Some(model_type) = json.get("model_type").and_then(|v| v.as_str()) else {
+            anyhow::bail!("model.path: {} names no model_type", path.display());
+        };
+        let show = |v: Option<serde_json::Value>| v.map_or("?".to_owned(), |v| v.to_string());
+        return Ok(Some(format!(
+            "{model_type:?} (vLLM and the torch engine), {} layers, hidden {}, vocab {}",
+            show(field("num_hidden_layers")),
+            show(field("hidden_size")),
+            show(field("vocab_size"))
+        )));
+    }
+    let cfg = asyncrl_policy::ModelConfig::from_file(&path)
+        .with_context(|| format!("model.path: {}", path.display()))?;
     Ok(Some(format!(
         "{:?}, {} layers, hidden {}, vocab {}",
         cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
