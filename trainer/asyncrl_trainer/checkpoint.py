@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -108,34 +109,31 @@ def read_learner_meta(path: Path) -> str:
 def load_weights(model: nn.Module, path: Path) -> None:
     """Every rank calls it: replaces the weights with a Hugging Face folder's
     (``model.safetensors`` or the shards its index lists, as
-    :func:`export_weights` writes). Every parameter must be there, except
-    an output embedding tied to the input one."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    :func:`export_weights` writes). transformers reads the files, so a
+    layout it converts on save and load (fused MoE experts, say) comes back
+    as the model holds it; every parameter must be there."""
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+    if not (path / "model.safetensors.index.json").is_file() and not (
+        path / "model.safetensors"
+    ).is_file():
         raise FileNotFoundError(f"{path} holds no model.safetensors and no index")
-    full: dict[str, torch.Tensor] = {}
-    for name in files:
-        full.update(load_file(str(path / name)))
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__} is no Hugging Face model (no config)")
+    dtype = next(model.parameters()).dtype
+    loaded = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    full = {k: v.detach() for k, v in loaded.state_dict().items()}
     expected = set(get_model_state_dict(model).keys())
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    missing = sorted(k for k in expected - full.keys() if not (tied and k == "lm_head.weight"))
+    missing = sorted(expected - full.keys())
     unknown = sorted(full.keys() - expected)
     if missing or unknown:
         raise ValueError(
             f"the weights in {path} do not fit the model: missing {missing[:5]}, "
             f"unknown {unknown[:5]}"
         )
-    set_model_state_dict(
-        model, full, options=StateDictOptions(full_state_dict=True, strict=False)
-    )
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
 def export_weights(
