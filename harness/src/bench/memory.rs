@@ -61,6 +61,10 @@ pub struct MemoryBenchOptions {
     /// Skip the generation phase (the learner trains on random tokens).
     pub skip_worker: bool,
     pub seed: u64,
+    /// After the built-in trainer, the torch engine at each of these world
+    /// sizes trains the same batch (two steps, the first budget), each rank
+    /// measured as its own process.
+    pub torch_world_sizes: Vec<usize>,
 }
 
 impl Default for MemoryBenchOptions {
@@ -73,6 +77,7 @@ impl Default for MemoryBenchOptions {
             threads: 2,
             skip_worker: false,
             seed: 0,
+            torch_world_sizes: Vec::new(),
         }
     }
 }
@@ -94,6 +99,125 @@ pub struct MemoryBenchReport {
     pub opts: MemoryBenchOptions,
     pub parameters: i64,
     pub phases: Vec<Phase>,
+    /// The torch engine's phases, per world size.
+    pub torch: Vec<TorchPhase>,
+}
+
+/// A phase of the torch engine: the bench process (the learner's side) and
+/// every rank, each a process of its own.
+#[derive(Debug, Clone)]
+pub struct TorchPhase {
+    pub world_size: usize,
+    pub name: String,
+    pub seconds: f64,
+    pub learner_peak_mib: f64,
+    /// Peak resident memory of each rank during the phase (MiB).
+    pub rank_peaks_mib: Vec<f64>,
+}
+
+/// `VmHWM` of process `pid` in MiB.
+fn peak_of(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("read /proc/{pid}/status"))?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .with_context(|| format!("/proc/{pid}/status has no VmHWM"))
+}
+
+/// The torch engine's rank processes (children of its torchrun).
+fn torch_ranks() -> Vec<u32> {
+    crate::process::descendants(std::process::id())
+        .into_iter()
+        .filter(|(_, cmd)| {
+            cmd.contains("asyncrl_trainer.server") && !cmd.contains("torch.distributed.run")
+        })
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+fn measure_torch(
+    world_size: usize,
+    name: &str,
+    phases: &mut Vec<TorchPhase>,
+    f: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    reset_peak()?;
+    for pid in torch_ranks() {
+        std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+            .with_context(|| format!("reset the peak of rank process {pid}"))?;
+    }
+    let start = Instant::now();
+    f()?;
+    let seconds = start.elapsed().as_secs_f64();
+    let (_, learner_peak_mib) = rss()?;
+    let rank_peaks_mib = torch_ranks()
+        .into_iter()
+        .map(peak_of)
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    eprintln!(
+        "torch world size {world_size}, {name}: {seconds:.1} s, learner {learner_peak_mib:.0} MiB, ranks {rank_peaks_mib:?} MiB"
+    );
+    phases.push(TorchPhase {
+        world_size,
+        name: name.to_owned(),
+        seconds,
+        learner_peak_mib,
+        rank_peaks_mib,
+    });
+    Ok(())
+}
+
+/// The torch engine at `world_size` on the model folder `model`: start
+/// (every rank loads the model, then shards it), a first step (allocates
+/// gradients and AdamW state), a second step.
+fn run_torch(
+    model: &std::path::Path,
+    world_size: usize,
+    budget: usize,
+    batch: &arrow::array::RecordBatch,
+    phases: &mut Vec<TorchPhase>,
+) -> anyhow::Result<()> {
+    use asyncrl_config::{Config, ProximalName, TrainerEngineName};
+    use asyncrl_learner::engine::TrainerEngine as _;
+    let work = tempfile::tempdir().context("a temp dir")?;
+    let mut config = Config::isolated(work.path().join("out"), "local");
+    config.model.path = Some(model.to_owned());
+    config.learner.trainer = TrainerEngineName::Torch;
+    config.learner.torch.world_size = world_size;
+    config.learner.proximal = ProximalName::Recompute;
+    config.learner.max_tokens_per_microbatch = budget;
+    config.coordinator.initial_knobs.learning_rate = 1e-6;
+    let opts = asyncrl_learner::service::trainer_options(&config);
+    let mut engine = None;
+    measure_torch(
+        world_size,
+        "start: every rank loads the model, then shards it",
+        phases,
+        || {
+            engine = Some(asyncrl_learner::torch_engine::TorchEngine::start(
+                &config,
+                opts,
+                &work.path().join("checkpoints"),
+            )?);
+            Ok(())
+        },
+    )?;
+    let mut engine = engine.context("the engine did not start")?;
+    let settings = StepSettings {
+        objective: ObjectiveConfig::default(),
+        learning_rate: 1e-6,
+    };
+    for name in ["first step (allocates gradients and AdamW state)", "step"] {
+        measure_torch(world_size, name, phases, || {
+            engine.train_step(std::slice::from_ref(batch), &settings)?;
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
 
 /// `VmRSS` and `VmHWM` of this process, in MiB.
@@ -285,10 +409,27 @@ pub fn run_memory_bench(opts: MemoryBenchOptions) -> anyhow::Result<MemoryBenchR
             ))
         })?;
     }
+    let mut torch = Vec::new();
+    if !opts.torch_world_sizes.is_empty() {
+        let dir = tempfile::tempdir().context("a temp dir")?;
+        let model = dir.path().join("model");
+        trainer
+            .policy()
+            .save_pretrained(&model, None)
+            .context("write the model folder the torch engine loads")?;
+        // The built-in trainer's weights, gradients and moments go before
+        // the torch engine's processes start.
+        drop(trainer);
+        for &world in &opts.torch_world_sizes {
+            run_torch(&model, world, first, &batch, &mut torch)
+                .with_context(|| format!("the torch engine at world size {world}"))?;
+        }
+    }
     Ok(MemoryBenchReport {
         opts,
         parameters,
         phases,
+        torch,
     })
 }
 
@@ -326,6 +467,43 @@ impl fmt::Display for MemoryBenchReport {
                     base.name,
                     p.peak_mib / base.peak_mib
                 )?;
+            }
+        }
+        if !self.torch.is_empty() {
+            writeln!(
+                f,
+                "\ntorch engine (fp32, FSDP2 over gloo), micro-batches of ≤ {} tokens:",
+                o.microbatch_tokens.first().copied().unwrap_or(0)
+            )?;
+            writeln!(
+                f,
+                "| world size | phase | seconds | learner process peak (MiB) | peak per rank (MiB) |"
+            )?;
+            writeln!(f, "|---:|---|---:|---:|---|")?;
+            for p in &self.torch {
+                let ranks: Vec<String> =
+                    p.rank_peaks_mib.iter().map(|m| format!("{m:.0}")).collect();
+                writeln!(
+                    f,
+                    "| {} | {} | {:.1} | {:.0} | {} |",
+                    p.world_size,
+                    p.name,
+                    p.seconds,
+                    p.learner_peak_mib,
+                    ranks.join(", ")
+                )?;
+            }
+            // The baseline: the built-in trainer's step at the same budget.
+            if let Some(base) = learner.first() {
+                for p in self.torch.iter().filter(|p| p.name == "step") {
+                    let worst = p.rank_peaks_mib.iter().copied().fold(0.0, f64::max);
+                    writeln!(
+                        f,
+                        "peak ratio torch rank (world size {}) / built-in learner step: {:.2}",
+                        p.world_size,
+                        worst / base.peak_mib
+                    )?;
+                }
             }
         }
         Ok(())

@@ -261,6 +261,10 @@ pub struct MemoryBenchArgs {
     /// Skip generation (the learner trains on random tokens).
     #[arg(long)]
     skip_worker: bool,
+    /// Then the torch trainer engine at these world sizes (e.g. `1,2`), on
+    /// the same batch, each rank's peak measured.
+    #[arg(long, value_delimiter = ',')]
+    torch_world_sizes: Vec<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -443,6 +447,7 @@ pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 microbatch_tokens: args.microbatch_tokens,
                 threads: args.threads,
                 skip_worker: args.skip_worker,
+                torch_world_sizes: args.torch_world_sizes,
                 ..Default::default()
             };
             let report = memory::run_memory_bench(opts).context("memory bench")?;
