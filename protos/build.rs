@@ -20,7 +20,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
-    config.bytes([".asyncrl.v1.BatchReply.arrow_ipc"]);
+    config.bytes([
+        ".asyncrl.v1.BatchReply.arrow_ipc",
+        ".asyncrl.v1.TrainStepRequest.batch_arrow_ipc",
+    ]);
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

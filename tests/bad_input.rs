@@ -289,6 +289,15 @@ fn with_learner_keys(
     std::fs::write(config, table.to_string()).expect("write a config");
 }
 
+/// A config file name, its `[learner]` and `[learner.torch]` keys, and
+/// what the error line must name.
+type Case = (
+    &'static str,
+    Vec<(&'static str, toml::Value)>,
+    Vec<(&'static str, toml::Value)>,
+    Vec<String>,
+);
+
 #[test]
 fn the_torch_engine_names_an_unknown_engine_a_world_size_and_a_model_folder_it_cannot_load() {
     let dir = tempdir();
@@ -304,12 +313,7 @@ fn the_torch_engine_names_an_unknown_engine_a_world_size_and_a_model_folder_it_c
     )
     .expect("write config.json");
     let torch = toml::Value::String("torch".into());
-    let cases: Vec<(
-        &str,
-        Vec<(&str, toml::Value)>,
-        Vec<(&str, toml::Value)>,
-        Vec<String>,
-    )> = vec![
+    let cases: Vec<Case> = vec![
         (
             "unknown.toml",
             vec![("trainer", toml::Value::String("megatron".into()))],

@@ -186,10 +186,10 @@ impl Config {
         }
         let rows = self.staleness.groups_per_step as usize * self.staleness.group_size as usize;
         let (k, world) = (self.learner.minibatches, self.learner.torch.world_size);
-        if rows % k != 0 || (rows / k) % world != 0 {
+        if !rows.is_multiple_of(k) || !(rows / k).is_multiple_of(world) {
             return Err(ConfigError::invalid(
                 "learner.torch.world_size",
-                &format!(
+                format!(
                     "{world} ranks cannot share the batch evenly: {rows} rows (staleness.groups_per_step × staleness.group_size) in {k} mini-batches (learner.minibatches)"
                 ),
             ));
