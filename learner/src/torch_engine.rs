@@ -381,8 +381,9 @@ impl TorchEngine {
                 message: s.message().to_owned(),
             }),
             Err(source) => {
-                // A closed socket: wait a little for the group's exit status.
-                let deadline = Instant::now() + Duration::from_secs(5);
+                // A closed socket: wait for the group's exit status (torchrun
+                // notices a dead rank within seconds, then stops the rest).
+                let deadline = Instant::now() + Duration::from_secs(30);
                 while Instant::now() < deadline {
                     if let Ok(Some(status)) = self.child.try_wait() {
                         std::thread::sleep(Duration::from_millis(100));

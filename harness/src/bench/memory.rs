@@ -420,6 +420,10 @@ pub fn run_memory_bench(opts: MemoryBenchOptions) -> anyhow::Result<MemoryBenchR
         // The built-in trainer's weights, gradients and moments go before
         // the torch engine's processes start.
         drop(trainer);
+        // SAFETY: malloc_trim only returns free heap pages to the kernel.
+        unsafe {
+            libc::malloc_trim(0);
+        }
         for &world in &opts.torch_world_sizes {
             run_torch(&model, world, first, &batch, &mut torch)
                 .with_context(|| format!("the torch engine at world size {world}"))?;
