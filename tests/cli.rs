@@ -75,6 +75,7 @@ fn the_example_configs_are_valid() {
         loaded,
         [
             "arith-staleness.toml",
+            "arith-torch.toml",
             "arith-vllm.toml",
             "arith.toml",
             "gsm8k-qwen2.5.toml",

@@ -123,7 +123,19 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if config is None:
         raise TypeError(f"{type(model).__name__} is no Hugging Face model (no config)")
     dtype = next(model.parameters()).dtype
-    loaded = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    if (path / "config.json").is_file():
+        loaded = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    else:
+        # Published weights alone (the object store's one file): transformers
+        # reads a folder with its config, so the weights get the model's.
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="asyncrl-load-") as tmp:
+            for f in path.iterdir():
+                if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
+                    os.symlink(f.resolve(), Path(tmp) / f.name)
+            config.save_pretrained(tmp)
+            loaded = AutoModelForCausalLM.from_pretrained(tmp, config=config, dtype=dtype)
     full = {k: v.detach() for k, v in loaded.state_dict().items()}
     expected = set(get_model_state_dict(model).keys())
     missing = sorted(expected - full.keys())

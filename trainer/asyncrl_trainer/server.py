@@ -375,16 +375,19 @@ def run_everywhere(engine: Engine, name: str, request: Any) -> tuple[Any, str]:
     return reply, error
 
 
-def follow(engine: Engine) -> None:
-    """Ranks other than 0: run what rank 0 broadcasts until shutdown."""
+def follow(engine: Engine) -> bool:
+    """Ranks other than 0: run what rank 0 broadcasts until shutdown (True)
+    or a fatal error (False)."""
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         name, payload = box[0]
         request = getattr(engine.pb2, REQUESTS[name]).FromString(payload)
         _, error = run_everywhere(engine, name, request)
-        if name == "shutdown" or error.startswith("fatal"):
-            return
+        if error.startswith("fatal"):
+            return False
+        if name == "shutdown":
+            return True
 
 
 REQUESTS = {
@@ -398,11 +401,13 @@ REQUESTS = {
 }
 
 
-def serve(engine: Engine, pb2_grpc: Any, socket_path: Path) -> None:
+def serve(engine: Engine, pb2_grpc: Any, socket_path: Path) -> bool:
+    """Serves until Shutdown (True) or a fatal error on a rank (False)."""
     import grpc
 
     lock = threading.Lock()
     done = threading.Event()
+    fatal = threading.Event()
 
     def handler(name: str) -> Callable[[Any, Any], Any]:
         def call(request: Any, context: Any) -> Any:
@@ -412,6 +417,8 @@ def serve(engine: Engine, pb2_grpc: Any, socket_path: Path) -> None:
                 if dist.get_world_size() > 1:
                     dist.broadcast_object_list([(name, request.SerializeToString())], src=0)
                 reply, error = run_everywhere(engine, name, request)
+                if error.startswith("fatal"):
+                    fatal.set()
                 if name == "shutdown" or error.startswith("fatal"):
                     done.set()
             if error.startswith("fatal"):
@@ -448,6 +455,7 @@ def serve(engine: Engine, pb2_grpc: Any, socket_path: Path) -> None:
     print(f"asyncrl trainer engine: serving on {socket_path}", file=sys.stderr, flush=True)
     done.wait()
     server.stop(grace=5).wait()
+    return not fatal.is_set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,11 +474,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     if dist.get_rank() == 0:
-        serve(engine, pb2_grpc, args.socket)
+        ok = serve(engine, pb2_grpc, args.socket)
     else:
-        follow(engine)
+        ok = follow(engine)
     dist.destroy_process_group()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -221,8 +221,12 @@ def test_two_ranks_over_grpc_train_checkpoint_and_export_like_one_process(
     for name, tensor in got.items():
         assert torch.equal(tensor, again[name]), name
 
-    # Published weights adopted: the first export loads back exactly.
-    engine.stub.LoadWeights(pb2.LoadWeightsRequest(path=str(tmp_path / "after3")), timeout=120)
+    # Published weights adopted, as the learner hands them over: the
+    # object store's one file in a folder of its own (no config.json).
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes((tmp_path / "after3" / "model.safetensors").read_bytes())
+    engine.stub.LoadWeights(pb2.LoadWeightsRequest(path=str(bare)), timeout=120)
     engine.stub.ExportWeights(pb2.ExportWeightsRequest(path=str(tmp_path / "loaded")), timeout=120)
     loaded = load_file(str(tmp_path / "loaded" / "model.safetensors"))
     for name, tensor in got.items():
