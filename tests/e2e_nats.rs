@@ -110,9 +110,14 @@ fn shared_weights_run(trainer: TrainerEngineName, kill_learner: bool) {
     folders.sort();
     let keep = asyncrl_config::LearnerConfig::default().keep_weight_versions;
     assert!(folders.len() <= keep, "{folders:?}");
-    assert_eq!(folders.last().map(String::as_str), Some("policy-v00000016"));
+    assert_eq!(
+        folders.last(),
+        Some(&asyncrl_protos::subjects::weights_folder_name(16))
+    );
     assert!(
-        folders.iter().all(|f| f.starts_with("policy-v")),
+        folders
+            .iter()
+            .all(|f| asyncrl_protos::subjects::weights_folder_version(f).is_some()),
         "{folders:?}"
     );
     if !kill_learner {

@@ -403,7 +403,9 @@ fn architecture_round_trip(arch: &str) {
                 r.logprob_gap_max
             );
         }
-        let published = out.join("shared").join("policy-v00000004");
+        let published = out
+            .join("shared")
+            .join(asyncrl_protos::subjects::weights_folder_name(4));
         assert_eq!(
             published.join("sha256.json").is_file(),
             transport == WeightTransportName::SharedPath,

@@ -18,7 +18,7 @@
 use asyncrl_common::unix_ms;
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, POLICY_VERSION_KEY, WEIGHTS_BUCKET, WEIGHTS_FORMAT, WEIGHTS_FORMAT_FOLDER,
-    weights_object_name, weights_object_version,
+    weights_folder_version, weights_object_name, weights_object_version,
 };
 use asyncrl_protos::v1::WeightFile;
 use asyncrl_protos::{Message, WeightAnnouncement};
@@ -240,11 +240,13 @@ pub fn prune_folders(
     let mut deleted = 0;
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let old = name
-            .strip_prefix("policy-v")
-            .and_then(|v| v.parse::<i64>().ok())
-            .is_some_and(|v| v <= i64::from(newest) - keep as i64);
-        let cut_off = name.starts_with(".policy-v") && name.ends_with(".tmp");
+        let old = weights_folder_version(&name)
+            .is_some_and(|v| i64::from(v) <= i64::from(newest) - keep as i64);
+        let cut_off = name
+            .strip_prefix('.')
+            .and_then(|n| n.strip_suffix(".tmp"))
+            .and_then(weights_folder_version)
+            .is_some();
         if old || cut_off {
             std::fs::remove_dir_all(e.path()).map_err(|source| FolderError::Io {
                 path: e.path(),
@@ -367,7 +369,7 @@ mod tests {
         files: &[(&str, &[u8])],
     ) -> std::path::PathBuf {
         let dest = root.join(asyncrl_protos::subjects::weights_folder_name(version));
-        let tmp = root.join(format!(".policy-v{version:08}.tmp"));
+        let tmp = root.join(asyncrl_protos::subjects::weights_folder_tmp_name(version));
         std::fs::create_dir_all(&tmp).unwrap();
         let mut sums = serde_json::Map::new();
         for (name, bytes) in files {
@@ -436,7 +438,9 @@ mod tests {
         let (_, kv) = open(&bus).await.unwrap();
         let root = tempfile::tempdir().unwrap();
         // A write cut off before sha256.json: nothing to announce.
-        let half = root.path().join("policy-v00000001");
+        let half = root
+            .path()
+            .join(asyncrl_protos::subjects::weights_folder_name(1));
         std::fs::create_dir_all(&half).unwrap();
         std::fs::write(half.join("model.safetensors"), b"partial").unwrap();
         let err = publish_folder(kv.as_ref(), 1, 1, &half).await.unwrap_err();
@@ -450,7 +454,11 @@ mod tests {
         for v in 1..=5 {
             write_folder(root.path(), v, &[("model.safetensors", b"w")]);
         }
-        std::fs::create_dir_all(root.path().join(".policy-v00000006.tmp")).unwrap();
+        std::fs::create_dir_all(
+            root.path()
+                .join(asyncrl_protos::subjects::weights_folder_tmp_name(6)),
+        )
+        .unwrap();
         std::fs::create_dir_all(root.path().join("unrelated")).unwrap();
         assert_eq!(prune_folders(root.path(), 5, 2).unwrap(), 4);
         let mut left: Vec<String> = std::fs::read_dir(root.path())
@@ -458,7 +466,8 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         left.sort();
-        assert_eq!(left, ["policy-v00000004", "policy-v00000005", "unrelated"]);
+        let name = asyncrl_protos::subjects::weights_folder_name;
+        assert_eq!(left, [name(4), name(5), "unrelated".to_owned()]);
     }
 
     #[tokio::test]

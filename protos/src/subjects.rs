@@ -45,8 +45,24 @@ pub const WEIGHTS_FORMAT: &str = "safetensors";
 pub const WEIGHTS_FORMAT_FOLDER: &str = "hf-folder";
 /// The folder of a version under the shared_path transport's root.
 pub fn weights_folder_name(version: i32) -> String {
-    format!("policy-v{version:08}")
+    format!("{WEIGHTS_FOLDER_PREFIX}{version:08}")
 }
+
+/// The version a folder name of [`weights_folder_name`] holds.
+pub fn weights_folder_version(name: &str) -> Option<i32> {
+    let digits = name.strip_prefix(WEIGHTS_FOLDER_PREFIX)?;
+    (digits.len() == 8 && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// The name a version folder is written under before it is renamed into
+/// place (a cut-off write leaves it behind).
+pub fn weights_folder_tmp_name(version: i32) -> String {
+    format!(".{}.tmp", weights_folder_name(version))
+}
+
+const WEIGHTS_FOLDER_PREFIX: &str = "policy-v";
 
 /// A JetStream stream of the contract: its name and the subjects it holds.
 /// Retention and the duplicate window come from the deployment's bus
