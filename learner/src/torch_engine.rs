@@ -319,11 +319,6 @@ impl TorchEngine {
         Ok(engine)
     }
 
-    /// What the group reported when it started.
-    pub fn info(&self) -> &EngineInfo {
-        &self.info
-    }
-
     fn resume(&mut self, root: &Path) -> Result<(), TrainError> {
         // Checkpoint writes a kill cut off (`.step-NNNNNNNN.tmp`, never
         // renamed into place) are garbage.

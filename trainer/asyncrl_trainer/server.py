@@ -346,18 +346,6 @@ class Engine:
         return self.pb2.ShutdownReply()
 
 
-#: The calls, by the name rank 0 broadcasts.
-CALLS = (
-    "describe",
-    "train_step",
-    "export_weights",
-    "load_weights",
-    "save_checkpoint",
-    "load_checkpoint",
-    "shutdown",
-)
-
-
 def run_everywhere(engine: Engine, name: str, request: Any) -> tuple[Any, str]:
     """Runs a call on this rank; returns (reply, error) with the first
     rank's error (all ranks agree on it)."""
@@ -390,6 +378,7 @@ def follow(engine: Engine) -> bool:
             return True
 
 
+#: The request message of each call, by the name rank 0 broadcasts.
 REQUESTS = {
     "describe": "DescribeRequest",
     "train_step": "TrainStepRequest",
