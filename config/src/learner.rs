@@ -108,9 +108,17 @@ pub enum MixedPrecisionName {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TorchEngineConfig {
-    /// Processes (one per GPU) that shard the model; it must divide the
-    /// rows of every mini-batch.
+    /// Processes (one per GPU) that shard the model, on all nodes together;
+    /// it must divide the rows of every mini-batch.
     pub world_size: usize,
+    /// Nodes (machines, pods) the group spans; `world_size / nodes` ranks
+    /// each. The learner runs node 0; every other node runs
+    /// `asyncrl trainer-node --node-rank N` with the same config.
+    pub nodes: usize,
+    /// `host:port` where node 0's torchrun serves the static rendezvous
+    /// (the learner's address as the other nodes reach it); needed when
+    /// `nodes` > 1.
+    pub rendezvous: Option<String>,
     /// The Python interpreter with torch, transformers and `asyncrl-trainer`
     /// (scripts/setup installs them into .venv and puts it first on PATH).
     pub python: PathBuf,
@@ -128,6 +136,8 @@ impl Default for TorchEngineConfig {
     fn default() -> Self {
         Self {
             world_size: 1,
+            nodes: 1,
+            rendezvous: None,
             python: PathBuf::from("python3"),
             mixed_precision: MixedPrecisionName::Auto,
             activation_checkpointing: false,
@@ -250,6 +260,37 @@ impl LearnerConfig {
         )?;
         crate::check_cores("learner.cpu_affinity", &self.cpu_affinity)?;
         check_range("learner.torch.world_size", self.torch.world_size, 1, 4096)?;
+        check_range("learner.torch.nodes", self.torch.nodes, 1, 512)?;
+        if !self.torch.world_size.is_multiple_of(self.torch.nodes) {
+            return Err(ConfigError::invalid(
+                "learner.torch.nodes",
+                format!(
+                    "{} nodes cannot hold world_size {} ranks evenly",
+                    self.torch.nodes, self.torch.world_size
+                ),
+            ));
+        }
+        match (&self.torch.rendezvous, self.torch.nodes) {
+            (None, n) if n > 1 => {
+                return Err(ConfigError::invalid(
+                    "learner.torch.rendezvous",
+                    format!("{n} nodes need the host:port of node 0's rendezvous"),
+                ));
+            }
+            (Some(r), _) => {
+                let port = r.rsplit_once(':').and_then(|(h, p)| {
+                    (!h.is_empty()).then_some(())?;
+                    p.parse::<u16>().ok().filter(|p| *p > 0)
+                });
+                if port.is_none() {
+                    return Err(ConfigError::invalid(
+                        "learner.torch.rendezvous",
+                        format!("{r:?} is not host:port"),
+                    ));
+                }
+            }
+            _ => {}
+        }
         if self.torch.python.as_os_str().is_empty() {
             return Err(ConfigError::invalid(
                 "learner.torch.python",
@@ -316,6 +357,27 @@ mod tests {
             ),
             // The builtin engine has no ranks to share with.
             ("[learner.torch]\nworld_size = 3", None),
+            // Two nodes of four ranks, node 0's rendezvous named.
+            (
+                "[learner.torch]\nworld_size = 8\nnodes = 2\nrendezvous = \"learner-0.trainer:29500\"",
+                None,
+            ),
+            (
+                "[learner.torch]\nworld_size = 8\nnodes = 2",
+                Some("`learner.torch.rendezvous` 2 nodes need the host:port"),
+            ),
+            (
+                "[learner.torch]\nworld_size = 8\nnodes = 3\nrendezvous = \"h:1\"",
+                Some("`learner.torch.nodes` 3 nodes cannot hold world_size 8 ranks evenly"),
+            ),
+            (
+                "[learner.torch]\nworld_size = 2\nnodes = 2\nrendezvous = \"learner\"",
+                Some("`learner.torch.rendezvous` \"learner\" is not host:port"),
+            ),
+            (
+                "[learner.torch]\nworld_size = 2\nnodes = 2\nrendezvous = \"learner:0\"",
+                Some("`learner.torch.rendezvous` \"learner:0\" is not host:port"),
+            ),
             (
                 "[learner.torch]\nworld_size = 0",
                 Some("`learner.torch.world_size` = 0 is out of range"),

@@ -643,6 +643,9 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
                 trainer: TrainerEngineName::Builtin,
                 torch: TorchEngineConfig {
                     world_size,
+                    // `nodes` divides `world_size` and is at most 512.
+                    nodes: if world_size.is_multiple_of(8) { 8 } else { 1 },
+                    rendezvous: Some(format!("trainer-{world_size}.asyncrl:29500")),
                     python,
                     mixed_precision,
                     activation_checkpointing: checkpointing,
