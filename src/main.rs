@@ -43,6 +43,9 @@ enum Command {
     Buffer(BufferArgs),
     /// Run the learner.
     Learner(RoleArgs),
+    /// Run one more node of the learner's torch engine group
+    /// (`learner.torch.nodes` > 1; the learner is node 0).
+    TrainerNode(TrainerNodeArgs),
     /// Talk to a running coordinator's admin API.
     Ctl(ctl_cli::CtlCliArgs),
     /// Held-out accuracy of a model folder or a learner checkpoint.
@@ -89,6 +92,17 @@ struct RoleArgs {
     /// Use this NATS server instead of the config's bus.url.
     #[arg(long)]
     bus: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct TrainerNodeArgs {
+    /// The learner's TOML config file (the same as the learner's).
+    #[arg(long, short)]
+    config: PathBuf,
+    /// This node's rank, 1 to `learner.torch.nodes` - 1; by default the
+    /// Indexed Job's `JOB_COMPLETION_INDEX` + 1.
+    #[arg(long)]
+    node_rank: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -210,6 +224,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             commands::buffer(&config, bus.as_deref())
         }
         Command::Learner(a) => commands::learner(&a.config, a.bus.as_deref()),
+        Command::TrainerNode(a) => commands::trainer_node(&a.config, a.node_rank),
         Command::Worker(a) => commands::worker(&a.config, a.bus.as_deref()),
         Command::Ctl(a) => commands::ctl(a.config.as_deref(), &a.request()),
         Command::Warmstart(a) => commands::warmstart(&commands::Warmstart {

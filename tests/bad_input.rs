@@ -353,3 +353,73 @@ fn the_torch_engine_names_an_unknown_engine_a_world_size_and_a_model_folder_it_c
         assert_one_error_line(&args, &out, &names);
     }
 }
+
+/// A config's `[learner]` and `[learner.torch]` keys, the flags of
+/// `asyncrl trainer-node`, and what its error line must name.
+type NodeCase = (
+    &'static str,
+    Vec<(&'static str, toml::Value)>,
+    Vec<(&'static str, toml::Value)>,
+    &'static [&'static str],
+    &'static [&'static str],
+);
+
+#[test]
+fn a_trainer_node_names_the_key_or_flag_that_leaves_it_nothing_to_join() {
+    let dir = tempdir();
+    let tasks = tasks_file(dir.path());
+    let torch = toml::Value::String("torch".into());
+    let two_nodes = vec![
+        ("world_size", toml::Value::Integer(2)),
+        ("nodes", toml::Value::Integer(2)),
+        ("rendezvous", toml::Value::String("127.0.0.1:29500".into())),
+    ];
+    let cases: Vec<NodeCase> = vec![
+        (
+            "builtin.toml",
+            vec![],
+            two_nodes.clone(),
+            &["--node-rank", "1"],
+            &["learner.trainer", "builtin"],
+        ),
+        (
+            "one-node.toml",
+            vec![("trainer", torch.clone())],
+            vec![],
+            &["--node-rank", "1"],
+            &["learner.torch.nodes"],
+        ),
+        (
+            "rank.toml",
+            vec![("trainer", torch.clone())],
+            two_nodes.clone(),
+            &["--node-rank", "2"],
+            &["--node-rank 2", "1 to 1"],
+        ),
+        (
+            "index.toml",
+            vec![("trainer", torch)],
+            two_nodes,
+            &[],
+            &["JOB_COMPLETION_INDEX"],
+        ),
+    ];
+    for (name, learner, torch, flags, names) in cases {
+        let config = write_config(dir.path(), name, "nats://127.0.0.1:4222", &[], &tasks);
+        with_learner_keys(&config, &learner, &torch);
+        let mut text: toml::Table = std::fs::read_to_string(&config)
+            .expect("read")
+            .parse()
+            .expect("TOML");
+        text["model"]
+            .as_table_mut()
+            .expect("[model]")
+            .insert("path".into(), toml::Value::String("model".into()));
+        std::fs::write(&config, text.to_string()).expect("write");
+        let config = config.to_str().expect("utf-8 path");
+        let mut args = vec!["trainer-node", "--config", config];
+        args.extend_from_slice(flags);
+        let out = asyncrl(&args);
+        assert_one_error_line(&args, &out, names);
+    }
+}

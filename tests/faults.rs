@@ -205,6 +205,43 @@ fn a_torch_engine_killed_mid_step_and_mid_checkpoint_fails_its_learner_which_res
 }
 
 #[test]
+fn a_torch_engine_across_two_nodes_trains_and_restarts_as_a_gang_when_its_learner_is_killed() {
+    // Node 0 is the learner; node 1 is `asyncrl trainer-node`, started as an
+    // Indexed Job's pod (JOB_COMPLETION_INDEX = 0), meeting it at a static
+    // rendezvous. The engine serves only once both nodes' ranks joined.
+    let mut c = Cluster::start(Spec {
+        trainer_nodes: 2,
+        ..torch_spec(3)
+    });
+    c.wait_step(4, TORCH_WAIT);
+    let node1 = c.trainer_ranks_of("trainer-node-1");
+    assert_eq!(node1.len(), 1, "node 1 runs one rank");
+    assert!(
+        c.current_log("learner").contains("world_size=2"),
+        "the learner's engine does not serve two ranks"
+    );
+    c.kill9("learner");
+    // The other node does not wait for a learner that is gone: it fails, so
+    // that the whole gang restarts.
+    let status = c.wait_exit("trainer-node-1", STEP_WAIT);
+    assert!(
+        !status.success(),
+        "node 1 exited {status} after its learner died"
+    );
+    c.wait("node 1's rank to die", STEP_WAIT, |_| {
+        node1.iter().all(|&p| !alive(p))
+    });
+    c.start_role("learner");
+    c.start_role("trainer-node-1");
+    assert_resumed(&mut c);
+    // Node 1 leaves with the learner's group, exit 0 (checked by finish).
+    let report = c.finish(&Expect {
+        learner_restarts: 1,
+    });
+    assert_eq!(report.steps, 16);
+}
+
+#[test]
 fn a_coordinator_killed_with_sigkill_continues_from_its_persisted_state() {
     let mut c = Cluster::start(spec());
     c.wait_step(4, STEP_WAIT);

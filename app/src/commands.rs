@@ -53,6 +53,37 @@ pub fn worker(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
     })
 }
 
+/// `asyncrl trainer-node`: node `node_rank` of the learner's torch engine
+/// group (`learner.torch.nodes` > 1), by default the Indexed Job's
+/// `JOB_COMPLETION_INDEX` + 1 (node 0 is the learner). Exits as the group
+/// does.
+#[cfg(feature = "torch")]
+pub fn trainer_node(config: &Path, node_rank: Option<usize>) -> anyhow::Result<()> {
+    let config = crate::roles::load(config, None)?;
+    let node_rank = match node_rank {
+        Some(r) => r,
+        None => {
+            let index = std::env::var("JOB_COMPLETION_INDEX").context(
+                "asyncrl trainer-node needs --node-rank N (or JOB_COMPLETION_INDEX, as an Indexed Job sets it)",
+            )?;
+            let index: usize = index
+                .parse()
+                .with_context(|| format!("JOB_COMPLETION_INDEX {index:?} is not a number"))?;
+            index + 1
+        }
+    };
+    let status = asyncrl_learner::torch_engine::run_node(&config, node_rank)?;
+    if !status.success() {
+        anyhow::bail!("trainer node {node_rank}: the group exited with {status}");
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "torch"))]
+pub fn trainer_node(_: &Path, _: Option<usize>) -> anyhow::Result<()> {
+    crate::no_torch("trainer-node")
+}
+
 #[cfg(not(feature = "torch"))]
 pub fn learner(_: &Path, _: Option<&str>) -> anyhow::Result<()> {
     crate::no_torch("learner")

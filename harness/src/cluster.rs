@@ -79,6 +79,11 @@ pub struct Spec {
     /// `learner.weight_transport`; `SharedPath` puts the version folders in
     /// the cluster's `weights/` folder (`Cluster::shared_weights_dir`).
     pub weight_transport: WeightTransportName,
+    /// `learner.torch.nodes` (a torch engine of one rank per node): the
+    /// learner runs node 0 and serves the rendezvous on a free loopback
+    /// port; each other node is a role `trainer-node-K`, started as an
+    /// Indexed Job's pod would be (`JOB_COMPLETION_INDEX` = K − 1).
+    pub trainer_nodes: usize,
 }
 
 impl Default for Spec {
@@ -104,6 +109,7 @@ impl Default for Spec {
             stream: TrajectoryRetention::Keep,
             trainer: TrainerEngineName::Builtin,
             weight_transport: WeightTransportName::ObjectStore,
+            trainer_nodes: 1,
         }
     }
 }
@@ -188,6 +194,8 @@ pub struct Cluster {
     pub tasks_file: PathBuf,
     /// The model folder every role loads (a torch-engine run).
     pub model_dir: Option<PathBuf>,
+    /// Where the torch engine's node 0 serves the rendezvous.
+    rendezvous_port: u16,
     roles: Vec<RoleProcess>,
     rt: tokio::runtime::Runtime,
     /// Every `policy.version` announcement seen, in order.
@@ -242,6 +250,7 @@ impl Cluster {
             out,
             tasks_file,
             model_dir,
+            rendezvous_port: asyncrl_testkit::free_port().expect("a free port for the rendezvous"),
             roles: Vec::new(),
             rt,
             announcements: Arc::default(),
@@ -252,6 +261,11 @@ impl Cluster {
         cluster.add_role("coordinator", "coordinator", None);
         cluster.add_role("buffer", "buffer", None);
         cluster.add_role("learner", "learner", None);
+        for k in 1..cluster.spec.trainer_nodes {
+            let name = format!("trainer-node-{k}");
+            cluster.add_role(&name, "trainer-node", None);
+            cluster.role(&name).env = vec![("JOB_COMPLETION_INDEX".into(), (k - 1).to_string())];
+        }
         for i in 1..=cluster.spec.workers {
             let name = format!("worker-{i}");
             cluster.add_role(&name, "worker", Some(&name));
@@ -287,6 +301,11 @@ impl Cluster {
         c.coordinator.dead_after = s.dead_after;
         c.learner.checkpoint_every = s.checkpoint_every;
         c.learner.trainer = s.trainer;
+        if s.trainer_nodes > 1 {
+            c.learner.torch.world_size = s.trainer_nodes;
+            c.learner.torch.nodes = s.trainer_nodes;
+            c.learner.torch.rendezvous = Some(format!("127.0.0.1:{}", self.rendezvous_port));
+        }
         c.learner.weight_transport = s.weight_transport;
         c.learner.shared_weights_dir = (s.weight_transport == WeightTransportName::SharedPath)
             .then(|| self.shared_weights_dir());
@@ -354,10 +373,15 @@ impl Cluster {
     /// The processes of the learner's torch engine that run the model (the
     /// ranks, not torchrun): descendants of the learner process.
     pub fn trainer_ranks(&mut self) -> Vec<u32> {
-        let Some(learner) = self.role("learner").pid() else {
+        self.trainer_ranks_of("learner")
+    }
+
+    /// The torch engine ranks a role (`learner`, `trainer-node-K`) runs.
+    pub fn trainer_ranks_of(&mut self, name: &str) -> Vec<u32> {
+        let Some(pid) = self.role(name).pid() else {
             return Vec::new();
         };
-        crate::process::descendants(learner)
+        crate::process::descendants(pid)
             .into_iter()
             .filter(|(_, cmd)| {
                 cmd.contains("asyncrl_trainer.server") && !cmd.contains("torch.distributed.run")
@@ -723,8 +747,20 @@ impl Cluster {
             .filter(|r| r.is_running())
             .map(|r| r.name.clone())
             .collect();
+        // Trainer nodes leave with the learner's group, by themselves.
+        for name in alive.iter().filter(|n| n.starts_with("trainer-node")) {
+            let status = self.wait_exit(name, Duration::from_secs(60));
+            assert!(
+                status.success(),
+                "{name} exited with {status} after the learner finished"
+            );
+        }
         // Workers first (they drain), then buffer and coordinator.
-        let mut order = alive.clone();
+        let mut order: Vec<String> = alive
+            .iter()
+            .filter(|n| !n.starts_with("trainer-node"))
+            .cloned()
+            .collect();
         order.sort_by_key(|n| match n.as_str() {
             "coordinator" => 2,
             "buffer" => 1,

@@ -109,7 +109,8 @@ pub const READY_LINE: &str = "serving /metrics";
 pub struct RoleProcess {
     /// `coordinator`, `worker-2`, …
     pub name: String,
-    /// The subcommand: `coordinator`, `buffer`, `learner` or `worker`.
+    /// The subcommand: `coordinator`, `buffer`, `learner`, `worker` or
+    /// `trainer-node`.
     pub role: String,
     pub config: PathBuf,
     pub log: PathBuf,
@@ -119,6 +120,8 @@ pub struct RoleProcess {
     pub exited: Option<ExitStatus>,
     /// Stopped with SIGSTOP and not continued.
     pub frozen: bool,
+    /// Environment variables of every incarnation beside the inherited ones.
+    pub env: Vec<(String, String)>,
     child: Option<Child>,
     /// Length of the log when the current incarnation started.
     log_offset: u64,
@@ -134,6 +137,7 @@ impl RoleProcess {
             starts: 0,
             exited: None,
             frozen: false,
+            env: Vec::new(),
             child: None,
             log_offset: 0,
         }
@@ -161,6 +165,7 @@ impl RoleProcess {
         .with_context(|| format!("cannot write {}", self.log.display()))?;
         self.log_offset = log.metadata().map(|m| m.len()).unwrap_or(0);
         let child = role_command(bin, &self.role, &self.config, log)?
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .spawn()
             .with_context(|| format!("cannot start {}", self.name))?;
         self.child = Some(child);

@@ -132,6 +132,135 @@ impl Tail {
     }
 }
 
+/// The torchrun command of node `node_rank` of the group (`learner.torch`):
+/// the learner runs node 0 (which serves `socket`); `asyncrl trainer-node`
+/// runs the others with the same config, so every node starts the same
+/// server with the same arguments (the server checks that they agree).
+pub fn group_command(
+    config: &Config,
+    opts: &TrainerOptions,
+    model: &Path,
+    socket: &Path,
+    node_rank: usize,
+) -> Command {
+    let t = &config.learner.torch;
+    let mut cmd = Command::new(&t.python);
+    cmd.args(["-m", "torch.distributed.run"]);
+    match (&t.rendezvous, t.nodes) {
+        (Some(endpoint), nodes) if nodes > 1 => {
+            let (host, port) = endpoint.rsplit_once(':').unwrap_or((endpoint, "29500"));
+            cmd.arg(format!("--nnodes={nodes}"))
+                .arg(format!("--node-rank={node_rank}"))
+                .arg(format!("--master-addr={host}"))
+                .arg(format!("--master-port={port}"));
+        }
+        _ => {
+            cmd.arg("--standalone");
+        }
+    }
+    cmd.arg(format!(
+        "--nproc-per-node={}",
+        t.world_size / t.nodes.max(1)
+    ))
+    .args(["-m", "asyncrl_trainer.server", "--model"])
+    .arg(model)
+    .arg("--socket")
+    .arg(socket)
+    .arg(format!("--temperature={}", opts.temperature))
+    .arg(format!("--proximal={}", config.learner.proximal.as_str()))
+    .arg(format!(
+        "--max-tokens-per-microbatch={}",
+        opts.max_tokens_per_microbatch
+    ))
+    .arg(format!(
+        "--learning-rate={}",
+        config.coordinator.initial_knobs.learning_rate
+    ))
+    .arg(format!("--grad-clip={}", opts.grad_clip))
+    .arg(format!("--weight-decay={}", opts.adamw.weight_decay))
+    .arg(format!("--beta1={}", opts.adamw.beta1))
+    .arg(format!("--beta2={}", opts.adamw.beta2))
+    .arg(format!("--adam-eps={}", opts.adamw.eps))
+    .arg(format!(
+        "--mixed-precision={}",
+        match t.mixed_precision {
+            MixedPrecisionName::Auto => "auto",
+            MixedPrecisionName::None => "none",
+            MixedPrecisionName::Bf16 => "bf16",
+        }
+    ))
+    .arg(format!("--seed={}", config.run.seed));
+    if t.activation_checkpointing {
+        cmd.arg("--activation-checkpointing");
+    }
+    if t.cpu_offload {
+        cmd.arg("--cpu-offload");
+    }
+    if std::env::var_os("OMP_NUM_THREADS").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let local = (t.world_size / t.nodes.max(1)).max(1);
+        cmd.env("OMP_NUM_THREADS", (cores / local).max(1).to_string());
+    }
+    cmd
+}
+
+/// `asyncrl trainer-node`: runs node `node_rank` (1 ≤ rank < `nodes`) of
+/// the torch engine's group and waits for it. The learner runs node 0 and
+/// serves the rendezvous; this node's ranks join it, train every step the
+/// learner's rank 0 broadcasts and exit when the learner shuts the group
+/// down (0) or the group breaks (non-zero: restart the whole gang). They
+/// die with this process, even by SIGKILL.
+pub fn run_node(config: &Config, node_rank: usize) -> anyhow::Result<std::process::ExitStatus> {
+    use anyhow::Context as _;
+    let t = &config.learner.torch;
+    if config.learner.trainer != asyncrl_config::TrainerEngineName::Torch {
+        anyhow::bail!(
+            "learner.trainer is {:?}: a trainer node runs only for the torch engine",
+            config.learner.trainer.as_str()
+        );
+    }
+    if t.nodes < 2 {
+        anyhow::bail!(
+            "learner.torch.nodes is {}: the learner runs the whole group, there is no other node",
+            t.nodes
+        );
+    }
+    if node_rank == 0 || node_rank >= t.nodes {
+        anyhow::bail!(
+            "--node-rank {node_rank}: a trainer node is 1 to {} (the learner is node 0)",
+            t.nodes - 1
+        );
+    }
+    let model =
+        config.model.path.as_deref().context(
+            "model.path: the torch engine trains a Hugging Face model folder; none is set",
+        )?;
+    let opts = crate::service::trainer_options(config);
+    // Only node 0 serves: the socket is an argument every node passes alike.
+    let socket = std::env::temp_dir().join("asyncrl-trainer-node.sock");
+    let mut cmd = group_command(config, &opts, model, &socket, node_rank);
+    // SAFETY: between fork and exec only async-signal-safe calls (prctl).
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    tracing::info!(
+        node_rank,
+        nodes = t.nodes,
+        rendezvous = t.rendezvous.as_deref().unwrap_or(""),
+        "starting the trainer node"
+    );
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .spawn()
+        .with_context(|| format!("cannot run {} (learner.torch.python)", t.python.display()))?;
+    child
+        .wait()
+        .context("waiting for the trainer node's torchrun")
+}
+
 pub struct TorchEngine {
     rt: tokio::runtime::Runtime,
     client: TrainerEngineClient<Channel>,
@@ -175,50 +304,10 @@ impl TorchEngine {
         }
         std::fs::create_dir_all(&work)
             .map_err(io_err(format!("cannot create {}", work.display())))?;
-        let mut cmd = Command::new(&t.python);
-        cmd.args(["-m", "torch.distributed.run", "--standalone"])
-            .arg(format!("--nproc-per-node={}", t.world_size))
-            .args(["-m", "asyncrl_trainer.server", "--model"])
-            .arg(model)
-            .arg("--socket")
-            .arg(&socket)
-            .arg(format!("--temperature={}", opts.temperature))
-            .arg(format!("--proximal={}", config.learner.proximal.as_str()))
-            .arg(format!(
-                "--max-tokens-per-microbatch={}",
-                opts.max_tokens_per_microbatch
-            ))
-            .arg(format!(
-                "--learning-rate={}",
-                config.coordinator.initial_knobs.learning_rate
-            ))
-            .arg(format!("--grad-clip={}", opts.grad_clip))
-            .arg(format!("--weight-decay={}", opts.adamw.weight_decay))
-            .arg(format!("--beta1={}", opts.adamw.beta1))
-            .arg(format!("--beta2={}", opts.adamw.beta2))
-            .arg(format!("--adam-eps={}", opts.adamw.eps))
-            .arg(format!(
-                "--mixed-precision={}",
-                match t.mixed_precision {
-                    MixedPrecisionName::Auto => "auto",
-                    MixedPrecisionName::None => "none",
-                    MixedPrecisionName::Bf16 => "bf16",
-                }
-            ))
-            .arg(format!("--seed={}", config.run.seed))
-            .stdin(Stdio::null())
+        let mut cmd = group_command(config, &opts, model, &socket, 0);
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if t.activation_checkpointing {
-            cmd.arg("--activation-checkpointing");
-        }
-        if t.cpu_offload {
-            cmd.arg("--cpu-offload");
-        }
-        if std::env::var_os("OMP_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, usize::from);
-            cmd.env("OMP_NUM_THREADS", (cores / t.world_size).max(1).to_string());
-        }
         // SAFETY: between fork and exec only async-signal-safe calls
         // (setpgid, prctl, getppid).
         unsafe {

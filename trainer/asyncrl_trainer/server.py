@@ -447,6 +447,25 @@ def serve(engine: Engine, pb2_grpc: Any, socket_path: Path) -> bool:
     return not fatal.is_set()
 
 
+def check_same_args(args: argparse.Namespace) -> None:
+    """Every rank must run the step alike: a node started from another
+    config (``asyncrl trainer-node`` reads its own copy) is refused on every
+    rank, naming the first option that differs from rank 0's."""
+    mine = {k: str(v) for k, v in sorted(vars(args).items()) if k != "socket"}
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0] or {}
+    for rank, theirs in enumerate(everyone):
+        for key, value in first.items():
+            other = (theirs or {}).get(key)
+            if other != value:
+                option = "--" + key.replace("_", "-")
+                raise ConfigError(
+                    f"learner.torch: rank {rank} was started with {option}={other}, "
+                    f"rank 0 with {option}={value}: every node must run the same config"
+                )
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -457,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     pb2, pb2_grpc = load_stubs()
     try:
+        check_same_args(args)
         engine = Engine(args, pb2)
     except ConfigError as e:
         if dist.get_rank() == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket as socket_module
 import subprocess
 import sys
 import time
@@ -109,7 +110,15 @@ def request(step: int) -> Any:
 
 
 class Engine:
-    def __init__(self, model: Path, socket: Path, world: int, log: Path) -> None:
+    def __init__(
+        self,
+        model: Path,
+        socket: Path,
+        world: int,
+        log: Path,
+        rendezvous: list[str] | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
         self.socket = socket
         self.log = log
         self.proc = subprocess.Popen(
@@ -117,7 +126,7 @@ class Engine:
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
-                "--standalone",
+                *(rendezvous or ["--standalone"]),
                 f"--nproc-per-node={world}",
                 "-m",
                 "asyncrl_trainer.server",
@@ -131,6 +140,7 @@ class Engine:
                 "24",
                 "--learning-rate",
                 str(LR),
+                *(extra or []),
             ],
             stdout=open(log, "wb"),
             stderr=subprocess.STDOUT,
@@ -276,3 +286,46 @@ def test_a_folder_transformers_cannot_load_ends_the_group_with_one_line_naming_t
     lines = [l for l in e.log.read_text().splitlines() if l.startswith("error: model.path")]
     assert len(lines) == 1, e.log.read_text()
     assert str(folder) in lines[0]
+
+
+def free_port() -> int:
+    with socket_module.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_nodes_started_from_different_configs_are_refused_naming_the_option(
+    tmp_path: Path,
+) -> None:
+    # Two nodes of one rank each, as the learner (node 0) and
+    # `asyncrl trainer-node` (node 1) start them, meeting at a static
+    # rendezvous; node 1 read a config with another seed.
+    tiny_model(tmp_path / "model")
+    port = free_port()
+    nodes = [
+        Engine(
+            tmp_path / "model",
+            tmp_path / "engine.sock",
+            1,
+            tmp_path / f"node{rank}.log",
+            rendezvous=[
+                "--nnodes=2",
+                f"--node-rank={rank}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+            ],
+            extra=[f"--seed={rank}"],
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        codes = [n.proc.wait(timeout=240) for n in nodes]
+    finally:
+        for n in nodes:
+            n.close()
+    assert all(c != 0 for c in codes), [n.log.read_text() for n in nodes]
+    lines = [l for l in nodes[0].log.read_text().splitlines() if l.startswith("error: learner.torch")]
+    assert lines == [
+        "error: learner.torch: rank 1 was started with --seed=1, rank 0 with --seed=0: "
+        "every node must run the same config"
+    ], nodes[0].log.read_text()
