@@ -16,7 +16,7 @@ use asyncrl_config::{
 };
 use asyncrl_harness::configs;
 use asyncrl_harness::invariants::{TrainedCheck, check_trained_file};
-use asyncrl_learner::outputs::{METRICS_CSV, TRAINED_JSONL, read_metrics};
+use asyncrl_learner::outputs::{EVAL_CSV, METRICS_CSV, TRAINED_JSONL, read_eval, read_metrics};
 
 const STEPS: usize = 400;
 
@@ -369,7 +369,15 @@ fn architecture_round_trip(arch: &str) {
         c.coordinator.admin_listen = "127.0.0.1:0".into();
         c.coordinator.datasets = vec![configs::arith(&data)];
         c.coordinator.initial_knobs.learning_rate = 1e-2;
-        c.eval = EvalConfig::default();
+        // Held-out evaluation of versions 0, 2 and 4: `auto` evaluates an
+        // architecture the built-in model does not run through a torch
+        // engine process of the evaluator's own.
+        c.eval = EvalConfig {
+            every_steps: 2,
+            dataset: Some(configs::arith(&data)),
+            problems: 8,
+            ..EvalConfig::default()
+        };
         c.model.path = Some(model.clone());
         c.staleness.eta = 0;
         c.staleness.groups_per_step = 4;
@@ -401,6 +409,16 @@ fn architecture_round_trip(arch: &str) {
                 "{name}: step {}: vLLM's log-probs differ from the trainer's by {}",
                 r.step,
                 r.logprob_gap_max
+            );
+        }
+        let eval = read_eval(&out.join(EVAL_CSV)).expect("eval.csv");
+        let versions: Vec<i32> = eval.iter().map(|r| r.version).collect();
+        assert_eq!(versions, [0, 2, 4], "{name}: {eval:?}");
+        for r in &eval {
+            assert_eq!(r.scores.problems, 8, "{name}");
+            assert!(
+                r.scores.greedy.is_some_and(|g| (0.0..=1.0).contains(&g)),
+                "{name}: {r:?}"
             );
         }
         let published = out

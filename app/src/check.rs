@@ -149,11 +149,14 @@ fn architecture(config: &Config) -> anyhow::Result<Option<String>> {
         );
     }
     // The built-in model runs the workers' generation, the built-in trainer
-    // or `[eval]`: then it must know the architecture. Otherwise vLLM and
-    // the torch engine load it, and the config only has to name it.
+    // or `[eval]` (`eval.engine`): then it must know the architecture.
+    // Otherwise vLLM and the torch engine load it, and the config only has
+    // to name it.
     let builtin_needed = config.worker.engine.kind == asyncrl_config::EngineKind::Builtin
         || config.learner.trainer == asyncrl_config::TrainerEngineName::Builtin
-        || config.eval.enabled();
+        || (config.eval.enabled()
+            && asyncrl_learner::eval::resolve_engine(config)
+                == asyncrl_config::EvalEngineName::Builtin);
     if !builtin_needed {
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("model.path: cannot read {}", path.display()))?;

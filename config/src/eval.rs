@@ -7,6 +7,31 @@ use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, DatasetConfig, check_range};
 
+/// What generates the learner's held-out completions (`eval.engine`).
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EvalEngineName {
+    /// The built-in model when it runs the architecture (`model.path`'s
+    /// `config.json`, or `[model.tiny]`), else `torch`.
+    #[default]
+    Auto,
+    /// The built-in model, on its own thread (Llama and Qwen2).
+    Builtin,
+    /// A one-rank torch engine process of its own (`learner.torch.python`):
+    /// any Hugging Face causal LM.
+    Torch,
+}
+
+impl EvalEngineName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvalEngineName::Auto => "auto",
+            EvalEngineName::Builtin => "builtin",
+            EvalEngineName::Torch => "torch",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalConfig {
@@ -33,6 +58,8 @@ pub struct EvalConfig {
     pub seed: u64,
     /// Tokens per completion at most (default: `model.max_new_tokens`).
     pub max_new_tokens: Option<usize>,
+    /// What generates the completions: `auto`, `builtin` or `torch`.
+    pub engine: EvalEngineName,
 }
 
 impl Default for EvalConfig {
@@ -47,6 +74,7 @@ impl Default for EvalConfig {
             temperature: None,
             seed: 0,
             max_new_tokens: None,
+            engine: EvalEngineName::Auto,
         }
     }
 }
@@ -127,6 +155,15 @@ mod tests {
             Ok(()),
         );
         check("[eval]\nevery_steps = 10", Err("`eval.dataset` is missing"));
+        check(
+            "[eval]\nevery_steps = 10\nengine = \"torch\"\ndataset = { name = \"arith\", path = \"e.jsonl\" }",
+            Err("`model.path` eval.engine = \"torch\" evaluates a Hugging Face model folder"),
+        );
+        check(
+            "[model]\npath = \"m\"\n[eval]\nevery_steps = 10\nengine = \"torch\"\ndataset = { name = \"arith\", path = \"e.jsonl\" }",
+            Ok(()),
+        );
+        check("[eval]\nengine = \"vllm\"", Err("`eval.engine`"));
         check(
             "[eval]\nevery_steps = 1\ndataset = { name = \"x\", path = \"e.jsonl\" }",
             Err("eval.dataset.verifier"),

@@ -28,7 +28,7 @@ pub use coordinator::{
     AdminTlsConfig, BUILTIN_VERIFIERS, ClipModeName, CoordinatorConfig, DatasetConfig,
     DatasetFormat, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode, knob_ranges,
 };
-pub use eval::{EvalConfig, MAX_EVAL_SAMPLES};
+pub use eval::{EvalConfig, EvalEngineName, MAX_EVAL_SAMPLES};
 pub use learner::{
     AdvantageNormName, LearnerConfig, LossAggregationName, MixedPrecisionName, ProximalName,
     TorchEngineConfig, TrainerEngineName, WeightTransportName,
@@ -175,6 +175,15 @@ impl Config {
     /// `learner.minibatches` equal mini-batches, each a multiple of
     /// `learner.torch.world_size`.
     fn check_torch_engine(&self) -> Result<(), ConfigError> {
+        if self.eval.enabled()
+            && self.eval.engine == EvalEngineName::Torch
+            && self.model.path.is_none()
+        {
+            return Err(ConfigError::invalid(
+                "model.path",
+                "eval.engine = \"torch\" evaluates a Hugging Face model folder: set model.path",
+            ));
+        }
         if self.learner.trainer != TrainerEngineName::Torch {
             return Ok(());
         }

@@ -13,9 +13,9 @@ use std::time::Duration;
 use asyncrl_config::{
     AdminTlsConfig, AdvantageNormName, BUS_ROLES, BatchingMode, BufferConfig, BusConfig,
     ClipModeName, Config, CoordinatorConfig, DatasetConfig, DatasetFormat, DeviceName, EngineApi,
-    EngineConfig, EngineKind, EvalConfig, FsyncPolicy, InitialKnobs, LearnerConfig, LogFormat,
-    LongPrompts, LossAggregationName, MixedPrecisionName, ModelConfig, PauseMode, ProximalName,
-    RetentionPolicy, RoleAuth, RunConfig, SamplingPolicy, Secret, SegmentCompression,
+    EngineConfig, EngineKind, EvalConfig, EvalEngineName, FsyncPolicy, InitialKnobs, LearnerConfig,
+    LogFormat, LongPrompts, LossAggregationName, MixedPrecisionName, ModelConfig, PauseMode,
+    ProximalName, RetentionPolicy, RoleAuth, RunConfig, SamplingPolicy, Secret, SegmentCompression,
     StalenessConfig, StorageConfig, TelemetryConfig, TinyModelConfig, TlsConfig, TorchEngineConfig,
     TrainerEngineName, TrajectoryRetention, WeightDtypeName, WeightTransportName, WorkerConfig,
     WorkerRewardConfig,
@@ -816,7 +816,10 @@ fn eval() -> impl Strategy<Value = EvalConfig> {
         (any::<bool>(), 0usize..=1024),
         proptest::option::of(prop_oneof![Just(100.0f64), 1e-6f64..100.0]),
         0..=i64::MAX as u64,
-        proptest::option::of(1usize..=1 << 16),
+        (
+            proptest::option::of(1usize..=1 << 16),
+            prop_oneof![Just(EvalEngineName::Auto), Just(EvalEngineName::Builtin)],
+        ),
     )
         .prop_map(
             |(
@@ -825,7 +828,7 @@ fn eval() -> impl Strategy<Value = EvalConfig> {
                 (greedy, samples),
                 temperature,
                 seed,
-                new,
+                (new, engine),
             )| {
                 EvalConfig {
                     every_steps: if dataset.is_some() { every } else { 0 },
@@ -837,6 +840,9 @@ fn eval() -> impl Strategy<Value = EvalConfig> {
                     temperature,
                     seed,
                     max_new_tokens: new,
+                    // `torch` needs model.path (a cross-section check with
+                    // its own tests).
+                    engine,
                 }
             },
         )

@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use asyncrl_config::Config;
+use asyncrl_config::{Config, EvalEngineName};
 use asyncrl_policy::{DecodeBatchOptions, ModelText, Policy, SamplingParams, SequenceRequest};
 use asyncrl_tasks::{TaskItem, Verdict};
 use asyncrl_telemetry::{Metrics, TelemetryError};
@@ -30,7 +30,9 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
+use crate::engine::TrainerEngine as _;
 use crate::outputs::{CsvLog, EVAL_CSV};
+use crate::torch_engine::TorchEngine;
 use crate::trainer::TrainError;
 
 // The scores and the row are records of `eval.csv`, at home in
@@ -74,32 +76,25 @@ pub fn evaluate(
     items: &[TaskItem],
     spec: &EvalSpec,
 ) -> Result<EvalScores, TrainError> {
-    let start = Instant::now();
     let _g = tch::no_grad_guard();
     let eos = policy.eos_token_ids();
-    let prompts: Vec<Vec<i64>> = items
-        .iter()
-        .map(|it| text.encode(&it.prompt))
-        .collect::<Result<_, _>>()
-        .map_err(asyncrl_policy::PolicyError::from)?;
-    // Rewards of `per_item` completions of every item, item-major.
-    let run = |temperature: f64, per_item: usize| -> Result<Vec<f64>, TrainError> {
-        let mut requests = Vec::with_capacity(items.len() * per_item);
-        for (i, prompt) in prompts.iter().enumerate() {
-            for j in 0..per_item {
-                requests.push(SequenceRequest {
-                    prompt: prompt.clone(),
-                    params: SamplingParams {
-                        temperature,
-                        top_p: 1.0,
-                        top_k: 0,
-                        max_new_tokens: spec.max_new_tokens,
-                        stop_token_ids: eos.clone(),
-                        seed: Some(spec.seed.wrapping_add((i * per_item + j) as u64)),
-                    },
-                });
-            }
-        }
+    let stops = eos.clone();
+    evaluate_with(text, items, spec, &eos, |prompts, seeds, temperature| {
+        let requests = prompts
+            .iter()
+            .zip(seeds)
+            .map(|(prompt, seed)| SequenceRequest {
+                prompt: prompt.clone(),
+                params: SamplingParams {
+                    temperature,
+                    top_p: 1.0,
+                    top_k: 0,
+                    max_new_tokens: spec.max_new_tokens,
+                    stop_token_ids: stops.clone(),
+                    seed: Some(*seed),
+                },
+            })
+            .collect();
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
         let outs = asyncrl_policy::generate(
             policy,
@@ -109,12 +104,48 @@ pub fn evaluate(
                 max_seq_len: longest + spec.max_new_tokens + 1,
             },
         )?;
+        Ok(outs.into_iter().map(|o| o.tokens).collect())
+    })
+}
+
+/// Generates completions: `(prompts, seeds, temperature)` → one token list
+/// per prompt, in order (temperature 0: greedy).
+pub trait Generate: FnMut(&[Vec<i64>], &[u64], f64) -> Result<Vec<Vec<i64>>, TrainError> {}
+impl<F: FnMut(&[Vec<i64>], &[u64], f64) -> Result<Vec<Vec<i64>>, TrainError>> Generate for F {}
+
+/// Scores the completions `generate` gives on `items`: the prompts are
+/// rendered and tokenized by `text`, completions decoded up to `eos` and
+/// the first stop string, and scored by the items' built-in verifiers.
+pub fn evaluate_with(
+    text: &ModelText,
+    items: &[TaskItem],
+    spec: &EvalSpec,
+    eos: &[i64],
+    mut generate: impl Generate,
+) -> Result<EvalScores, TrainError> {
+    let start = Instant::now();
+    let prompts: Vec<Vec<i64>> = items
+        .iter()
+        .map(|it| text.encode(&it.prompt))
+        .collect::<Result<_, _>>()
+        .map_err(asyncrl_policy::PolicyError::from)?;
+    // Rewards of `per_item` completions of every item, item-major.
+    let mut run = |temperature: f64, per_item: usize| -> Result<Vec<f64>, TrainError> {
+        let mut requests = Vec::with_capacity(items.len() * per_item);
+        let mut seeds = Vec::with_capacity(items.len() * per_item);
+        for (i, prompt) in prompts.iter().enumerate() {
+            for j in 0..per_item {
+                requests.push(prompt.clone());
+                seeds.push(spec.seed.wrapping_add((i * per_item + j) as u64));
+            }
+        }
+        let outs = generate(&requests, &seeds, temperature)?;
         outs.iter()
             .enumerate()
-            .map(|(n, out)| {
+            .map(|(n, tokens)| {
                 let item = &items[n / per_item];
                 let completion = asyncrl_policy::text::text_before_stop_string(
-                    text.decode_completion(&out.tokens, &eos)
+                    text.decode_completion(tokens, eos)
                         .map_err(asyncrl_policy::PolicyError::from)?,
                     &spec.stop_strings,
                 );
@@ -303,19 +334,21 @@ impl Evaluator {
             .name("asyncrl-eval".into())
             .spawn(move || {
                 let setup = || -> anyhow::Result<_> {
-                    let policy =
-                        asyncrl_policy::from_config::load_policy(&config.model, config.run.seed)
-                            .context("the evaluator cannot load the model")?;
-                    let text = policy.text().context("the evaluator's model text")?;
+                    let (backend, text) = Backend::start(&config)?;
                     let items = asyncrl_tasks::load_eval_problems(&config.eval, Some(&text))?;
                     let file = CsvLog::<EvalRow>::open(path)?;
-                    Ok((policy, text, items, file))
+                    tracing::info!(
+                        engine = backend.name(),
+                        problems = items.len(),
+                        "held-out evaluation ready"
+                    );
+                    Ok((backend, text, items, file))
                 };
                 match setup() {
-                    Ok((policy, text, items, file)) => {
+                    Ok((backend, text, items, file)) => {
                         let _ = ready_tx.send(Ok(()));
                         let spec = EvalSpec::from_config(&config);
-                        eval_loop(policy, &text, &items, &spec, rx, file, &metrics, on_row);
+                        eval_loop(backend, &text, &items, &spec, rx, file, &metrics, on_row);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -376,9 +409,88 @@ impl Evaluator {
     }
 }
 
+/// What `eval.engine` resolves to: `auto` is the built-in model when it
+/// runs the architecture (a tiny model, or a `model.path` whose
+/// `config.json` it reads), else the torch engine.
+pub fn resolve_engine(config: &Config) -> EvalEngineName {
+    match (config.eval.engine, &config.model.path) {
+        (EvalEngineName::Auto, None) => EvalEngineName::Builtin,
+        (EvalEngineName::Auto, Some(dir)) => {
+            if asyncrl_policy::ModelConfig::from_file(&dir.join("config.json")).is_ok() {
+                EvalEngineName::Builtin
+            } else {
+                EvalEngineName::Torch
+            }
+        }
+        (engine, _) => engine,
+    }
+}
+
+/// What generates the evaluator's completions.
+enum Backend {
+    /// The built-in model, on the evaluator's thread.
+    Builtin(Policy),
+    /// A one-rank torch engine process of the evaluator's own, so that
+    /// evaluation stays off the training group's critical path.
+    Torch { engine: TorchEngine, eos: Vec<i64> },
+}
+
+impl Backend {
+    fn start(config: &Config) -> anyhow::Result<(Self, ModelText)> {
+        if resolve_engine(config) == EvalEngineName::Torch {
+            let dir = config.model.path.as_deref().context(
+                "model.path: evaluation through the torch engine needs a Hugging Face model folder",
+            )?;
+            let text = ModelText::from_dir(dir).with_context(|| {
+                format!("model.path {}: the evaluator's tokenizer", dir.display())
+            })?;
+            let work = config.run.output_dir.join(".torch-eval");
+            let engine = TorchEngine::start_evaluator(config, work)
+                .context("the evaluator cannot start its torch engine (eval.engine)")?;
+            let eos = text.eos_token_ids().to_vec();
+            return Ok((Backend::Torch { engine, eos }, text));
+        }
+        let policy = asyncrl_policy::from_config::load_policy(&config.model, config.run.seed)
+            .context("the evaluator cannot load the model")?;
+        let text = policy.text().context("the evaluator's model text")?;
+        Ok((Backend::Builtin(policy), text))
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Backend::Builtin(_) => "builtin",
+            Backend::Torch { .. } => "torch",
+        }
+    }
+
+    /// Loads a version's published weights and scores them.
+    fn score(
+        &mut self,
+        weights: &Bytes,
+        version: i32,
+        text: &ModelText,
+        items: &[TaskItem],
+        spec: &EvalSpec,
+    ) -> Result<EvalScores, TrainError> {
+        match self {
+            Backend::Builtin(policy) => {
+                policy.load_weights_from_bytes(weights, version)?;
+                evaluate(policy, text, items, spec)
+            }
+            Backend::Torch { engine, eos } => {
+                engine.adopt_published(weights, version)?;
+                let stops = eos.clone();
+                evaluate_with(text, items, spec, eos, |prompts, seeds, temperature| {
+                    engine.generate(prompts, seeds, spec.max_new_tokens, temperature, &stops)
+                })
+            }
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn eval_loop(
-    mut policy: Policy,
+    mut backend: Backend,
     text: &ModelText,
     items: &[TaskItem],
     spec: &EvalSpec,
@@ -411,10 +523,7 @@ fn eval_loop(
         let Some(job) = queue.pop_front() else {
             continue;
         };
-        let scored = policy
-            .load_weights_from_bytes(&job.weights, job.version)
-            .map_err(TrainError::from)
-            .and_then(|()| evaluate(&policy, text, items, spec));
+        let scored = backend.score(&job.weights, job.version, text, items, spec);
         let scores = match scored {
             Ok(s) => s,
             Err(e) => {

@@ -27,8 +27,9 @@ use asyncrl_config::{Config, MixedPrecisionName};
 use asyncrl_protos::arrow_schema::trainer_rows;
 use asyncrl_protos::v1::trainer_engine_client::TrainerEngineClient;
 use asyncrl_protos::v1::{
-    self as pb, DescribeRequest, EngineInfo, ExportWeightsRequest, LoadCheckpointRequest,
-    LoadWeightsRequest, SaveCheckpointRequest, ShutdownRequest, StepObjective, TrainStepRequest,
+    self as pb, DescribeRequest, EngineInfo, ExportWeightsRequest, GeneratePrompt, GenerateRequest,
+    LoadCheckpointRequest, LoadWeightsRequest, SaveCheckpointRequest, ShutdownRequest,
+    StepObjective, TrainStepRequest,
 };
 use asyncrl_tasks::SplitMix64;
 use serde::{Deserialize, Serialize};
@@ -284,6 +285,62 @@ impl TorchEngine {
         opts: TrainerOptions,
         ckpt_dir: &Path,
     ) -> Result<Self, TrainError> {
+        let mut engine = Self::launch(config, opts, ckpt_dir.join(".torch-engine"))?;
+        engine.resume(ckpt_dir)?;
+        Ok(engine)
+    }
+
+    /// A one-process engine (one rank, on the first device; no sharding
+    /// options) that only generates: the learner's `[eval]` for models the
+    /// built-in one does not run. `work` is its scratch folder.
+    pub fn start_evaluator(config: &Config, work: PathBuf) -> Result<Self, TrainError> {
+        let mut config = config.clone();
+        let t = &mut config.learner.torch;
+        t.world_size = 1;
+        t.nodes = 1;
+        t.rendezvous = None;
+        t.activation_checkpointing = false;
+        t.cpu_offload = false;
+        let opts = crate::service::trainer_options(&config);
+        Self::launch(&config, opts, work)
+    }
+
+    /// Completions of `prompts` (see `asyncrl.v1.TrainerEngine/Generate`),
+    /// in order; `seeds[i]` seeds prompt `i`'s sampling.
+    pub fn generate(
+        &mut self,
+        prompts: &[Vec<i64>],
+        seeds: &[u64],
+        max_new_tokens: usize,
+        temperature: f64,
+        stop_token_ids: &[i64],
+    ) -> Result<Vec<Vec<i64>>, TrainError> {
+        let request = GenerateRequest {
+            prompts: prompts
+                .iter()
+                .zip(seeds.iter().chain(std::iter::repeat(&0)))
+                .map(|(p, s)| GeneratePrompt {
+                    tokens: p.clone(),
+                    seed: *s,
+                })
+                .collect(),
+            max_new_tokens: u32::try_from(max_new_tokens).unwrap_or(u32::MAX),
+            temperature,
+            stop_token_ids: stop_token_ids.to_vec(),
+        };
+        let reply = self.call("Generate", |mut c| async move { c.generate(request).await })?;
+        if reply.completions.len() != prompts.len() {
+            return Err(EngineError::Protocol(format!(
+                "Generate answered {} completions for {} prompts",
+                reply.completions.len(),
+                prompts.len()
+            ))
+            .into());
+        }
+        Ok(reply.completions.into_iter().map(|c| c.tokens).collect())
+    }
+
+    fn launch(config: &Config, opts: TrainerOptions, work: PathBuf) -> Result<Self, TrainError> {
         let t = &config.learner.torch;
         let Some(model) = &config.model.path else {
             return Err(EngineError::Protocol(
@@ -297,7 +354,6 @@ impl TorchEngine {
             std::process::id(),
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         ));
-        let work = ckpt_dir.join(".torch-engine");
         if work.exists() {
             std::fs::remove_dir_all(&work)
                 .map_err(io_err(format!("cannot clear {}", work.display())))?;
@@ -391,7 +447,7 @@ impl TorchEngine {
             seconds = started.elapsed().as_secs_f64(),
             "torch trainer engine serving"
         );
-        let mut engine = Self {
+        Ok(Self {
             rt,
             client,
             child,
@@ -403,9 +459,7 @@ impl TorchEngine {
             opts,
             step: 0,
             version: 0,
-        };
-        engine.resume(ckpt_dir)?;
-        Ok(engine)
+        })
     }
 
     fn resume(&mut self, root: &Path) -> Result<(), TrainError> {

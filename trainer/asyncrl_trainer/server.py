@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .generate import GenerateParams, generate
 from .checkpoint import export_weights, load_checkpoint, load_weights, read_learner_meta, save_checkpoint
 from .objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
 from .step import StepBatch, StepError, Trainer, TrainerOptions
@@ -342,6 +343,27 @@ class Engine:
         load_checkpoint(path, self.model, self.trainer.optimizer)
         return self.pb2.LoadCheckpointReply(learner_meta_json=meta)
 
+    def generate(self, req: Any) -> Any:
+        prompts = [[int(t) for t in p.tokens] for p in req.prompts]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise StepError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise StepError(f"prompt {i}: a token id is outside the vocabulary [0, {self.vocab_size})")
+            if self.max_positions and len(p) + int(req.max_new_tokens) > self.max_positions:
+                raise StepError(
+                    f"prompt {i}: {len(p)} tokens + {req.max_new_tokens} new exceed the model's "
+                    f"{self.max_positions} positions"
+                )
+        params = GenerateParams(
+            max_new_tokens=int(req.max_new_tokens),
+            temperature=float(req.temperature),
+            stop_token_ids=frozenset(int(t) for t in req.stop_token_ids),
+        )
+        seeds = [int(p.seed) for p in req.prompts]
+        out = generate(self.model, prompts, seeds, params, self.device, self.pad_id)
+        return self.pb2.GenerateReply(completions=[self.pb2.GenerateCompletion(tokens=c) for c in out])
+
     def shutdown(self, _req: Any) -> Any:
         return self.pb2.ShutdownReply()
 
@@ -386,6 +408,7 @@ REQUESTS = {
     "load_weights": "LoadWeightsRequest",
     "save_checkpoint": "SaveCheckpointRequest",
     "load_checkpoint": "LoadCheckpointRequest",
+    "generate": "GenerateRequest",
     "shutdown": "ShutdownRequest",
 }
 
@@ -426,6 +449,7 @@ def serve(engine: Engine, pb2_grpc: Any, socket_path: Path) -> bool:
         LoadWeights = staticmethod(handler("load_weights"))
         SaveCheckpoint = staticmethod(handler("save_checkpoint"))
         LoadCheckpoint = staticmethod(handler("load_checkpoint"))
+        Generate = staticmethod(handler("generate"))
         Shutdown = staticmethod(handler("shutdown"))
 
     limit = (1 << 31) - 1

@@ -20,12 +20,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from asyncrl_trainer.generate import GenerateParams, generate
 from asyncrl_trainer.objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
 from asyncrl_trainer.server import batch_from_ipc, load_stubs
 from asyncrl_trainer.step import Trainer, TrainerOptions
 
 pb2, pb2_grpc = load_stubs()
 
+CPU = torch.device("cpu")
 VOCAB = 96
 ROWS = 8
 LR = 1e-3
@@ -241,6 +243,31 @@ def test_two_ranks_over_grpc_train_checkpoint_and_export_like_one_process(
     loaded = load_file(str(tmp_path / "loaded" / "model.safetensors"))
     for name, tensor in got.items():
         assert torch.equal(tensor, loaded[name]), name
+
+
+def test_two_ranks_generate_every_prompt_as_one_process_does(engine: Engine, tmp_path: Path) -> None:
+    # Five prompts over two ranks (three and two), then one (rank 1 decodes
+    # a placeholder row): every rank runs the same forward passes.
+    engine.ready()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 2, 7, 3, 5)]
+    seeds = [21, 22, 23, 24, 25]
+    local = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    for n, temperature in ((5, 0.0), (5, 1.0), (1, 0.0)):
+        reply = engine.stub.Generate(
+            pb2.GenerateRequest(
+                prompts=[pb2.GeneratePrompt(tokens=p, seed=s) for p, s in zip(prompts[:n], seeds)],
+                max_new_tokens=6,
+                temperature=temperature,
+            ),
+            timeout=120,
+        )
+        want = generate(local, prompts[:n], seeds[:n], GenerateParams(6, temperature, frozenset()), CPU, 0)
+        assert [list(c.tokens) for c in reply.completions] == want, (n, temperature)
+    too_long = pb2.GenerateRequest(prompts=[pb2.GeneratePrompt(tokens=[3] * 60)], max_new_tokens=10)
+    with pytest.raises(grpc.RpcError) as refused:
+        engine.stub.Generate(too_long, timeout=60)
+    assert "exceed the model's 64 positions" in refused.value.details()
 
 
 def test_bad_calls_are_refused_with_the_reason_and_the_engine_keeps_serving(
