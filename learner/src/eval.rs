@@ -429,10 +429,13 @@ pub fn resolve_engine(config: &Config) -> EvalEngineName {
 /// What generates the evaluator's completions.
 enum Backend {
     /// The built-in model, on the evaluator's thread.
-    Builtin(Policy),
+    Builtin(Box<Policy>),
     /// A one-rank torch engine process of the evaluator's own, so that
     /// evaluation stays off the training group's critical path.
-    Torch { engine: TorchEngine, eos: Vec<i64> },
+    Torch {
+        engine: Box<TorchEngine>,
+        eos: Vec<i64>,
+    },
 }
 
 impl Backend {
@@ -448,12 +451,18 @@ impl Backend {
             let engine = TorchEngine::start_evaluator(config, work)
                 .context("the evaluator cannot start its torch engine (eval.engine)")?;
             let eos = text.eos_token_ids().to_vec();
-            return Ok((Backend::Torch { engine, eos }, text));
+            return Ok((
+                Backend::Torch {
+                    engine: Box::new(engine),
+                    eos,
+                },
+                text,
+            ));
         }
         let policy = asyncrl_policy::from_config::load_policy(&config.model, config.run.seed)
             .context("the evaluator cannot load the model")?;
         let text = policy.text().context("the evaluator's model text")?;
-        Ok((Backend::Builtin(policy), text))
+        Ok((Backend::Builtin(Box::new(policy)), text))
     }
 
     fn name(&self) -> &'static str {
