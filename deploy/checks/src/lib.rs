@@ -96,17 +96,24 @@ pub fn yaml_docs(text: &str) -> Vec<Value> {
         .collect()
 }
 
-/// One rendered overlay: its name and its objects.
+/// One rendered overlay: its name, its objects, and the Jobs its JobSets
+/// would create ([`jobset_jobs`]).
 pub struct Rendered {
     pub name: String,
     pub yaml: String,
     pub objects: Vec<Value>,
+    pub jobs: Vec<Value>,
 }
 
 impl Rendered {
     pub fn of(overlay: &Path) -> Self {
         let yaml = kustomize(overlay);
         let objects = yaml_docs(&yaml);
+        let jobs = objects
+            .iter()
+            .filter(|o| o["kind"] == "JobSet")
+            .flat_map(jobset_jobs)
+            .collect();
         Self {
             name: overlay
                 .file_name()
@@ -114,7 +121,13 @@ impl Rendered {
                 .unwrap_or_default(),
             yaml,
             objects,
+            jobs,
         }
+    }
+
+    /// The Job of a JobSet's replicatedJob `name` (see [`jobset_jobs`]).
+    pub fn job(&self, name: &str) -> Option<&Value> {
+        self.jobs.iter().find(|j| j["metadata"]["name"] == name)
     }
 
     /// Every object of `kind`.
@@ -134,11 +147,13 @@ impl Rendered {
             .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
     }
 
-    /// The workloads (Deployments and StatefulSets).
+    /// The workloads: Deployments, StatefulSets, and the Jobs of JobSets
+    /// (each with its pod template at `spec.template`).
     pub fn workloads(&self) -> impl Iterator<Item = &Value> {
         self.objects
             .iter()
             .filter(|o| o["kind"] == "Deployment" || o["kind"] == "StatefulSet")
+            .chain(self.jobs.iter())
     }
 
     /// The data of the ConfigMap whose name starts with `prefix` (kustomize
@@ -159,6 +174,37 @@ impl Rendered {
             })
             .to_owned()
     }
+}
+
+/// The Jobs a JobSet (`jobset.x-k8s.io/v1alpha2`) creates from its
+/// replicatedJobs, one `batch/v1` Job per replicatedJob: its Job template,
+/// in the JobSet's namespace, named after the replicatedJob (the controller
+/// names them `<jobset>-<replicatedJob>-<index>`, `replicas` of each).
+/// kubernetes-validate has a schema for these, not for the JobSet.
+pub fn jobset_jobs(jobset: &Value) -> Vec<Value> {
+    let namespace = &jobset["metadata"]["namespace"];
+    jobset["spec"]["replicatedJobs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|rj| {
+            let template = &rj["template"];
+            let mut metadata = template["metadata"]
+                .as_object()
+                .cloned()
+                .unwrap_or_default();
+            metadata.insert("name".into(), rj["name"].clone());
+            if !namespace.is_null() {
+                metadata.insert("namespace".into(), namespace.clone());
+            }
+            serde_json::json!({
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": metadata,
+                "spec": template["spec"],
+            })
+        })
+        .collect()
 }
 
 /// The containers of a workload's pod template (init containers first).
@@ -654,6 +700,27 @@ mod tests {
         assert_eq!(c[1].from.as_deref(), Some("build"));
         assert_eq!(c[2].sources, vec!["j k"]);
         assert_eq!(dockerfile_stages(text), vec!["build", "run"]);
+    }
+
+    #[test]
+    fn a_jobset_yields_one_job_per_replicated_job() {
+        let js = serde_json::json!({
+            "kind": "JobSet",
+            "metadata": {"name": "g", "namespace": "ns"},
+            "spec": {"replicatedJobs": [
+                {"name": "a", "replicas": 1, "template": {"spec": {"completions": 1, "template": {"spec": {"containers": [{"name": "c"}]}}}}},
+                {"name": "b", "replicas": 1, "template": {"metadata": {"labels": {"x": "y"}}, "spec": {"completions": 3}}}
+            ]}
+        });
+        let jobs = jobset_jobs(&js);
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0]["apiVersion"], "batch/v1");
+        assert_eq!(jobs[0]["kind"], "Job");
+        assert_eq!(jobs[0]["metadata"]["name"], "a");
+        assert_eq!(jobs[0]["metadata"]["namespace"], "ns");
+        assert_eq!(containers(&jobs[0])[0]["name"], "c");
+        assert_eq!(jobs[1]["metadata"]["labels"]["x"], "y");
+        assert_eq!(jobs[1]["spec"]["completions"], 3);
     }
 
     #[test]

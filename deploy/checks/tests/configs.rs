@@ -34,6 +34,7 @@ fn every_deploy_config_parses() {
         [
             "deploy/k8s/base/asyncrl.toml",
             "deploy/k8s/components/gpu/asyncrl.toml",
+            "deploy/k8s/components/torch-gang/asyncrl.toml",
             "deploy/k8s/components/vllm-sidecar/asyncrl.toml"
         ],
         "the configs the deployment ships"

@@ -174,3 +174,154 @@ fn targets_versions_and_build_match_the_project() {
         "the NATS image tag must be the tested nats-server {nats}"
     );
 }
+
+/// The `gpu-torch` target (the pods of the learner gang, components/torch-gang):
+/// the gpu build's binary plus a venv with every package the torch trainer
+/// engine imports, at the versions scripts/requirements.txt pins, trainer/
+/// beside the protos it reads, and the venv's Python where the configs that
+/// run the engine look for it.
+#[test]
+fn the_gpu_torch_target_carries_the_torch_engines_python() {
+    let (_, text) = dockerfile();
+    let stages = dockerfile_stages(&text);
+    for s in ["build-torch", "gpu-torch"] {
+        assert!(stages.contains(&s.to_owned()), "stage {s}");
+    }
+    let instrs = dockerfile_instructions(&text);
+    // The instructions of one stage: from its FROM to the next.
+    let stage = |name: &str| -> Vec<String> {
+        let start = instrs
+            .iter()
+            .position(|(_, i)| i.starts_with("FROM ") && i.ends_with(&format!(" AS {name}")))
+            .unwrap_or_else(|| panic!("stage {name}"));
+        instrs[start..]
+            .iter()
+            .enumerate()
+            .take_while(|(k, (_, i))| *k == 0 || !i.starts_with("FROM "))
+            .map(|(_, (_, i))| i.clone())
+            .collect()
+    };
+    let build = stage("build-torch");
+    assert!(
+        build[0].starts_with("FROM build-gpu "),
+        "build-torch adds to the gpu build's venv (torch, the binary's rpath): {}",
+        build[0]
+    );
+    let build_text = build.join("\n");
+    // The packages it installs: `grep -E '^(a|b)==' scripts/requirements.txt`.
+    let installed: Vec<String> =
+        regex::Regex::new(r"grep -E '\^\(([^)]*)\)==' scripts/requirements\.txt")
+            .unwrap()
+            .captures(&build_text)
+            .map(|c| c[1].split('|').map(str::to_owned).collect())
+            .expect("stage build-torch installs its packages from scripts/requirements.txt");
+
+    // Every third-party module the engine imports comes from a pinned
+    // package the stage installs.
+    let reqs = std::fs::read_to_string(repo_root().join("scripts/requirements.txt")).unwrap();
+    let package_of = |module: &str| match module {
+        "torch" => Some("torch"),
+        "transformers" => Some("transformers"),
+        "grpc" => Some("grpcio"),
+        "grpc_tools" => Some("grpcio-tools"),
+        "pyarrow" => Some("pyarrow"),
+        _ => None,
+    };
+    let python = asyncrl_deploy_checks::require_tool("python3", "run scripts/setup");
+    let import = regex::Regex::new(r"(?m)^\s*(?:import|from)\s+([A-Za-z_][A-Za-z0-9_]*)").unwrap();
+    let mut modules = std::collections::BTreeSet::new();
+    for e in std::fs::read_dir(repo_root().join("trainer/asyncrl_trainer"))
+        .unwrap()
+        .flatten()
+    {
+        if e.path().extension().is_some_and(|x| x == "py") {
+            let src = std::fs::read_to_string(e.path()).unwrap();
+            modules.extend(import.captures_iter(&src).map(|c| c[1].to_owned()));
+        }
+    }
+    assert!(
+        modules.contains("torch"),
+        "the engine's imports were read: {modules:?}"
+    );
+    for m in &modules {
+        if m == "asyncrl_trainer" || m == "__future__" {
+            continue;
+        }
+        if let Some(pkg) = package_of(m) {
+            assert!(
+                reqs.lines().any(|l| l.starts_with(&format!("{pkg}=="))),
+                "{pkg} (imported by trainer/ as {m}) is not pinned in scripts/requirements.txt"
+            );
+            if pkg != "torch" {
+                assert!(
+                    installed.iter().any(|p| p == pkg),
+                    "stage build-torch does not install {pkg} (imported by trainer/ as {m}) from scripts/requirements.txt"
+                );
+            }
+            continue;
+        }
+        let stdlib = asyncrl_deploy_checks::run_ok(std::process::Command::new(&python).args([
+            "-c",
+            &format!("import sys; print({m:?} in sys.stdlib_module_names)"),
+        ]));
+        assert_eq!(
+            stdlib.trim(),
+            "True",
+            "trainer/ imports {m}: add its package to stage build-torch (and to this test)"
+        );
+    }
+    assert!(
+        build_text.contains("--no-deps -e trainer"),
+        "trainer/ installed as scripts/setup installs it (editable, no deps)"
+    );
+
+    // The runtime: the venv, trainer/ and the protos at the paths the
+    // editable install, PROTO_DIR and the binary's rpath name; Python to run it.
+    let run = stage("gpu-torch");
+    let run_text = run.join("\n");
+    for (from, path) in [
+        ("build-torch", "/src/.venv"),
+        ("build-torch", "/src/trainer"),
+        ("build-torch", "/src/protos/proto"),
+        ("build-gpu", "/stage/usr/local/bin/asyncrl"),
+    ] {
+        assert!(
+            run.iter()
+                .any(|i| i.starts_with(&format!("COPY --from={from} {path} "))),
+            "stage gpu-torch does not copy {path} from {from}"
+        );
+    }
+    assert!(
+        run_text.contains(" python3"),
+        "gpu-torch installs the venv's interpreter"
+    );
+    assert!(run_text.contains("USER 10001:10001"));
+
+    // The configs that run the engine find its Python in that venv.
+    let mut configs = Vec::new();
+    let mut dirs = vec![repo_root().join("deploy/k8s")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "toml") {
+                configs.push(p);
+            }
+        }
+    }
+    let mut torch_configs = 0;
+    for f in configs {
+        let c = asyncrl_config::Config::load(&f).unwrap_or_else(|e| panic!("{e}"));
+        if c.learner.trainer == asyncrl_config::TrainerEngineName::Torch {
+            torch_configs += 1;
+            assert!(
+                c.learner.torch.python.starts_with("/src/.venv/bin"),
+                "{}: learner.torch.python {} is not the gpu-torch image's venv",
+                f.display(),
+                c.learner.torch.python.display()
+            );
+        }
+    }
+    assert!(torch_configs > 0, "no deploy config runs the torch engine");
+}

@@ -1,14 +1,15 @@
 //! The Kubernetes manifests: every overlay renders with `kubectl kustomize`,
 //! passes `kubernetes-validate` (offline schemas), and has what an operator
 //! relies on. The objects kubernetes-validate has no schema for (KEDA's
-//! ScaledObject, the Prometheus operator's PodMonitor and PrometheusRule)
-//! are checked here field by field.
+//! ScaledObject, the Prometheus operator's PodMonitor and PrometheusRule,
+//! JobSet, Kueue's LocalQueue) are checked here field by field; a JobSet's
+//! pod templates are validated as the `batch/v1` Jobs it creates.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use asyncrl_config::{Config, EngineKind};
+use asyncrl_config::{Config, EngineKind, TrainerEngineName, WeightTransportName};
 use asyncrl_deploy_checks::{
     Rendered, containers, k8s_dir, nats_conf_value, overlays, quantity_bytes as bytes,
     require_tool, run_ok, selects,
@@ -21,9 +22,12 @@ const CRD_KINDS: &[&str] = &[
     "PodMonitor",
     "ServiceMonitor",
     "PrometheusRule",
+    "JobSet",
+    "LocalQueue",
 ];
 
-/// The asyncrl roles and the workload that runs each.
+/// The asyncrl roles and the workload that runs each (in overlays/gpu-torch
+/// the learner is the replicatedJob `learner` of a JobSet instead).
 const ROLES: &[(&str, &str)] = &[
     ("coordinator", "Deployment"),
     ("buffer", "StatefulSet"),
@@ -34,7 +38,11 @@ const ROLES: &[(&str, &str)] = &[
 fn rendered() -> Vec<Rendered> {
     let all: Vec<Rendered> = overlays().iter().map(|o| Rendered::of(o)).collect();
     let names: Vec<&str> = all.iter().map(|r| r.name.as_str()).collect();
-    assert_eq!(names, ["dev", "gpu", "gpu-hpa", "gpu-vllm"], "the overlays");
+    assert_eq!(
+        names,
+        ["dev", "gpu", "gpu-hpa", "gpu-torch", "gpu-vllm"],
+        "the overlays"
+    );
     all
 }
 
@@ -42,13 +50,22 @@ fn name(o: &Value) -> &str {
     o["metadata"]["name"].as_str().unwrap_or_default()
 }
 
+/// The workload of a role: its Deployment or StatefulSet, or else the Job
+/// of the JobSet replicatedJob of the role's name (the learner gang).
 fn role_workload<'a>(r: &'a Rendered, role: &str) -> &'a Value {
     let kind = ROLES
         .iter()
         .find(|(n, _)| *n == role)
         .map(|(_, k)| *k)
         .expect("a role");
-    r.get(kind, role)
+    r.find(kind, role)
+        .or_else(|| r.job(role))
+        .unwrap_or_else(|| {
+            panic!(
+                "overlay {}: no {kind} named {role}, and no JobSet replicatedJob named {role}",
+                r.name
+            )
+        })
 }
 
 /// The config every role of an overlay reads.
@@ -90,6 +107,39 @@ fn overlays_render_and_pass_kubernetes_validate() {
                 );
             }
         }
+        // The pod templates of every JobSet, as the batch/v1 Jobs it creates.
+        let jobsets = r.of_kind("JobSet").count();
+        assert_eq!(
+            r.jobs.is_empty(),
+            jobsets == 0,
+            "overlay {}: a JobSet without replicatedJobs",
+            r.name
+        );
+        if !r.jobs.is_empty() {
+            let file = dir.path().join(format!("{}-jobset-jobs.yaml", r.name));
+            let yaml: Vec<String> = r
+                .jobs
+                .iter()
+                .map(|j| serde_yaml::to_string(j).unwrap())
+                .collect();
+            std::fs::write(&file, yaml.join("---\n")).unwrap();
+            for version in ["1.30.0", "1.37.0"] {
+                let out = run_ok(
+                    Command::new(&validate)
+                        .args(["--strict", "-k", version])
+                        .arg(&file),
+                );
+                for j in &r.jobs {
+                    let line = format!("passed for resource job/{}", name(j));
+                    assert!(
+                        out.contains(&line),
+                        "overlay {} (k8s {version}): the JobSet's Job {} was not validated:\n{out}",
+                        r.name,
+                        name(j)
+                    );
+                }
+            }
+        }
         for o in &r.objects {
             let kind = o["kind"].as_str().unwrap_or_default();
             assert!(
@@ -121,24 +171,38 @@ fn every_role_runs_the_binary_with_probes_config_and_resources() {
             let w = role_workload(&r, role);
             let ctx = format!("overlay {} {role}", r.name);
             let pod = &w["spec"]["template"]["spec"];
-            assert!(
-                selects(
-                    &w["spec"]["selector"],
-                    &w["spec"]["template"]["metadata"]["labels"]
-                ),
-                "{ctx}: selector does not select its own pods"
-            );
+            if w["kind"] == "Job" {
+                // The Job controller generates a Job's selector.
+                assert!(
+                    w["spec"]["selector"].is_null() && w["spec"]["manualSelector"] != true,
+                    "{ctx}: a Job with a hand-made selector"
+                );
+            } else {
+                assert!(
+                    selects(
+                        &w["spec"]["selector"],
+                        &w["spec"]["template"]["metadata"]["labels"]
+                    ),
+                    "{ctx}: selector does not select its own pods"
+                );
+            }
             let c = &pod["containers"][0];
             let image = c["image"].as_str().unwrap_or_default();
             let wants_torch = matches!(*role, "learner" | "rollout-worker");
+            // The torch trainer engine runs Python with torch, transformers
+            // and trainer/: the asyncrl-torch image (Dockerfile target gpu-torch).
+            let torch_engine =
+                *role == "learner" && cfg.learner.trainer == TrainerEngineName::Torch;
             let image_name = image.rsplit('/').next().unwrap_or_default();
             assert!(
-                if wants_torch {
+                if torch_engine {
+                    image_name.starts_with("asyncrl-torch:")
+                } else if wants_torch {
                     image_name.starts_with("asyncrl:")
                 } else {
                     image_name.starts_with("asyncrl-cpu:")
                 },
-                "{ctx}: image {image} (libtorch only where a role needs it)"
+                "{ctx}: image {image} (libtorch only where a role needs it, Python only for the torch engine)"
             );
             let role_arg = if *role == "rollout-worker" {
                 "worker"
@@ -169,11 +233,16 @@ fn every_role_runs_the_binary_with_probes_config_and_resources() {
                     .unwrap_or_else(|| panic!("{ctx}: no volume {n}"))
             };
             let cm = volume(&config_mount["name"]);
+            let cm_name = cm["configMap"]["name"].as_str().unwrap_or_default();
             assert!(
-                cm["configMap"]["name"]
-                    .as_str()
-                    .is_some_and(|n| n.starts_with("asyncrl-config")),
+                cm_name.starts_with("asyncrl-config"),
                 "{ctx}: config volume {cm}"
+            );
+            // The generated name, with its content hash: a reference
+            // kustomize did not rewrite names no ConfigMap.
+            assert!(
+                r.find("ConfigMap", cm_name).is_some(),
+                "{ctx}: the config volume names ConfigMap {cm_name}, which the overlay does not render"
             );
             let secrets = mounts
                 .iter()
@@ -240,13 +309,44 @@ fn every_role_runs_the_binary_with_probes_config_and_resources() {
 fn singletons_stay_single_and_the_rollout_pool_is_left_to_its_autoscaler() {
     for r in rendered() {
         for role in ["coordinator", "learner"] {
-            let d = r.get("Deployment", role);
-            assert_eq!(d["spec"]["replicas"], 1, "overlay {} {role}", r.name);
-            assert_eq!(
-                d["spec"]["strategy"]["type"], "Recreate",
-                "overlay {} {role}: two at once would fight over state",
-                r.name
-            );
+            let deployment = r.find("Deployment", role);
+            let gang = r.of_kind("JobSet").find_map(|js| {
+                js["spec"]["replicatedJobs"]
+                    .as_array()?
+                    .iter()
+                    .find(|rj| rj["name"] == role)
+            });
+            match (deployment, gang) {
+                (Some(d), None) => {
+                    assert_eq!(d["spec"]["replicas"], 1, "overlay {} {role}", r.name);
+                    assert_eq!(
+                        d["spec"]["strategy"]["type"], "Recreate",
+                        "overlay {} {role}: two at once would fight over state",
+                        r.name
+                    );
+                }
+                // The learner as node 0 of a JobSet: one Job of one pod.
+                (None, Some(rj)) if role == "learner" => {
+                    let job = &rj["template"]["spec"];
+                    for (field, v) in [
+                        (&rj["replicas"], "replicas"),
+                        (&job["parallelism"], "parallelism"),
+                        (&job["completions"], "completions"),
+                    ] {
+                        assert_eq!(
+                            *field, 1,
+                            "overlay {} {role}: {v}; two at once would fight over state",
+                            r.name
+                        );
+                    }
+                }
+                (d, g) => panic!(
+                    "overlay {} {role}: Deployment {} and JobSet replicatedJob {}: exactly one runs it",
+                    r.name,
+                    d.is_some(),
+                    g.is_some()
+                ),
+            }
         }
         assert_eq!(r.get("StatefulSet", "buffer")["spec"]["replicas"], 1);
         let pool = r.get("Deployment", "rollout-worker");
@@ -316,15 +416,23 @@ fn gpus_where_the_shape_wants_them() {
             assert!(!gpu_node("learner"));
             assert_eq!(gpus("rollout-worker"), None);
         } else {
-            for role in ["learner", "rollout-worker"] {
-                assert_eq!(gpus(role), Some(1), "overlay {} {role}", r.name);
+            let cfg = config(&r);
+            // The torch engine runs one rank per GPU, world_size / nodes on
+            // each node: the learner's pod is node 0.
+            let learner_gpus = match cfg.learner.trainer {
+                TrainerEngineName::Torch => {
+                    (cfg.learner.torch.world_size / cfg.learner.torch.nodes) as u64
+                }
+                TrainerEngineName::Builtin => 1,
+            };
+            for (role, want) in [("learner", learner_gpus), ("rollout-worker", 1)] {
+                assert_eq!(gpus(role), Some(want), "overlay {} {role}", r.name);
                 assert!(
                     gpu_node(role),
                     "overlay {} {role}: GPU node selector and toleration",
                     r.name
                 );
             }
-            let cfg = config(&r);
             assert!(cfg.model.path.is_some(), "overlay {}: a real model", r.name);
         }
     }
@@ -818,7 +926,7 @@ fn the_rollout_pool_scales_on_the_recommendation() {
                     .contains("<<.LabelMatchers>>")
             );
         }
-        if r.name == "gpu" || r.name == "gpu-vllm" {
+        if ["gpu", "gpu-torch", "gpu-vllm"].contains(&r.name.as_str()) {
             assert_eq!(r.of_kind("ScaledObject").count(), 1);
             assert_eq!(r.of_kind("HorizontalPodAutoscaler").count(), 0);
         }
@@ -827,7 +935,7 @@ fn the_rollout_pool_scales_on_the_recommendation() {
             assert_eq!(r.of_kind("HorizontalPodAutoscaler").count(), 1);
         }
     }
-    assert_eq!(scalers, 3);
+    assert_eq!(scalers, 4);
 }
 
 #[test]
@@ -1002,4 +1110,496 @@ fn gpu_vllm_pairs_each_worker_with_a_loopback_vllm() {
         gpu.get("ScaledObject", "rollout-worker")["spec"],
         "gpu-vllm: the same scaling as overlays/gpu"
     );
+}
+
+/// Parameters of the model overlays/gpu-torch trains, Qwen2.5-7B: 7.62 B
+/// (docs/deploy.md 2d rounds it to 7.6 B). The volume and memory sizes of
+/// the gang follow from it.
+const GPU_TORCH_MODEL_PARAMS: u64 = 7_620_000_000;
+
+/// The mount of container `c` that holds `path` (the longest mountPath that
+/// is `path` or one of its parents).
+fn mount_holding<'a>(c: &'a Value, path: &Path) -> Option<&'a Value> {
+    c["volumeMounts"]
+        .as_array()?
+        .iter()
+        .filter(|m| {
+            m["mountPath"]
+                .as_str()
+                .is_some_and(|p| p != "/" && path.starts_with(p))
+        })
+        .max_by_key(|m| m["mountPath"].as_str().unwrap_or_default().len())
+}
+
+/// The volume named `name` of a pod spec.
+fn pod_volume<'a>(pod: &'a Value, name: &Value) -> Option<&'a Value> {
+    pod["volumes"]
+        .as_array()?
+        .iter()
+        .find(|v| v["name"] == *name)
+}
+
+/// The ReadWriteMany claim mounted at `path` in the first container of a
+/// workload, panicking with `what` when the path is on anything else.
+fn rwx_claim_at<'a>(r: &'a Rendered, w: &Value, path: &Path, what: &str) -> &'a Value {
+    let ctx = format!("overlay {} {}", r.name, w["metadata"]["name"]);
+    let c = &w["spec"]["template"]["spec"]["containers"][0];
+    let mount = mount_holding(c, path)
+        .unwrap_or_else(|| panic!("{ctx}: nothing mounted at {} ({what})", path.display()));
+    assert_eq!(
+        mount["mountPath"].as_str().map(Path::new),
+        Some(path),
+        "{ctx}: {what} must be the mount itself, at the same path in every pod"
+    );
+    let volume = pod_volume(&w["spec"]["template"]["spec"], &mount["name"])
+        .unwrap_or_else(|| panic!("{ctx}: no volume {}", mount["name"]));
+    let claim = volume["persistentVolumeClaim"]["claimName"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{ctx}: {what} is not on a PersistentVolumeClaim: {volume}"));
+    let pvc = r.get("PersistentVolumeClaim", claim);
+    assert!(
+        pvc["spec"]["accessModes"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m == "ReadWriteMany")),
+        "{ctx}: {what}: claim {claim} is not ReadWriteMany, but pods on several nodes mount it"
+    );
+    pvc
+}
+
+/// overlays/gpu-torch: the learner's torch engine as one FSDP2 group over
+/// `learner.torch.nodes` pods of a JobSet, admitted all at once by Kueue,
+/// restarted all at once, node 0 reachable at the rendezvous address, every
+/// rank with its GPUs, shared memory and the volumes it reads and writes.
+#[test]
+fn gpu_torch_runs_the_learner_as_one_gang_admitted_by_kueue() {
+    let r = Rendered::of(&k8s_dir().join("overlays/gpu-torch"));
+    let cfg = config(&r);
+    let t = &cfg.learner.torch;
+    assert_eq!(
+        cfg.learner.trainer,
+        TrainerEngineName::Torch,
+        "gpu-torch: learner.trainer"
+    );
+    assert!(t.nodes > 1, "gpu-torch: a gang of more than one node");
+    assert!(
+        r.find("Deployment", "learner").is_none(),
+        "gpu-torch: no learner Deployment beside the gang"
+    );
+
+    // One JobSet: node 0 (`learner`) and the other nodes (`trainer`).
+    let jobsets: Vec<&Value> = r.of_kind("JobSet").collect();
+    assert_eq!(jobsets.len(), 1, "gpu-torch: one JobSet");
+    let js = jobsets[0];
+    assert_eq!(js["apiVersion"], "jobset.x-k8s.io/v1alpha2");
+    let spec = &js["spec"];
+    let rjobs = spec["replicatedJobs"].as_array().expect("replicatedJobs");
+    let rnames: Vec<&str> = rjobs.iter().filter_map(|j| j["name"].as_str()).collect();
+    assert_eq!(
+        rnames,
+        ["learner", "trainer"],
+        "gpu-torch: the replicatedJobs"
+    );
+    let (lead, followers) = (&rjobs[0], &rjobs[1]);
+
+    // Kueue admits the whole set: the queue label names a LocalQueue of the
+    // overlay. No `suspend`: Kueue's webhook creates the set suspended, and
+    // one in the manifest would suspend an admitted gang at every apply.
+    let queue = js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
+        .as_str()
+        .expect("gpu-torch: the JobSet's kueue.x-k8s.io/queue-name label");
+    let lq = r.get("LocalQueue", queue);
+    assert_eq!(lq["apiVersion"], "kueue.x-k8s.io/v1beta2");
+    assert!(
+        spec.get("suspend").is_none(),
+        "gpu-torch: spec.suspend is Kueue's to set; re-applying would undo its admission"
+    );
+
+    // A failure restarts every Job of the set, after the old pods are gone.
+    let fp = &spec["failurePolicy"];
+    assert!(
+        fp["maxRestarts"].as_u64().is_some_and(|n| n >= 1),
+        "gpu-torch: failurePolicy.maxRestarts ≥ 1: {fp}"
+    );
+    assert_eq!(
+        fp["restartStrategy"], "BlockingRecreate",
+        "gpu-torch: a new learner must not start while the old one still writes its checkpoint"
+    );
+    for rule in fp["rules"].as_array().into_iter().flatten() {
+        let action = rule["action"].as_str().unwrap_or_default();
+        assert!(
+            matches!(
+                action,
+                "RestartJobSet" | "RestartJobSetAndIgnoreMaxRestarts" | "FailJobSet"
+            ),
+            "gpu-torch: failure rule {rule}: restarting one Job cannot rejoin a torch group"
+        );
+    }
+    assert_eq!(
+        spec["successPolicy"]["operator"], "All",
+        "gpu-torch: successPolicy"
+    );
+
+    // Each Job fails with its first failed pod, so the gang restarts.
+    for rj in rjobs {
+        let job = &rj["template"]["spec"];
+        let ctx = format!("gpu-torch {}", rj["name"]);
+        assert_eq!(rj["replicas"], 1, "{ctx}: replicas");
+        assert_eq!(job["backoffLimit"], 0, "{ctx}: backoffLimit");
+        assert_eq!(
+            job["template"]["spec"]["restartPolicy"], "Never",
+            "{ctx}: restartPolicy"
+        );
+        assert_eq!(job["completionMode"], "Indexed", "{ctx}: completionMode");
+    }
+    let ffs = &followers["template"]["spec"];
+    let others = (t.nodes - 1) as u64;
+    assert_eq!(
+        ffs["completions"].as_u64(),
+        Some(others),
+        "gpu-torch trainer: completions = nodes - 1"
+    );
+    assert_eq!(
+        ffs["parallelism"].as_u64(),
+        Some(others),
+        "gpu-torch trainer: parallelism = nodes - 1"
+    );
+
+    // The commands: node 0 is the learner, the others take their node rank
+    // from JOB_COMPLETION_INDEX (+1), with the same config file.
+    let learner = r.job("learner").unwrap();
+    let trainer = r.job("trainer").unwrap();
+    let args = |w: &Value| -> Vec<String> {
+        w["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        args(learner),
+        ["learner", "--config", "/etc/asyncrl/asyncrl.toml"]
+    );
+    assert_eq!(
+        args(trainer),
+        ["trainer-node", "--config", "/etc/asyncrl/asyncrl.toml"],
+        "gpu-torch trainer: no --node-rank, so it is JOB_COMPLETION_INDEX + 1"
+    );
+    let config_map = |w: &Value| -> String {
+        let pod = &w["spec"]["template"]["spec"];
+        let c = &pod["containers"][0];
+        let m = mount_holding(c, Path::new("/etc/asyncrl/asyncrl.toml")).expect("config mount");
+        pod_volume(pod, &m["name"]).unwrap()["configMap"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(
+        config_map(trainer),
+        config_map(learner),
+        "gpu-torch: one config for the gang"
+    );
+    assert!(r.find("ConfigMap", &config_map(trainer)).is_some());
+    // The trainer nodes do not connect to NATS: no key of the Secret.
+    assert!(
+        trainer["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .is_some_and(|v| v.iter().all(|v| v["secret"].is_null())),
+        "gpu-torch trainer: mounts a Secret it has no use for"
+    );
+    let image = |w: &Value| w["spec"]["template"]["spec"]["containers"][0]["image"].clone();
+    assert_eq!(
+        image(trainer),
+        image(learner),
+        "gpu-torch: one image for the gang"
+    );
+
+    // Node 0's address: the learner pod's JobSet hostname on the JobSet's
+    // headless Service, published before the pod is ready (the other nodes
+    // connect while it loads the model); the port is the learner's.
+    let net = &spec["network"];
+    assert_eq!(
+        net["enableDNSHostnames"], true,
+        "gpu-torch: spec.network.enableDNSHostnames"
+    );
+    assert_eq!(
+        net["publishNotReadyAddresses"], true,
+        "gpu-torch: spec.network.publishNotReadyAddresses"
+    );
+    let subdomain = net["subdomain"]
+        .as_str()
+        .expect("gpu-torch: spec.network.subdomain, set explicitly");
+    let rendezvous = t
+        .rendezvous
+        .as_deref()
+        .expect("gpu-torch: learner.torch.rendezvous");
+    let (host, port) = rendezvous.rsplit_once(':').unwrap();
+    let hostname = format!(
+        "{}-{}-0-0",
+        js["metadata"]["name"].as_str().unwrap(),
+        lead["name"].as_str().unwrap()
+    );
+    let names_node0 = [
+        format!("{hostname}.{subdomain}"),
+        format!("{hostname}.{subdomain}.asyncrl"),
+        format!("{hostname}.{subdomain}.asyncrl.svc"),
+        format!("{hostname}.{subdomain}.asyncrl.svc.cluster.local"),
+    ];
+    assert!(
+        names_node0.iter().any(|n| n == host),
+        "gpu-torch: learner.torch.rendezvous host {host} is not the learner pod ({hostname}.{subdomain})"
+    );
+    let port: u64 = port.parse().unwrap();
+    assert!(
+        learner["spec"]["template"]["spec"]["containers"][0]["ports"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["containerPort"] == port)),
+        "gpu-torch learner: no containerPort {port} (learner.torch.rendezvous)"
+    );
+
+    // Every pod of the gang: one node's GPUs, shared memory, IPC_LOCK, and
+    // host memory for the ranks' start (each reads the model in fp32).
+    let per_node = (t.world_size / t.nodes) as u64;
+    for w in [learner, trainer] {
+        let ctx = format!("gpu-torch {}", w["metadata"]["name"]);
+        let pod = &w["spec"]["template"]["spec"];
+        let c = &pod["containers"][0];
+        let res = &c["resources"];
+        let gpus = res["limits"]["nvidia.com/gpu"].as_u64().unwrap_or(0);
+        assert_eq!(
+            gpus * t.nodes as u64,
+            t.world_size as u64,
+            "{ctx}: nvidia.com/gpu {gpus} × {} nodes is not learner.torch.world_size {}",
+            t.nodes,
+            t.world_size
+        );
+        assert_eq!(
+            res["requests"]["nvidia.com/gpu"].as_u64(),
+            Some(gpus),
+            "{ctx}: GPU requests = limits"
+        );
+        assert!(
+            pod["nodeSelector"]["nvidia.com/gpu.present"] == "true",
+            "{ctx}: GPU nodes"
+        );
+        let shm = mount_holding(c, Path::new("/dev/shm"))
+            .filter(|m| m["mountPath"] == "/dev/shm")
+            .unwrap_or_else(|| panic!("{ctx}: nothing mounted at /dev/shm"));
+        let shm_volume = pod_volume(pod, &shm["name"]).unwrap();
+        assert_eq!(
+            shm_volume["emptyDir"]["medium"], "Memory",
+            "{ctx}: /dev/shm in memory"
+        );
+        let shm_bytes = bytes(
+            shm_volume["emptyDir"]["sizeLimit"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{ctx}: /dev/shm has no sizeLimit")),
+        );
+        assert!(
+            shm_bytes >= 1 << 30,
+            "{ctx}: /dev/shm of {shm_bytes} bytes is too small for NCCL"
+        );
+        let memory = bytes(res["limits"]["memory"].as_str().expect("memory limit"));
+        let start = per_node * 4 * GPU_TORCH_MODEL_PARAMS;
+        assert!(
+            memory >= start + shm_bytes,
+            "{ctx}: memory limit {memory} below {per_node} ranks × 4 bytes × {GPU_TORCH_MODEL_PARAMS} parameters + /dev/shm {shm_bytes}"
+        );
+        assert!(
+            c["securityContext"]["capabilities"]["add"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x == "IPC_LOCK")),
+            "{ctx}: IPC_LOCK (RDMA pins memory)"
+        );
+        // The model every rank loads.
+        let model = cfg.model.path.as_deref().expect("model.path");
+        assert!(
+            mount_holding(c, model).is_some(),
+            "{ctx}: model.path {} is not mounted",
+            model.display()
+        );
+    }
+
+    // The checkpoint folder: every rank writes its DCP shards into the same
+    // ReadWriteMany claim, mounted at learner.checkpoint_dir in every pod.
+    let ckpt_dir = cfg
+        .learner
+        .checkpoint_dir
+        .clone()
+        .expect("learner.checkpoint_dir");
+    let claims: Vec<&Value> = [learner, trainer]
+        .into_iter()
+        .map(|w| rwx_claim_at(&r, w, &ckpt_dir, "learner.checkpoint_dir"))
+        .collect();
+    assert_eq!(
+        claims[0]["metadata"]["name"], claims[1]["metadata"]["name"],
+        "gpu-torch: one checkpoint claim for the gang"
+    );
+    let per_checkpoint = 12 * GPU_TORCH_MODEL_PARAMS;
+    let need = (cfg.learner.keep_checkpoints as u64 + 1) * per_checkpoint;
+    let size = bytes(
+        claims[0]["spec"]["resources"]["requests"]["storage"]
+            .as_str()
+            .unwrap(),
+    );
+    assert!(
+        size >= need + need / 10,
+        "gpu-torch: checkpoint claim {size} bytes below (keep_checkpoints {} + 1) × 12 bytes × {GPU_TORCH_MODEL_PARAMS} parameters + 10 %",
+        cfg.learner.keep_checkpoints
+    );
+
+    // The weights of each version: written by the learner into
+    // shared_weights_dir, read there by the other ranks and every worker.
+    assert_eq!(
+        cfg.learner.weight_transport,
+        WeightTransportName::SharedPath
+    );
+    let shared = cfg
+        .learner
+        .shared_weights_dir
+        .clone()
+        .expect("learner.shared_weights_dir");
+    let pool = r.get("Deployment", "rollout-worker");
+    let mut claim_names = Vec::new();
+    for (w, writes) in [(learner, true), (trainer, false), (pool, false)] {
+        let pvc = rwx_claim_at(&r, w, &shared, "learner.shared_weights_dir");
+        claim_names.push(pvc["metadata"]["name"].clone());
+        let m = mount_holding(&w["spec"]["template"]["spec"]["containers"][0], &shared).unwrap();
+        assert_eq!(
+            m["readOnly"] == true,
+            !writes,
+            "gpu-torch {}: shared weights read-only except in the learner",
+            w["metadata"]["name"]
+        );
+        if writes {
+            let need = (cfg.learner.keep_weight_versions as u64 + 1) * 2 * GPU_TORCH_MODEL_PARAMS;
+            let size = bytes(
+                pvc["spec"]["resources"]["requests"]["storage"]
+                    .as_str()
+                    .unwrap(),
+            );
+            assert!(
+                size >= need,
+                "gpu-torch: shared weights claim {size} bytes below (keep_weight_versions + 1) × 2 bytes × parameters"
+            );
+        }
+    }
+    assert!(
+        claim_names.windows(2).all(|w| w[0] == w[1]),
+        "gpu-torch: one shared weights claim: {claim_names:?}"
+    );
+
+    // Stopping the set: the learner's checkpoint on SIGTERM needs every
+    // rank, so the trainer nodes wait (preStop) for the learner's grace
+    // period before their own SIGTERM.
+    let grace = |w: &Value| {
+        w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            .as_u64()
+            .unwrap()
+    };
+    let wait: u64 = trainer["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        .as_array()
+        .and_then(|c| match &c[..] {
+            [cmd, secs] if cmd == "sleep" => secs.as_str()?.parse().ok(),
+            _ => None,
+        })
+        .expect("gpu-torch trainer: preStop exec [sleep, N]");
+    assert!(
+        wait >= grace(learner),
+        "gpu-torch trainer: preStop {wait}s shorter than the learner's grace {}s",
+        grace(learner)
+    );
+    assert!(
+        grace(trainer) > wait,
+        "gpu-torch trainer: terminationGracePeriodSeconds within its preStop"
+    );
+
+    // The ClusterQueue a cluster admin creates (kueue-admin.yaml) is the one
+    // the LocalQueue names, takes this namespace, covers every resource the
+    // gang requests and holds all of it at once.
+    let admin = asyncrl_deploy_checks::yaml_docs(
+        &std::fs::read_to_string(k8s_dir().join("components/torch-gang/kueue-admin.yaml")).unwrap(),
+    );
+    let cq = admin
+        .iter()
+        .find(|o| {
+            o["kind"] == "ClusterQueue" && o["metadata"]["name"] == lq["spec"]["clusterQueue"]
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "gpu-torch: kueue-admin.yaml has no ClusterQueue {}",
+                lq["spec"]["clusterQueue"]
+            )
+        });
+    assert_eq!(cq["apiVersion"], "kueue.x-k8s.io/v1beta2");
+    assert!(
+        selects(
+            &cq["spec"]["namespaceSelector"],
+            &serde_json::json!({"kubernetes.io/metadata.name": "asyncrl"})
+        ),
+        "gpu-torch: the ClusterQueue does not take namespace asyncrl"
+    );
+    let mut requested: BTreeMap<String, u64> = BTreeMap::new();
+    for (rj, w) in [(lead, learner), (followers, trainer)] {
+        let pods = rj["replicas"].as_u64().unwrap() * w["spec"]["parallelism"].as_u64().unwrap();
+        for c in containers(w) {
+            for (res, q) in c["resources"]["requests"].as_object().into_iter().flatten() {
+                let q = q
+                    .as_str()
+                    .map(str::to_owned)
+                    .unwrap_or_else(|| q.to_string());
+                let amount = if res == "cpu" {
+                    q.parse::<u64>().expect("whole CPUs")
+                } else {
+                    bytes(&q)
+                };
+                *requested.entry(res.clone()).or_default() += pods * amount;
+            }
+        }
+    }
+    let groups = cq["spec"]["resourceGroups"]
+        .as_array()
+        .expect("resourceGroups");
+    for (res, total) in &requested {
+        let group = groups
+            .iter()
+            .find(|g| g["coveredResources"].as_array().is_some_and(|c| c.iter().any(|c| c == res.as_str())))
+            .unwrap_or_else(|| panic!("gpu-torch: the ClusterQueue does not cover {res}; Kueue would never admit the gang"));
+        let quota: u64 = group["flavors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|f| f["resources"].as_array().cloned().unwrap_or_default())
+            .filter(|q| q["name"] == res.as_str())
+            .map(|q| match &q["nominalQuota"] {
+                Value::Number(n) => n.as_u64().unwrap(),
+                v => {
+                    let s = v.as_str().unwrap();
+                    if res == "cpu" {
+                        s.parse().unwrap()
+                    } else {
+                        bytes(s)
+                    }
+                }
+            })
+            .sum();
+        assert!(
+            quota >= *total,
+            "gpu-torch: the ClusterQueue's {res} quota {quota} is below the gang's {total}"
+        );
+    }
+    for f in groups
+        .iter()
+        .flat_map(|g| g["flavors"].as_array().cloned().unwrap_or_default())
+    {
+        assert!(
+            admin
+                .iter()
+                .any(|o| o["kind"] == "ResourceFlavor" && o["metadata"]["name"] == f["name"]),
+            "gpu-torch: kueue-admin.yaml lacks the ResourceFlavor {}",
+            f["name"]
+        );
+    }
 }
