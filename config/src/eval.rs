@@ -11,8 +11,8 @@ use crate::{ConfigError, DatasetConfig, check_range};
 #[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum EvalEngineName {
-    /// The built-in model when it runs the architecture (`model.path`'s
-    /// `config.json`, or `[model.tiny]`), else `torch`.
+    /// The engine that trains (`learner.trainer`); `torch` also when the
+    /// built-in model does not run the architecture.
     #[default]
     Auto,
     /// The built-in model, on its own thread (Llama and Qwen2).

@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use asyncrl_config::{Config, EvalEngineName};
+use asyncrl_config::{Config, EvalEngineName, TrainerEngineName};
 use asyncrl_policy::{DecodeBatchOptions, ModelText, Policy, SamplingParams, SequenceRequest};
 use asyncrl_tasks::{TaskItem, Verdict};
 use asyncrl_telemetry::{Metrics, TelemetryError};
@@ -409,11 +409,15 @@ impl Evaluator {
     }
 }
 
-/// What `eval.engine` resolves to: `auto` is the built-in model when it
-/// runs the architecture (a tiny model, or a `model.path` whose
-/// `config.json` it reads), else the torch engine.
+/// What `eval.engine` resolves to: `auto` evaluates with the engine that
+/// trains (`learner.trainer`), and through the torch engine whenever the
+/// built-in model does not run the architecture (a `model.path` whose
+/// `config.json` it cannot read).
 pub fn resolve_engine(config: &Config) -> EvalEngineName {
     match (config.eval.engine, &config.model.path) {
+        (EvalEngineName::Auto, _) if config.learner.trainer == TrainerEngineName::Torch => {
+            EvalEngineName::Torch
+        }
         (EvalEngineName::Auto, None) => EvalEngineName::Builtin,
         (EvalEngineName::Auto, Some(dir)) => {
             if asyncrl_policy::ModelConfig::from_file(&dir.join("config.json")).is_ok() {

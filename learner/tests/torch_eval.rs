@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use asyncrl_config::{Config, EvalEngineName};
+use asyncrl_config::{Config, EvalEngineName, TrainerEngineName};
 use asyncrl_learner::engine::TrainerEngine as _;
 use asyncrl_learner::eval::resolve_engine;
 use asyncrl_learner::torch_engine::TorchEngine;
@@ -76,8 +76,12 @@ fn the_torch_evaluator_generates_what_the_builtin_model_does_from_the_same_weigh
     config.model.path = Some(model);
     config.learner.torch.python = python();
     config.run.output_dir = dir.path().join("out");
-    // The built-in model reads this folder, so `auto` keeps it.
+    // `auto` evaluates with the engine that trains (the built-in model
+    // reads this folder).
     assert_eq!(resolve_engine(&config), EvalEngineName::Builtin);
+    config.learner.trainer = TrainerEngineName::Torch;
+    assert_eq!(resolve_engine(&config), EvalEngineName::Torch);
+    config.learner.trainer = TrainerEngineName::Builtin;
     config.eval.engine = EvalEngineName::Torch;
     assert_eq!(resolve_engine(&config), EvalEngineName::Torch);
 
