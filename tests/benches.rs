@@ -215,3 +215,90 @@ fn staleness_bench_writes_curves_and_a_report_per_setting() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("[eval] dataset"), "{stderr}");
 }
+
+#[test]
+fn gpu_bench_runs_both_engines_on_the_same_weights_at_toy_shapes_on_the_cpu() {
+    // `scripts/gpu-check` runs this bench on a GPU at real shapes; here the
+    // same code at toy shapes keeps it working, and checks what it reports.
+    let dir = tempfile::tempdir().unwrap();
+    let python = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv/bin/python"));
+    let python = if python.is_file() {
+        python.display().to_string()
+    } else {
+        "python3".into()
+    };
+    let work = dir.path().join("work").display().to_string();
+    let args = [
+        "gpu",
+        "--device",
+        "cpu",
+        "--shapes",
+        "tiny-qwen2,tiny-qwen3",
+        "--qwen3-layers",
+        "4",
+        "--rows",
+        "4",
+        "--prompt-tokens",
+        "6",
+        "--completion-tokens",
+        "10",
+        "--steps",
+        "2",
+        "--python",
+        &python,
+        "--work",
+        &work,
+    ];
+    let out = asyncrl(&args);
+    succeeded(&args, &out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // | shape | engine | parameters | layers | step | first step | peak | tokens/s | loss |
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| tiny-"))
+        .map(|l| l.trim_matches('|').split('|').map(str::trim).collect())
+        .collect();
+    let engines: Vec<(&str, &str)> = rows.iter().map(|r| (r[0], r[1])).collect();
+    assert_eq!(
+        engines,
+        [
+            ("tiny-qwen2", "builtin"),
+            ("tiny-qwen2", "torch"),
+            ("tiny-qwen2", "torch+ac"),
+            ("tiny-qwen3", "torch"),
+            ("tiny-qwen3", "torch+ac"),
+            ("tiny-qwen3", "torch, 2 layers"),
+        ],
+        "{stdout}"
+    );
+    let field = |r: &[&str], i: usize| -> f64 { r[i].parse().unwrap_or(f64::NAN) };
+    for r in &rows {
+        assert!(field(r, 4) > 0.0 && field(r, 7) > 0.0, "{r:?}");
+        assert!(field(r, 8).is_finite(), "{r:?}");
+    }
+    // The same model to both engines: the same parameters, and on the
+    // same batch the same first loss (fp32 on the CPU).
+    assert_eq!(rows[0][2], rows[1][2], "parameters: {stdout}");
+    for r in &rows[1..3] {
+        assert!(
+            (field(r, 8) - field(&rows[0], 8)).abs() < 1e-4,
+            "{} loss {} against the built-in {}",
+            r[1],
+            r[8],
+            rows[0][8]
+        );
+    }
+    assert!(
+        stdout.contains("tiny-qwen2: torch / builtin: step time")
+            && stdout.contains("MiB per decoder layer"),
+        "{stdout}"
+    );
+    // The model folders are removed after each shape.
+    assert!(
+        std::fs::read_dir(dir.path().join("work"))
+            .map(|d| d
+                .filter_map(Result::ok)
+                .all(|e| !e.path().join("config.json").exists()))
+            .unwrap_or(true)
+    );
+}

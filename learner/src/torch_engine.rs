@@ -305,6 +305,11 @@ impl TorchEngine {
         Self::launch(&config, opts, work)
     }
 
+    /// Parameters of the model the group loaded.
+    pub fn parameters(&self) -> u64 {
+        self.info.parameters
+    }
+
     /// Completions of `prompts` (see `asyncrl.v1.TrainerEngine/Generate`),
     /// in order; `seeds[i]` seeds prompt `i`'s sampling.
     pub fn generate(

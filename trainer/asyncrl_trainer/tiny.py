@@ -86,13 +86,40 @@ def write(arch: str, tokenizer_from: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
+def write_from_config(config: dict[str, Any], out: Path, seed: int = 0) -> Path:
+    """A random model of a whole ``config.json`` (real shapes: the GPU
+    check), weights N(0, 0.02) saved in bf16, with no tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config)
+    model_type = fields.pop("model_type")
+    fields.pop("architectures", None)
+    fields.pop("torch_dtype", None)
+    cfg = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="asyncrl_trainer.tiny")
-    p.add_argument("--arch", required=True, choices=sorted(ARCHITECTURES))
-    p.add_argument("--tokenizer-from", type=Path, required=True)
+    p.add_argument("--arch", choices=sorted(ARCHITECTURES))
+    p.add_argument("--tokenizer-from", type=Path)
+    p.add_argument("--config-json", type=Path, help="a whole config.json instead of --arch")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.config_json is not None:
+        write_from_config(json.loads(args.config_json.read_text(encoding="utf-8")), args.out, args.seed)
+        return 0
+    if args.arch is None or args.tokenizer_from is None:
+        p.error("--arch and --tokenizer-from are needed (or --config-json)")
     write(args.arch, args.tokenizer_from, args.out, args.seed)
     return 0
 

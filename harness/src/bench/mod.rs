@@ -26,6 +26,7 @@ pub mod chaos;
 mod coordinator;
 mod curves;
 mod engine;
+pub mod gpu;
 mod learner;
 mod memory;
 pub mod scale;
@@ -112,6 +113,12 @@ pub enum BenchCommand {
     /// generating with the built-in engine and taking one learner step,
     /// per micro-batch budget (the first is the baseline of the ratios).
     Memory(MemoryBenchArgs),
+    /// Both trainer engines at real shapes (Qwen2.5-1.5B; Qwen3-8B's layers,
+    /// torch only) on one batch: step time, peak memory, tokens/s, the
+    /// torch engine with activation checkpointing, and both engines' loss on
+    /// the same weights, as ratios against the built-in trainer
+    /// (`scripts/gpu-check` runs it on a GPU).
+    Gpu(GpuBenchArgs),
     /// Sync (η = 0) against async training on the long-tailed reverse task,
     /// learner and worker pinned to separate cores: the measured speedup next
     /// to the pipelining bound from the same runs.
@@ -265,6 +272,37 @@ pub struct MemoryBenchArgs {
     /// the same batch, each rank's peak measured.
     #[arg(long, value_delimiter = ',')]
     torch_world_sizes: Vec<usize>,
+}
+
+#[derive(Debug, Args)]
+pub struct GpuBenchArgs {
+    /// `cuda` or `cpu`.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// qwen2.5-1.5b, qwen3-8b, tiny-qwen2, tiny-qwen3.
+    #[arg(long, value_delimiter = ',', default_value = "qwen2.5-1.5b,qwen3-8b")]
+    shapes: Vec<String>,
+    /// Decoder layers of the qwen3-8b shape (36 in the real model, which
+    /// does not fit one GPU with fp32 AdamW state).
+    #[arg(long, default_value_t = 8)]
+    qwen3_layers: usize,
+    #[arg(long, default_value_t = 8)]
+    rows: usize,
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 768)]
+    completion_tokens: usize,
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Micro-batch token budget of both engines (0: none).
+    #[arg(long, default_value_t = 4096)]
+    microbatch_tokens: usize,
+    /// The interpreter with torch, transformers and asyncrl_trainer.
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+    /// Where the model folders are written (GBs per shape).
+    #[arg(long, default_value = "runs/gpu-check/work")]
+    work: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -451,6 +489,23 @@ pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 ..Default::default()
             };
             let report = memory::run_memory_bench(opts).context("memory bench")?;
+            print!("{report}");
+        }
+        BenchCommand::Gpu(args) => {
+            let opts = gpu::GpuBenchOptions {
+                device: args.device,
+                shapes: args.shapes,
+                qwen3_layers: args.qwen3_layers,
+                rows: args.rows,
+                prompt_tokens: args.prompt_tokens,
+                completion_tokens: args.completion_tokens,
+                steps: args.steps,
+                microbatch_tokens: args.microbatch_tokens,
+                python: args.python,
+                work: args.work,
+                seed: 0,
+            };
+            let report = gpu::run_gpu_bench(opts).context("gpu bench")?;
             print!("{report}");
         }
         BenchCommand::Chaos(args) => {
