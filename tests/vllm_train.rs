@@ -411,6 +411,29 @@ fn architecture_round_trip(arch: &str) {
                 r.logprob_gap_max
             );
         }
+        // Under shared_path vLLM reloaded the announced folders in place:
+        // the worker wrote no copy of a version (these heads are untied).
+        let copies: Vec<PathBuf> = std::fs::read_dir(out.join("engine-weights"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .flat_map(|worker| {
+                std::fs::read_dir(worker.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+            })
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('v'))
+            })
+            .collect();
+        assert_eq!(
+            copies.is_empty(),
+            transport == WeightTransportName::SharedPath,
+            "{name}: version copies in the engine's weights_dir: {copies:?}"
+        );
         let eval = read_eval(&out.join(EVAL_CSV)).expect("eval.csv");
         let versions: Vec<i32> = eval.iter().map(|r| r.version).collect();
         assert_eq!(versions, [0, 2, 4], "{name}: {eval:?}");

@@ -179,9 +179,11 @@ pub enum PublishFolderError {
     Transport(#[from] TransportError),
 }
 
-/// Reads every file of an announced folder, each checked against its
-/// announced sha256 and size (blocking: call it off the async runtime).
-pub fn read_folder(announcement: &WeightAnnouncement) -> Result<Vec<(String, Bytes)>, FolderError> {
+/// The path of every file an announcement lists (none may leave its
+/// folder, and there must be at least one).
+fn announced_paths(
+    announcement: &WeightAnnouncement,
+) -> Result<Vec<(&asyncrl_protos::v1::WeightFile, std::path::PathBuf)>, FolderError> {
     let folder = std::path::Path::new(&announcement.folder);
     if announcement.files.is_empty() {
         return Err(FolderError::Invalid {
@@ -199,24 +201,59 @@ pub fn read_folder(announcement: &WeightAnnouncement) -> Result<Vec<(String, Byt
                     reason: format!("file name {:?} leaves the folder", f.name),
                 });
             }
-            let path = folder.join(&f.name);
+            Ok((f, folder.join(&f.name)))
+        })
+        .collect()
+}
+
+fn check_file(
+    f: &asyncrl_protos::v1::WeightFile,
+    path: std::path::PathBuf,
+    actual: String,
+    size: u64,
+) -> Result<(), FolderError> {
+    if actual != f.sha256.to_ascii_lowercase() || size != f.byte_size {
+        return Err(FolderError::Mismatch {
+            path,
+            expected: f.sha256.clone(),
+            actual,
+            size,
+            expected_size: f.byte_size,
+        });
+    }
+    Ok(())
+}
+
+/// Reads every file of an announced folder, each checked against its
+/// announced sha256 and size (blocking: call it off the async runtime).
+pub fn read_folder(announcement: &WeightAnnouncement) -> Result<Vec<(String, Bytes)>, FolderError> {
+    announced_paths(announcement)?
+        .into_iter()
+        .map(|(f, path)| {
             let bytes = std::fs::read(&path).map_err(|source| FolderError::Io {
                 path: path.clone(),
                 source,
             })?;
             let actual = asyncrl_common::sha256_hex(&bytes);
-            if actual != f.sha256.to_ascii_lowercase() || bytes.len() as u64 != f.byte_size {
-                return Err(FolderError::Mismatch {
-                    path,
-                    expected: f.sha256.clone(),
-                    actual,
-                    size: bytes.len() as u64,
-                    expected_size: f.byte_size,
-                });
-            }
+            check_file(f, path, actual, bytes.len() as u64)?;
             Ok((f.name.clone(), Bytes::from(bytes)))
         })
         .collect()
+}
+
+/// Checks every file of an announced folder against its announced sha256
+/// and size without holding it (an engine then loads the folder itself;
+/// blocking: call it off the async runtime).
+pub fn verify_folder(announcement: &WeightAnnouncement) -> Result<(), FolderError> {
+    for (f, path) in announced_paths(announcement)? {
+        let (actual, size) =
+            asyncrl_common::sha256_hex_of_file(&path).map_err(|source| FolderError::Io {
+                path: path.clone(),
+                source,
+            })?;
+        check_file(f, path, actual, size)?;
+    }
+    Ok(())
 }
 
 /// Deletes the version folders `policy-vNNNNNNNN` of versions
@@ -407,6 +444,7 @@ mod tests {
         assert_eq!(ann.format, WEIGHTS_FORMAT_FOLDER);
         assert_eq!(ann.files.len(), 2);
         let read = read_folder(&ann).unwrap();
+        verify_folder(&ann).unwrap();
         assert_eq!(
             read[1],
             (
@@ -417,17 +455,28 @@ mod tests {
 
         // Altered after the announcement (same size, other bytes): refused.
         std::fs::write(dir.join("model-00001-of-00002.safetensors"), b"firsT").unwrap();
+        // Both readers: the one that holds the files and the one that only
+        // checks them for an engine that loads the folder itself.
         assert!(matches!(
             read_folder(&ann),
+            Err(FolderError::Mismatch { .. })
+        ));
+        assert!(matches!(
+            verify_folder(&ann),
             Err(FolderError::Mismatch { .. })
         ));
         // A file that is gone, or a name that leaves the folder: refused.
         std::fs::remove_file(dir.join("model-00001-of-00002.safetensors")).unwrap();
         assert!(matches!(read_folder(&ann), Err(FolderError::Io { .. })));
+        assert!(matches!(verify_folder(&ann), Err(FolderError::Io { .. })));
         let mut escape = ann.clone();
         escape.files[0].name = "../elsewhere".into();
         assert!(matches!(
             read_folder(&escape),
+            Err(FolderError::Invalid { .. })
+        ));
+        assert!(matches!(
+            verify_folder(&escape),
             Err(FolderError::Invalid { .. })
         ));
     }

@@ -230,8 +230,15 @@ async fn fetch_and_load(
     }
     let timeout = shared.settings.weight_fetch_timeout;
     if !ann.folder.is_empty() {
+        // An engine that loads folders itself (vLLM) reloads the checked
+        // folder in place: nothing is held in memory or copied.
+        if shared.engine.loads_folders() {
+            check_shared_folder(ann, timeout, asyncrl_control::weights::verify_folder).await?;
+            let dir = std::path::PathBuf::from(&ann.folder);
+            return load(shared, ann, &ann.folder, Source::Folder(dir)).await;
+        }
         let bytes = read_shared_folder(ann, timeout).await?;
-        return load(shared, ann, &ann.folder, bytes).await;
+        return load(shared, ann, &ann.folder, Source::Bytes(bytes)).await;
     }
     let name = asyncrl_control::weights::object_name(ann);
     let bytes: Bytes = match tokio::time::timeout(timeout, fetch(&shared.bus, ann)).await {
@@ -267,7 +274,14 @@ async fn fetch_and_load(
             retry: true,
         });
     }
-    load(shared, ann, &name, bytes).await
+    load(shared, ann, &name, Source::Bytes(bytes)).await
+}
+
+/// What a version is loaded from.
+enum Source {
+    Bytes(Bytes),
+    /// A checked `shared_path` folder the engine reads itself.
+    Folder(std::path::PathBuf),
 }
 
 /// A version of the `shared_path` transport: every file of its folder,
@@ -277,24 +291,35 @@ async fn read_shared_folder(
     ann: &WeightAnnouncement,
     timeout: Duration,
 ) -> Result<Bytes, FetchFailure> {
+    let files = check_shared_folder(ann, timeout, asyncrl_control::weights::read_folder).await?;
+    merge_shards(&files).map_err(|e| FetchFailure {
+        label: "load",
+        message: format!("the weights in {} are no safetensors: {e}", ann.folder),
+        retry: false,
+    })
+}
+
+/// Runs `check` (a reader of an announced folder) off the runtime, within
+/// `timeout`, its failures labelled as every fetch failure is.
+async fn check_shared_folder<T: Send + 'static>(
+    ann: &WeightAnnouncement,
+    timeout: Duration,
+    check: fn(&WeightAnnouncement) -> Result<T, asyncrl_control::weights::FolderError>,
+) -> Result<T, FetchFailure> {
     use asyncrl_control::weights::FolderError;
     let owned = ann.clone();
-    let read = tokio::task::spawn_blocking(move || asyncrl_control::weights::read_folder(&owned));
-    let files = match tokio::time::timeout(timeout, read).await {
-        Err(_) => {
-            return Err(FetchFailure {
-                label: "timeout",
-                message: format!("reading {} took longer than {timeout:?}", ann.folder),
-                retry: true,
-            });
-        }
-        Ok(Err(e)) => {
-            return Err(FetchFailure {
-                label: "transport",
-                message: format!("the folder reader failed: {e}"),
-                retry: true,
-            });
-        }
+    let read = tokio::task::spawn_blocking(move || check(&owned));
+    match tokio::time::timeout(timeout, read).await {
+        Err(_) => Err(FetchFailure {
+            label: "timeout",
+            message: format!("reading {} took longer than {timeout:?}", ann.folder),
+            retry: true,
+        }),
+        Ok(Err(e)) => Err(FetchFailure {
+            label: "transport",
+            message: format!("the folder reader failed: {e}"),
+            retry: true,
+        }),
         Ok(Ok(Err(e))) => {
             let label = match &e {
                 FolderError::Mismatch { .. } => "checksum",
@@ -303,19 +328,14 @@ async fn read_shared_folder(
                 }
                 _ => "transport",
             };
-            return Err(FetchFailure {
+            Err(FetchFailure {
                 label,
                 message: e.to_string(),
                 retry: true,
-            });
+            })
         }
-        Ok(Ok(Ok(files))) => files,
-    };
-    merge_shards(&files).map_err(|e| FetchFailure {
-        label: "load",
-        message: format!("the weights in {} are no safetensors: {e}", ann.folder),
-        retry: false,
-    })
+        Ok(Ok(Ok(v))) => Ok(v),
+    }
 }
 
 /// One safetensors file holding every tensor of `files` (the shards of a
@@ -338,14 +358,18 @@ async fn load(
     shared: &Arc<Shared>,
     ann: &WeightAnnouncement,
     name: &str,
-    bytes: Bytes,
+    source: Source,
 ) -> Result<(), FetchFailure> {
     shared
         .metrics
         .weights_fetched_version
         .set(i64::from(ann.version));
     let started = Instant::now();
-    match shared.engine.load_weights(bytes, ann.version).await {
+    let loaded = match source {
+        Source::Bytes(bytes) => shared.engine.load_weights(bytes, ann.version).await,
+        Source::Folder(dir) => shared.engine.load_weights_folder(&dir, ann.version).await,
+    };
+    match loaded {
         Ok(()) => {
             let now = shared.clock.now_unix_ms();
             let latency_ms = if ann.published_at_unix_ms > 0 {

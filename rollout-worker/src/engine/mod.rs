@@ -95,6 +95,28 @@ pub trait Engine: Send + Sync {
     /// checked against the announced sha256). Sequences in flight continue
     /// (their later tokens carry the new version) or are resubmitted.
     async fn load_weights(&self, bytes: Bytes, version: i32) -> Result<(), EngineError>;
+    /// Whether it loads a `shared_path` version folder itself
+    /// ([`Engine::load_weights_folder`]) rather than from bytes.
+    fn loads_folders(&self) -> bool {
+        false
+    }
+    /// Swaps in the weights of `version` from a Hugging Face folder whose
+    /// files were checked against the announcement (only called when
+    /// [`Engine::loads_folders`]).
+    async fn load_weights_folder(
+        &self,
+        dir: &std::path::Path,
+        version: i32,
+    ) -> Result<(), EngineError> {
+        let _ = version;
+        Err(EngineError::Rejected(VllmError::Io {
+            path: dir.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "this engine loads weights from bytes, not from a folder",
+            ),
+        }))
+    }
     /// The version of the weights in use (-1: none loaded yet).
     fn version(&self) -> i32;
     fn counters(&self) -> EngineCounters;

@@ -11,7 +11,10 @@
 //!   `model.path`'s tokenizer; otherwise the worker refuses to start with one
 //!   line naming the setting.
 //! - **Weights.** Each version is written to `weights_dir/<worker>/v<N>/`
-//!   (temp name, then rename) and every server goes through pause → reload
+//!   (temp name, then rename), or, under the `shared_path` transport, the
+//!   announced folder is reloaded in place once its files match the
+//!   announcement (no copy; a tied head still goes through a copy, below),
+//!   and every server goes through pause → reload
 //!   → set version → reset prefix cache → resume. A step that fails leaves
 //!   the server's weights unknown: it is marked down (its requests fail, so
 //!   their tasks go back to the coordinator), restarted when the worker
@@ -201,6 +204,77 @@ pub async fn build(
 }
 
 impl VllmEngine {
+    /// Makes `target` the weights every server serves: each ready server
+    /// swaps to it (a down one reloads it when it recovers).
+    async fn swap_to(&self, target: Target) -> Result<(), EngineError> {
+        let version = target.version;
+        *self.target.lock().unwrap_or_else(PoisonError::into_inner) = Some(target.clone());
+        let mut loaded = 0;
+        let mut first_error = None;
+        for server in &self.servers {
+            let _guard = server.swap_lock.lock().await;
+            match server.state.borrow().clone() {
+                ServerState::Down { reason } => {
+                    // Its recovery reloads the target.
+                    first_error.get_or_insert(EngineError::Unavailable(VllmError::Down {
+                        endpoint: server.api.endpoint.clone(),
+                        reason,
+                    }));
+                    continue;
+                }
+                ServerState::Ready { version: v } if v == version => {
+                    loaded += 1;
+                    continue;
+                }
+                _ => {}
+            }
+            server.state.send_replace(ServerState::Swapping);
+            let started = std::time::Instant::now();
+            match server
+                .swap(
+                    self.settings.pause_mode,
+                    self.settings.control_timeout,
+                    &target,
+                )
+                .await
+            {
+                Ok(()) => {
+                    server.state.send_replace(ServerState::Ready { version });
+                    loaded += 1;
+                    tracing::debug!(endpoint = %server.api.endpoint, version, swap_ms = started.elapsed().as_millis() as u64, "engine weights swapped");
+                }
+                Err(e) => {
+                    self.count_error(&e);
+                    self.metrics
+                        .engine_errors
+                        .get_or_create(&reason("swap"))
+                        .inc();
+                    let rejected = matches!(e, VllmError::Status { .. });
+                    server.mark_down(format!("weight swap to version {version} failed: {e}"));
+                    first_error.get_or_insert(if rejected {
+                        EngineError::Rejected(e)
+                    } else {
+                        EngineError::Unavailable(e)
+                    });
+                }
+            }
+        }
+        self.update_readiness();
+        if loaded > 0 {
+            self.version.fetch_max(version, Ordering::SeqCst);
+            let root = self.settings.weights_dir.clone();
+            let keep = target.dir.clone();
+            tokio::task::spawn_blocking(move || prune_version_dirs(&root, &keep));
+            return Ok(());
+        }
+        Err(first_error.unwrap_or_else(|| {
+            EngineError::Unavailable(VllmError::Down {
+                endpoint: String::new(),
+                reason: "no engine server".into(),
+            })
+        }))
+    }
+
     /// Times `reload_weights` of the newest version's folder on the first
     /// server, alone (no pause, no version, no cache reset): the baseline
     /// of `asyncrl-bench engine`'s swap figure.
@@ -575,72 +649,25 @@ impl Engine for VllmEngine {
                     })
                 })?
                 .map_err(EngineError::Unavailable)?;
-        let target = Target { version, dir };
-        *self.target.lock().unwrap_or_else(PoisonError::into_inner) = Some(target.clone());
-        let mut loaded = 0;
-        let mut first_error = None;
-        for server in &self.servers {
-            let _guard = server.swap_lock.lock().await;
-            match server.state.borrow().clone() {
-                ServerState::Down { reason } => {
-                    // Its recovery reloads the target.
-                    first_error.get_or_insert(EngineError::Unavailable(VllmError::Down {
-                        endpoint: server.api.endpoint.clone(),
-                        reason,
-                    }));
-                    continue;
-                }
-                ServerState::Ready { version: v } if v == version => {
-                    loaded += 1;
-                    continue;
-                }
-                _ => {}
-            }
-            server.state.send_replace(ServerState::Swapping);
-            let started = std::time::Instant::now();
-            match server
-                .swap(
-                    self.settings.pause_mode,
-                    self.settings.control_timeout,
-                    &target,
-                )
-                .await
-            {
-                Ok(()) => {
-                    server.state.send_replace(ServerState::Ready { version });
-                    loaded += 1;
-                    tracing::debug!(endpoint = %server.api.endpoint, version, swap_ms = started.elapsed().as_millis() as u64, "engine weights swapped");
-                }
-                Err(e) => {
-                    self.count_error(&e);
-                    self.metrics
-                        .engine_errors
-                        .get_or_create(&reason("swap"))
-                        .inc();
-                    let rejected = matches!(e, VllmError::Status { .. });
-                    server.mark_down(format!("weight swap to version {version} failed: {e}"));
-                    first_error.get_or_insert(if rejected {
-                        EngineError::Rejected(e)
-                    } else {
-                        EngineError::Unavailable(e)
-                    });
-                }
-            }
-        }
-        self.update_readiness();
-        if loaded > 0 {
-            self.version.fetch_max(version, Ordering::SeqCst);
-            let root = self.settings.weights_dir.clone();
-            let keep = target.dir.clone();
-            tokio::task::spawn_blocking(move || prune_version_dirs(&root, &keep));
-            return Ok(());
-        }
-        Err(first_error.unwrap_or_else(|| {
-            EngineError::Unavailable(VllmError::Down {
-                endpoint: String::new(),
-                reason: "no engine server".into(),
-            })
-        }))
+        self.swap_to(Target { version, dir }).await
+    }
+
+    /// A model with a tied head needs `lm_head.weight` added to what it
+    /// reloads ([`folders::with_tied_head`]), so it loads from bytes.
+    fn loads_folders(&self) -> bool {
+        !self.settings.tied_head
+    }
+
+    async fn load_weights_folder(
+        &self,
+        dir: &std::path::Path,
+        version: i32,
+    ) -> Result<(), EngineError> {
+        self.swap_to(Target {
+            version,
+            dir: dir.to_owned(),
+        })
+        .await
     }
 
     fn version(&self) -> i32 {
