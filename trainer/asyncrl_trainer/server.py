@@ -33,9 +33,10 @@ import threading
 import time
 import traceback
 from concurrent import futures
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -135,19 +136,80 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def load_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no
+    memory, no initialisation) and their buffers for real (rotary tables
+    and scales are computed at construction, and no checkpoint holds
+    them)."""
+    register = nn.Module.register_parameter
 
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            held = module._parameters[name]
+            assert held is not None
+            module._parameters[name] = nn.Parameter(held.to("meta"), requires_grad=held.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _cannot_load(args: argparse.Namespace, e: Exception) -> ConfigError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ConfigError(f"model.path: transformers cannot load {args.model}: {first}")
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, int]:
+    """The model, sharded (:func:`shard`), and its parameter count.
+
+    With one rank, transformers loads the folder. With more, only rank 0
+    reads the weights (into host memory, fp32); every other rank builds the
+    model with its parameters on the meta device, every rank shards it, and
+    the full weights reach each rank's shards from rank 0 (a broadcast):
+    a node holds one host copy of the model at most, not one per rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full: dict[str, torch.Tensor] = {}
+    try:
+        if world == 1 or rank == 0:
+            loaded = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        if world == 1:
+            model = loaded
+        else:
+            config = AutoConfig.from_pretrained(args.model)
+            with parameters_on_meta():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if rank == 0:
+                full = {k: v.detach() for k, v in loaded.state_dict().items()}
+                del loaded
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"model.path: transformers cannot load {args.model}: {first}") from e
-    model.to(device)
+        raise _cannot_load(args, e) from e
+    parameters = sum(p.numel() for p in model.parameters())
+    if world == 1:
+        model.to(device)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    return model
+    shard(model, args, device)
+    if world > 1:
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        model.to_empty(device=torch.device("cpu") if args.cpu_offload else device)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        set_model_state_dict(
+            model,
+            full,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        del full
+    return model, parameters
 
 
 def shard(model: nn.Module, args: argparse.Namespace, device: torch.device) -> None:
@@ -228,7 +290,7 @@ class Engine:
             else torch.device("cpu")
         )
         torch.manual_seed(args.seed)
-        self.model = load_model(args, self.device)
+        self.model, self.parameters = build_model(args, self.device)
         config = self.model.config
         text = getattr(config, "text_config", None) or config
         self.model_type = str(getattr(config, "model_type", ""))
@@ -236,8 +298,6 @@ class Engine:
         self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
         pad = getattr(text, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
-        self.parameters = sum(p.numel() for p in self.model.parameters())
-        shard(self.model, args, self.device)
         budget = args.max_tokens_per_microbatch
         self.trainer = Trainer(
             self.model,
