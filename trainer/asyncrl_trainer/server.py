@@ -146,10 +146,10 @@ def parameters_on_meta() -> Iterator[None]:
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None:
-            held = module._parameters[name]
-            assert held is not None
-            module._parameters[name] = nn.Parameter(held.to("meta"), requires_grad=held.requires_grad)
+        # A parameter on meta already is registered as it is: a tied head
+        # stays the embedding's own parameter.
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:

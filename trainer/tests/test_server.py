@@ -44,6 +44,9 @@ def tiny_model(path: Path) -> None:
         num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=64,
+        # Tied, as the smaller Qwen3 models are: ranks that build the model
+        # on the meta device must keep the head the embedding's parameter.
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
