@@ -1360,7 +1360,8 @@ fn gpu_torch_runs_the_learner_as_one_gang_admitted_by_kueue() {
     );
 
     // Every pod of the gang: one node's GPUs, shared memory, IPC_LOCK, and
-    // host memory for the ranks' start (each reads the model in fp32).
+    // host memory for the ranks' start (global rank 0, in the learner's
+    // pod, reads the model in fp32 once; every rank needs a few GB).
     let per_node = (t.world_size / t.nodes) as u64;
     for w in [learner, trainer] {
         let ctx = format!("gpu-torch {}", w["metadata"]["name"]);
@@ -1402,10 +1403,15 @@ fn gpu_torch_runs_the_learner_as_one_gang_admitted_by_kueue() {
             "{ctx}: /dev/shm of {shm_bytes} bytes is too small for NCCL"
         );
         let memory = bytes(res["limits"]["memory"].as_str().expect("memory limit"));
-        let start = per_node * 4 * GPU_TORCH_MODEL_PARAMS;
+        let copy = if std::ptr::eq(w, learner) {
+            4 * GPU_TORCH_MODEL_PARAMS
+        } else {
+            0
+        };
+        let start = copy + per_node * (4 << 30);
         assert!(
             memory >= start + shm_bytes,
-            "{ctx}: memory limit {memory} below {per_node} ranks × 4 bytes × {GPU_TORCH_MODEL_PARAMS} parameters + /dev/shm {shm_bytes}"
+            "{ctx}: memory limit {memory} below the model copy ({copy} bytes) + {per_node} ranks × 4 GiB + /dev/shm {shm_bytes}"
         );
         assert!(
             c["securityContext"]["capabilities"]["add"]
