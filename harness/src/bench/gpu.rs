@@ -256,13 +256,22 @@ fn settings() -> StepSettings {
     }
 }
 
+/// What is measured of a run besides its steps.
+struct RunLabel<'a> {
+    shape: &'a str,
+    engine: &'a str,
+    parameters: u64,
+    layers: usize,
+}
+
 /// Trains `steps` steps of `engine` on `batch`, sampling peak memory.
 fn measure_steps(
+    label: RunLabel<'_>,
     engine: &mut dyn TrainerEngine,
     batch: &arrow::array::RecordBatch,
     steps: usize,
     cuda: bool,
-) -> anyhow::Result<(f64, f64, f64, f64, i64)> {
+) -> anyhow::Result<EngineRun> {
     let peak = PeakMemory::start(cuda);
     let mut times = Vec::with_capacity(steps);
     let mut first_loss = f64::NAN;
@@ -279,10 +288,22 @@ fn measure_steps(
         }
         tokens = stats.tokens;
     }
-    let peak = peak.finish();
+    let peak_mib = peak.finish();
     let rest = &times[1..];
-    let mean = rest.iter().sum::<f64>() / rest.len().max(1) as f64;
-    Ok((times[0], mean, peak, first_loss, tokens))
+    let step = rest.iter().sum::<f64>() / rest.len().max(1) as f64;
+    let run = EngineRun {
+        shape: label.shape.to_owned(),
+        engine: label.engine.to_owned(),
+        parameters: label.parameters,
+        layers: label.layers,
+        step_seconds: step,
+        first_step_seconds: times[0],
+        peak_mib,
+        tokens_per_second: tokens as f64 / step,
+        first_loss,
+    };
+    eprintln!("{run:?}");
+    Ok(run)
 }
 
 fn torch_config(opts: &GpuBenchOptions, model: &Path, work: &Path, ac: bool) -> Config {
@@ -320,22 +341,13 @@ fn run_torch(
         &work.path().join("checkpoints"),
     )
     .with_context(|| format!("{shape}: the torch engine ({label})"))?;
-    let parameters = engine.parameters();
-    let (first, step, peak, loss, tokens) = measure_steps(&mut engine, batch, opts.steps, cuda)?;
-    drop(engine);
-    let run = EngineRun {
-        shape: shape.to_owned(),
-        engine: label.to_owned(),
-        parameters,
+    let run = RunLabel {
+        shape,
+        engine: label,
+        parameters: engine.parameters(),
         layers,
-        step_seconds: step,
-        first_step_seconds: first,
-        peak_mib: peak,
-        tokens_per_second: tokens as f64 / step,
-        first_loss: loss,
     };
-    eprintln!("{run:?}");
-    runs.push(run);
+    runs.push(measure_steps(run, &mut engine, batch, opts.steps, cuda)?);
     Ok(())
 }
 
@@ -422,22 +434,20 @@ pub fn run_gpu_bench(opts: GpuBenchOptions) -> anyhow::Result<GpuBenchReport> {
                 .policy()
                 .save_pretrained(&model, None)
                 .context("write the model folder the torch engine loads")?;
-            let (first, step, peak, loss, tokens) =
-                measure_steps(&mut trainer, &batch, opts.steps, cuda)?;
-            drop(trainer);
-            let run = EngineRun {
-                shape: shape.clone(),
-                engine: "builtin".into(),
+            let label = RunLabel {
+                shape,
+                engine: "builtin",
                 parameters,
                 layers,
-                step_seconds: step,
-                first_step_seconds: first,
-                peak_mib: peak,
-                tokens_per_second: tokens as f64 / step,
-                first_loss: loss,
             };
-            eprintln!("{run:?}");
-            runs.push(run);
+            runs.push(measure_steps(
+                label,
+                &mut trainer,
+                &batch,
+                opts.steps,
+                cuda,
+            )?);
+            drop(trainer);
             for (label, ac) in [("torch", false), ("torch+ac", true)] {
                 run_torch(&opts, shape, label, &model, layers, ac, &batch, &mut runs)?;
             }

@@ -172,7 +172,7 @@ fn measure_torch(
 }
 
 /// The torch engine at `world_size` on the model folder `model`: start
-/// (every rank loads the model, then shards it), a first step (allocates
+/// (rank 0 loads the model, every rank shards it and takes its shards from rank 0), a first step (allocates
 /// gradients and AdamW state), a second step.
 fn run_torch(
     model: &std::path::Path,
@@ -195,7 +195,7 @@ fn run_torch(
     let mut engine = None;
     measure_torch(
         world_size,
-        "start: every rank loads the model, then shards it",
+        "start: rank 0 loads the model, the ranks shard it",
         phases,
         || {
             engine = Some(asyncrl_learner::torch_engine::TorchEngine::start(
