@@ -54,9 +54,12 @@ pub enum EngineError {
     /// The engine ran the call and refused its input (nothing was applied).
     #[error("the torch trainer engine refused {call}: {message}")]
     Refused { call: &'static str, message: String },
-    #[error("the torch trainer engine failed in {call}")]
+    /// The connection broke and the group had not exited 30 s later; its
+    /// last output lines say what it was doing.
+    #[error("the torch trainer engine failed in {call} (its last lines: {detail})")]
     Rpc {
         call: &'static str,
+        detail: String,
         #[source]
         source: tonic::Status,
     },
@@ -537,7 +540,11 @@ impl TorchEngine {
                     }
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                Err(EngineError::Rpc { call: name, source })
+                Err(EngineError::Rpc {
+                    call: name,
+                    detail: self.tail.detail(),
+                    source,
+                })
             }
         }
     }
