@@ -78,7 +78,6 @@ pub fn evaluate(
 ) -> Result<EvalScores, TrainError> {
     let _g = tch::no_grad_guard();
     let eos = policy.eos_token_ids();
-    let stops = eos.clone();
     evaluate_with(text, items, spec, &eos, |prompts, seeds, temperature| {
         let requests = prompts
             .iter()
@@ -90,7 +89,7 @@ pub fn evaluate(
                     top_p: 1.0,
                     top_k: 0,
                     max_new_tokens: spec.max_new_tokens,
-                    stop_token_ids: stops.clone(),
+                    stop_token_ids: eos.clone(),
                     seed: Some(*seed),
                 },
             })
@@ -492,9 +491,8 @@ impl Backend {
             }
             Backend::Torch { engine, eos } => {
                 engine.adopt_published(weights, version)?;
-                let stops = eos.clone();
                 evaluate_with(text, items, spec, eos, |prompts, seeds, temperature| {
-                    engine.generate(prompts, seeds, spec.max_new_tokens, temperature, &stops)
+                    engine.generate(prompts, seeds, spec.max_new_tokens, temperature, eos)
                 })
             }
         }

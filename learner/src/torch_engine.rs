@@ -148,6 +148,7 @@ pub fn group_command(
     node_rank: usize,
 ) -> Command {
     let t = &config.learner.torch;
+    let per_node = (t.world_size / t.nodes.max(1)).max(1);
     let mut cmd = Command::new(&t.python);
     cmd.args(["-m", "torch.distributed.run"]);
     match (&t.rendezvous, t.nodes) {
@@ -162,38 +163,35 @@ pub fn group_command(
             cmd.arg("--standalone");
         }
     }
-    cmd.arg(format!(
-        "--nproc-per-node={}",
-        t.world_size / t.nodes.max(1)
-    ))
-    .args(["-m", "asyncrl_trainer.server", "--model"])
-    .arg(model)
-    .arg("--socket")
-    .arg(socket)
-    .arg(format!("--temperature={}", opts.temperature))
-    .arg(format!("--proximal={}", config.learner.proximal.as_str()))
-    .arg(format!(
-        "--max-tokens-per-microbatch={}",
-        opts.max_tokens_per_microbatch
-    ))
-    .arg(format!(
-        "--learning-rate={}",
-        config.coordinator.initial_knobs.learning_rate
-    ))
-    .arg(format!("--grad-clip={}", opts.grad_clip))
-    .arg(format!("--weight-decay={}", opts.adamw.weight_decay))
-    .arg(format!("--beta1={}", opts.adamw.beta1))
-    .arg(format!("--beta2={}", opts.adamw.beta2))
-    .arg(format!("--adam-eps={}", opts.adamw.eps))
-    .arg(format!(
-        "--mixed-precision={}",
-        match t.mixed_precision {
-            MixedPrecisionName::Auto => "auto",
-            MixedPrecisionName::None => "none",
-            MixedPrecisionName::Bf16 => "bf16",
-        }
-    ))
-    .arg(format!("--seed={}", config.run.seed));
+    cmd.arg(format!("--nproc-per-node={per_node}"))
+        .args(["-m", "asyncrl_trainer.server", "--model"])
+        .arg(model)
+        .arg("--socket")
+        .arg(socket)
+        .arg(format!("--temperature={}", opts.temperature))
+        .arg(format!("--proximal={}", config.learner.proximal.as_str()))
+        .arg(format!(
+            "--max-tokens-per-microbatch={}",
+            opts.max_tokens_per_microbatch
+        ))
+        .arg(format!(
+            "--learning-rate={}",
+            config.coordinator.initial_knobs.learning_rate
+        ))
+        .arg(format!("--grad-clip={}", opts.grad_clip))
+        .arg(format!("--weight-decay={}", opts.adamw.weight_decay))
+        .arg(format!("--beta1={}", opts.adamw.beta1))
+        .arg(format!("--beta2={}", opts.adamw.beta2))
+        .arg(format!("--adam-eps={}", opts.adamw.eps))
+        .arg(format!(
+            "--mixed-precision={}",
+            match t.mixed_precision {
+                MixedPrecisionName::Auto => "auto",
+                MixedPrecisionName::None => "none",
+                MixedPrecisionName::Bf16 => "bf16",
+            }
+        ))
+        .arg(format!("--seed={}", config.run.seed));
     if t.activation_checkpointing {
         cmd.arg("--activation-checkpointing");
     }
@@ -202,8 +200,7 @@ pub fn group_command(
     }
     if std::env::var_os("OMP_NUM_THREADS").is_none() {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let local = (t.world_size / t.nodes.max(1)).max(1);
-        cmd.env("OMP_NUM_THREADS", (cores / local).max(1).to_string());
+        cmd.env("OMP_NUM_THREADS", (cores / per_node).max(1).to_string());
     }
     cmd
 }
