@@ -30,6 +30,7 @@ use arrow::ipc::reader::StreamDecoder;
 use arrow::ipc::writer::{IpcWriteOptions, StreamWriter};
 
 use asyncrl_config::{FsyncPolicy, SegmentCompression};
+use asyncrl_protos::arrow_schema;
 
 use crate::BufferError;
 
@@ -293,6 +294,9 @@ pub fn decode_segment(bytes: &[u8], expected: &SchemaRef) -> Result<SegmentScan,
     let mut decoder = StreamDecoder::new();
     let mut batches = Vec::new();
     let mut have_schema = false;
+    // A segment written before the turn columns existed: its batches are
+    // upgraded to today's schema as they are read.
+    let mut legacy = false;
     let mut tail_error = None;
     while pos < bytes.len() {
         let rest = &bytes[pos..];
@@ -326,7 +330,14 @@ pub fn decode_segment(bytes: &[u8], expected: &SchemaRef) -> Result<SegmentScan,
                     .map_err(|e| e.to_string())
             })
             .map_err(|e| format!("first frame at byte {pos} is not a schema: {e}"))?;
-            if schema.fields() != expected.fields() {
+            legacy = schema.fields().len() == arrow_schema::LEGACY_COLUMNS
+                && expected.fields() == arrow_schema::trajectory_schema().fields()
+                && schema
+                    .fields()
+                    .iter()
+                    .zip(expected.fields())
+                    .all(|(a, b)| a == b);
+            if schema.fields() != expected.fields() && !legacy {
                 return Err(format!(
                     "schema differs from the trajectory schema: {:?}",
                     schema.fields()
@@ -344,6 +355,9 @@ pub fn decode_segment(bytes: &[u8], expected: &SchemaRef) -> Result<SegmentScan,
             ));
         }
         match decoded {
+            Some(batch) if legacy => batches.push(
+                arrow_schema::upgrade(batch).map_err(|e| format!("frame at byte {pos}: {e}"))?,
+            ),
             Some(batch) => batches.push(batch),
             None if !first => {
                 return Err(format!("frame at byte {pos} is not a record batch"));
@@ -454,6 +468,25 @@ mod tests {
             assert_eq!(scan.tail_error, None);
             assert_eq!(scan.batches, batches);
         }
+    }
+
+    #[test]
+    fn a_segment_written_before_the_turn_columns_reads_as_single_turn_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let legacy_columns: Vec<usize> = (0..arrow_schema::LEGACY_COLUMNS).collect();
+        let old = batch(0, 3).project(&legacy_columns).unwrap();
+        let mut w = SegmentWriter::create(
+            dir.path(),
+            7,
+            &old.schema(),
+            SegmentCompression::None,
+            FsyncPolicy::Always,
+        )
+        .unwrap();
+        w.append(&old).unwrap();
+        let scan = read_segment(dir.path(), 7, &trajectory_schema()).unwrap();
+        assert_eq!(scan.tail_error, None);
+        assert_eq!(scan.batches, vec![batch(0, 3)]);
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub fn traj_of(
         group_size: g,
         index_in_group: index,
         admission_version: version,
+        turns: Vec::new(),
     }
 }
 

@@ -149,6 +149,7 @@ pub fn check(batches: &[RecordBatch], limits: &BatchLimits) -> Result<(), BatchE
             .column_by_name(cols::REWARD)
             .and_then(|c| c.as_primitive_opt::<Float32Type>())
             .ok_or(BatchError::Column(cols::REWARD))?;
+        let turns = turns_of(batch)?;
         for i in 0..batch.num_rows() {
             let row = base + i;
             let span = |off: &[i32]| off[i] as usize..off[i + 1] as usize;
@@ -186,26 +187,25 @@ pub fn check(batches: &[RecordBatch], limits: &BatchLimits) -> Result<(), BatchE
                     ));
                 }
             }
-            if logprobs.len() != completion.len() {
+            let model = asyncrl_protos::model_token_count(&turns[i], completion.len())
+                .map_err(|e| row_error(row, cols::TURN_MODEL_TOKENS, e.to_string()))?;
+            let what = if turns[i].is_empty() {
+                "completion tokens"
+            } else {
+                "model tokens"
+            };
+            if logprobs.len() != model {
                 return Err(row_error(
                     row,
                     cols::BEHAVIOUR_LOGPROBS,
-                    format!(
-                        "has {} entries for {} completion tokens",
-                        logprobs.len(),
-                        completion.len()
-                    ),
+                    format!("has {} entries for {model} {what}", logprobs.len()),
                 ));
             }
-            if versions.len() != completion.len() {
+            if versions.len() != model {
                 return Err(row_error(
                     row,
                     cols::POLICY_VERSIONS,
-                    format!(
-                        "has {} entries for {} completion tokens",
-                        versions.len(),
-                        completion.len()
-                    ),
+                    format!("has {} entries for {model} {what}", versions.len()),
                 ));
             }
             if let Some(lp) = logprobs.iter().find(|lp| !lp.is_finite() || **lp > 1e-3) {
@@ -289,11 +289,28 @@ fn list_rows<'a, T: arrow::datatypes::ArrowPrimitiveType>(
     Ok((values.values(), list.value_offsets()))
 }
 
+/// The turns of each row of `batch` (none for a single-turn row or a batch
+/// without the turn columns).
+fn turns_of(batch: &RecordBatch) -> Result<Vec<Vec<asyncrl_protos::Turn>>, BatchError> {
+    cols::turns_of(batch).map_err(|e| match e {
+        asyncrl_protos::ContractError::ArrowColumn { column } => BatchError::Column(column),
+        other => BatchError::Row {
+            row: 0,
+            field: cols::TURN_MODEL_TOKENS,
+            reason: other.to_string(),
+        },
+    })
+}
+
 struct Row<'a> {
     prompt: &'a [i32],
     completion: &'a [i32],
+    /// One per model token.
     logprobs: &'a [f32],
     versions: &'a [i32],
+    /// Per completion token: sampled by the policy (all for a single-turn
+    /// row).
+    model: Vec<bool>,
     reward: Option<f32>,
     uuid: String,
     group: String,
@@ -325,13 +342,16 @@ pub fn assemble(
             .column_by_name(cols::GROUP_ID)
             .and_then(|c| c.as_string_opt::<i32>())
             .ok_or(BatchError::Column(cols::GROUP_ID))?;
+        let turns = turns_of(batch)?;
         for i in 0..batch.num_rows() {
             let span = |off: &[i32]| off[i] as usize..off[i + 1] as usize;
+            let completion = &c_vals[span(c_off)];
             let row = Row {
                 prompt: &p_vals[span(p_off)],
-                completion: &c_vals[span(c_off)],
+                completion,
                 logprobs: &l_vals[span(l_off)],
                 versions: &v_vals[span(v_off)],
+                model: asyncrl_protos::model_token_mask(&turns[i], completion.len()),
                 reward: (!reward.is_null(i)).then(|| reward.value(i)),
                 uuid: uuid.value(i).to_owned(),
                 group: group.value(i).to_owned(),
@@ -340,18 +360,19 @@ pub fn assemble(
             if row.prompt.is_empty() {
                 return Err(row_error(n, cols::PROMPT_TOKEN_IDS, "is empty"));
             }
-            if row.logprobs.len() != row.completion.len() {
+            let model = row.model.iter().filter(|m| **m).count();
+            if row.logprobs.len() != model {
                 return Err(row_error(
                     n,
                     cols::BEHAVIOUR_LOGPROBS,
-                    "does not match the completion's length",
+                    "does not match the completion's model tokens",
                 ));
             }
-            if row.versions.len() != row.completion.len() {
+            if row.versions.len() != model {
                 return Err(row_error(
                     n,
                     cols::POLICY_VERSIONS,
-                    "does not match the completion's length",
+                    "does not match the completion's model tokens",
                 ));
             }
             rows.push(row);
@@ -408,18 +429,37 @@ pub fn assemble(
             *dst = i64::from(*src);
         }
         let row = i * t..i * t + c;
-        behaviour[row.clone()].copy_from_slice(r.logprobs);
-        for (dst, src) in versions[row.clone()].iter_mut().zip(r.versions) {
-            *dst = i64::from(*src);
-        }
         for (k, g) in gather[row.clone()].iter_mut().enumerate() {
             *g = (p - 1 + k) as i64;
         }
         min_version = r.versions.iter().copied().fold(min_version, i32::min);
-        if let Some(a) = adv[i] {
-            advantages[row.clone()].fill(a);
-            mask[row].fill(true);
-            tokens += c as i64;
+        if r.logprobs.len() == c {
+            // Single-turn: every completion token is a model token.
+            behaviour[row.clone()].copy_from_slice(r.logprobs);
+            for (dst, src) in versions[row.clone()].iter_mut().zip(r.versions) {
+                *dst = i64::from(*src);
+            }
+            if let Some(a) = adv[i] {
+                advantages[row.clone()].fill(a);
+                mask[row].fill(true);
+                tokens += c as i64;
+            }
+        } else {
+            // An episode: context tokens stay 0 and masked out of everything.
+            let model = r
+                .model
+                .iter()
+                .enumerate()
+                .filter_map(|(k, m)| m.then_some(i * t + k));
+            for ((at, lp), v) in model.zip(r.logprobs).zip(r.versions) {
+                behaviour[at] = *lp;
+                versions[at] = i64::from(*v);
+                if let Some(a) = adv[i] {
+                    advantages[at] = a;
+                    mask[at] = true;
+                    tokens += 1;
+                }
+            }
         }
     }
     let shape_l = [n as i64, l as i64];
@@ -607,6 +647,7 @@ mod tests {
             group_size: 2,
             index_in_group: (i % 2) as u32,
             admission_version: 3,
+            turns: Vec::new(),
         }
     }
 

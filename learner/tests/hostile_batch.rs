@@ -54,6 +54,7 @@ fn traj(i: u32, prompt: usize, completion: usize) -> Trajectory {
         group_size: 2,
         index_in_group: i % 2,
         admission_version: 0,
+        turns: Vec::new(),
     }
 }
 

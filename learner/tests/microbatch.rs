@@ -83,6 +83,7 @@ fn random_batch(policy: &Policy) -> RecordBatch {
             group_size: 4,
             index_in_group: i as u32,
             admission_version: 1,
+            turns: Vec::new(),
         });
     }
     let rb = asyncrl_protos::arrow_schema::to_record_batch(&trajs).unwrap();

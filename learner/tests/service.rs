@@ -60,6 +60,7 @@ fn group(step: u64, g: u32) -> Vec<Trajectory> {
             group_size: 2,
             index_in_group: i,
             admission_version: 0,
+            turns: Vec::new(),
         })
         .collect()
 }

@@ -68,6 +68,7 @@ fn fixed_batch(policy: &Policy) -> (RecordBatch, Vec<bool>) {
                 group_size: 4,
                 index_in_group: i as u32,
                 admission_version: 0,
+                turns: Vec::new(),
             });
         }
     }

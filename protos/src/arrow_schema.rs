@@ -4,6 +4,13 @@
 //! segments with it, serves learner batches with it and exports it as
 //! Parquet. Token ids and versions are `list<int32>`, log-probs
 //! `list<float32>`; `reward` is null when the reward could not be computed.
+//!
+//! A multi-turn episode adds its turns as three parallel lists
+//! (`turn_context_tokens`, `turn_model_tokens`, `turn_rewards`, the last
+//! with a null where the environment gave no reward); they are empty for a
+//! single-turn completion. Log-probs and versions hold one entry per model
+//! token, as on the wire. Record batches written before the turns existed
+//! (the [`LEGACY_COLUMNS`] alone) are read as single-turn ([`upgrade`]).
 
 use std::sync::Arc;
 
@@ -34,6 +41,13 @@ pub const FINISHED_AT_UNIX_MS: &str = "finished_at_unix_ms";
 pub const GENERATION_MS: &str = "generation_ms";
 pub const REWARD_MS: &str = "reward_ms";
 pub const WEIGHT_SWAPS: &str = "weight_swaps";
+pub const TURN_CONTEXT_TOKENS: &str = "turn_context_tokens";
+pub const TURN_MODEL_TOKENS: &str = "turn_model_tokens";
+pub const TURN_REWARDS: &str = "turn_rewards";
+
+/// The columns of the schema before multi-turn episodes, in order: data
+/// written then has exactly these.
+pub const LEGACY_COLUMNS: usize = 18;
 
 fn list_of(item: DataType) -> DataType {
     DataType::List(Arc::new(Field::new("item", item, false)))
@@ -60,27 +74,69 @@ pub fn trajectory_schema() -> SchemaRef {
         Field::new(GENERATION_MS, DataType::Int32, false),
         Field::new(REWARD_MS, DataType::Int32, false),
         Field::new(WEIGHT_SWAPS, DataType::Int32, false),
+        Field::new(TURN_CONTEXT_TOKENS, list_of(DataType::Int32), false),
+        Field::new(TURN_MODEL_TOKENS, list_of(DataType::Int32), false),
+        Field::new(
+            TURN_REWARDS,
+            DataType::List(Arc::new(Field::new("item", DataType::Float32, true))),
+            false,
+        ),
     ]))
 }
 
-fn finish_reason_name(code: i32) -> &'static str {
-    match FinishReason::try_from(code) {
-        Ok(FinishReason::Stop) => "stop",
-        Ok(FinishReason::Length) => "length",
-        Ok(FinishReason::Aborted) => "aborted",
-        Ok(FinishReason::StopString) => "stop_string",
-        _ => "unspecified",
+/// A record batch of [`trajectory_schema`] from one written before the turn
+/// columns existed (exactly the first [`LEGACY_COLUMNS`] columns of today's
+/// schema): every row single-turn. A batch of today's schema is returned as
+/// it is; any other schema is an error naming the first column that differs.
+pub fn upgrade(batch: RecordBatch) -> Result<RecordBatch, ContractError> {
+    let schema = trajectory_schema();
+    if batch.schema().fields() == schema.fields() {
+        return Ok(batch);
     }
+    let got = batch.schema();
+    if got.fields().len() == LEGACY_COLUMNS
+        && got
+            .fields()
+            .iter()
+            .zip(schema.fields())
+            .all(|(a, b)| a == b)
+    {
+        let n = batch.num_rows();
+        let empty = |item: DataType, nullable: bool| -> ArrayRef {
+            Arc::new(arrow::array::ListArray::new(
+                Arc::new(Field::new("item", item.clone(), nullable)),
+                arrow::buffer::OffsetBuffer::new_zeroed(n),
+                arrow::array::new_empty_array(&item),
+                None,
+            ))
+        };
+        let mut columns = batch.columns().to_vec();
+        columns.push(empty(DataType::Int32, false));
+        columns.push(empty(DataType::Int32, false));
+        columns.push(empty(DataType::Float32, true));
+        return RecordBatch::try_new(schema, columns)
+            .map_err(|e| ContractError::Arrow(e.to_string()));
+    }
+    let differs = schema
+        .fields()
+        .iter()
+        .zip(got.fields().iter().map(Some).chain(std::iter::repeat(None)))
+        .find(|(want, have)| have.is_none_or(|h| h != *want))
+        .map_or_else(
+            || "(extra columns)".to_owned(),
+            |(want, _)| want.name().clone(),
+        );
+    Err(ContractError::Arrow(format!(
+        "the record batch's schema is not the trajectory schema (column `{differs}`)"
+    )))
+}
+
+fn finish_reason_name(code: i32) -> &'static str {
+    FinishReason::try_from(code).map_or("unspecified", FinishReason::label)
 }
 
 fn finish_reason_code(name: &str) -> i32 {
-    match name {
-        "stop" => FinishReason::Stop as i32,
-        "length" => FinishReason::Length as i32,
-        "aborted" => FinishReason::Aborted as i32,
-        "stop_string" => FinishReason::StopString as i32,
-        _ => FinishReason::Unspecified as i32,
-    }
+    FinishReason::from_label(name).unwrap_or(FinishReason::Unspecified) as i32
 }
 
 fn i32_list<'a>(rows: impl Iterator<Item = &'a [i32]>, cap: usize) -> ArrayRef {
@@ -119,6 +175,21 @@ pub fn to_record_batch(trajs: &[Trajectory]) -> Result<RecordBatch, ContractErro
         .iter()
         .map(|t| (t.reward_status == RewardStatus::Ok as i32).then_some(t.reward))
         .collect();
+    let turn_ints = |f: fn(&crate::v1::Turn) -> u32| -> ArrayRef {
+        let rows: Vec<Vec<i32>> = trajs
+            .iter()
+            .map(|t| t.turns.iter().map(|turn| saturating_i32(f(turn))).collect())
+            .collect();
+        i32_list(rows.iter().map(Vec::as_slice), n)
+    };
+    let mut turn_rewards = ListBuilder::with_capacity(Float32Builder::new(), n)
+        .with_field(Arc::new(Field::new("item", DataType::Float32, true)));
+    for t in trajs {
+        for turn in &t.turns {
+            turn_rewards.values().append_option(turn.reward);
+        }
+        turn_rewards.append(true);
+    }
     let ints = |f: fn(&Trajectory) -> i32| -> ArrayRef {
         Arc::new(Int32Array::from_iter_values(trajs.iter().map(f)))
     };
@@ -158,6 +229,9 @@ pub fn to_record_batch(trajs: &[Trajectory]) -> Result<RecordBatch, ContractErro
                 .map(|t| saturating_i32(t.weight_swaps))
                 .unwrap_or(0)
         }),
+        turn_ints(|t| t.context_tokens),
+        turn_ints(|t| t.model_tokens),
+        Arc::new(turn_rewards.finish()),
     ];
     RecordBatch::try_new(trajectory_schema(), columns)
         .map_err(|e| ContractError::Arrow(e.to_string()))
@@ -217,9 +291,68 @@ fn list_f32(batch: &RecordBatch, name: &'static str) -> Result<Vec<Vec<f32>>, Co
         .collect())
 }
 
+/// The turns of each row (empty rows for a batch without the turn
+/// columns: data written before multi-turn episodes).
+pub fn turns_of(batch: &RecordBatch) -> Result<Vec<Vec<crate::v1::Turn>>, ContractError> {
+    let n = batch.num_rows();
+    if batch.column_by_name(TURN_MODEL_TOKENS).is_none() {
+        return Ok(vec![Vec::new(); n]);
+    }
+    let context = list_i32(batch, TURN_CONTEXT_TOKENS)?;
+    let model = list_i32(batch, TURN_MODEL_TOKENS)?;
+    let rewards =
+        column(batch, TURN_REWARDS)?
+            .as_list_opt::<i32>()
+            .ok_or(ContractError::ArrowColumn {
+                column: TURN_REWARDS,
+            })?;
+    let reward_values =
+        rewards
+            .values()
+            .as_primitive_opt::<Float32Type>()
+            .ok_or(ContractError::ArrowColumn {
+                column: TURN_REWARDS,
+            })?;
+    let offsets = rewards.value_offsets();
+    let u32_of = |column: &'static str, v: i32| {
+        u32::try_from(v).map_err(|_| ContractError::Field {
+            field: column,
+            reason: format!("{v} is negative"),
+        })
+    };
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let (c, m) = (&context[i], &model[i]);
+        let (lo, hi) = (offsets[i] as usize, offsets[i + 1] as usize);
+        if c.len() != m.len() || hi - lo != m.len() {
+            return Err(ContractError::Field {
+                field: TURN_MODEL_TOKENS,
+                reason: format!(
+                    "row {i}: the turn lists differ in length ({}, {}, {})",
+                    c.len(),
+                    m.len(),
+                    hi - lo
+                ),
+            });
+        }
+        let mut turns = Vec::with_capacity(m.len());
+        for k in 0..m.len() {
+            let at = lo + k;
+            turns.push(crate::v1::Turn {
+                context_tokens: u32_of(TURN_CONTEXT_TOKENS, c[k])?,
+                model_tokens: u32_of(TURN_MODEL_TOKENS, m[k])?,
+                reward: (!reward_values.is_null(at)).then(|| reward_values.value(at)),
+            });
+        }
+        out.push(turns);
+    }
+    Ok(out)
+}
+
 /// Reads trajectories back from a record batch of [`trajectory_schema`] and
 /// validates each one.
 pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<Trajectory>, ContractError> {
+    let turns = turns_of(batch)?;
     let uuid = strs(batch, UUID)?;
     let task = strs(batch, TASK_ID)?;
     let group = strs(batch, GROUP_ID)?;
@@ -270,6 +403,7 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<Trajectory>, Contrac
             group_size: u32_of(group_size.value(i)),
             index_in_group: u32_of(index.value(i)),
             admission_version: admission.value(i),
+            turns: turns.get(i).cloned().unwrap_or_default(),
         };
         t.validate()?;
         out.push(t);
@@ -308,7 +442,58 @@ mod tests {
             group_size: 2,
             index_in_group: i % 2,
             admission_version: 7,
+            turns: Vec::new(),
         }
+    }
+
+    /// An episode of three turns (context tokens 0, 2, 1; model tokens 2,
+    /// 1, 3), the second rewarded.
+    fn episode(i: u32) -> Trajectory {
+        let turns = vec![
+            crate::v1::Turn {
+                context_tokens: 0,
+                model_tokens: 2,
+                reward: None,
+            },
+            crate::v1::Turn {
+                context_tokens: 2,
+                model_tokens: 1,
+                reward: Some(0.5),
+            },
+            crate::v1::Turn {
+                context_tokens: 1,
+                model_tokens: 3,
+                reward: None,
+            },
+        ];
+        Trajectory {
+            completion_token_ids: (10..19).collect(),
+            behaviour_logprobs: vec![-0.5; 6],
+            policy_versions: vec![7, 7, 8, 8, 8, 9],
+            turns,
+            ..traj(i, 0, false)
+        }
+    }
+
+    #[test]
+    fn episodes_round_trip_and_legacy_batches_read_as_single_turn() {
+        let trajs = vec![episode(0), traj(1, 3, false), episode(2)];
+        let batch = to_record_batch(&trajs).unwrap();
+        assert_eq!(from_record_batch(&batch).unwrap(), trajs);
+        // A batch written before the turn columns: the first 18 columns.
+        let single = vec![traj(0, 4, false), traj(1, 2, false)];
+        let legacy = to_record_batch(&single)
+            .unwrap()
+            .project(&(0..LEGACY_COLUMNS).collect::<Vec<_>>())
+            .unwrap();
+        assert_eq!(from_record_batch(&legacy).unwrap(), single);
+        let upgraded = upgrade(legacy).unwrap();
+        assert_eq!(upgraded.schema(), trajectory_schema());
+        assert_eq!(from_record_batch(&upgraded).unwrap(), single);
+        // Any other schema is refused, naming the column.
+        let other = to_record_batch(&single).unwrap().project(&[0, 1]).unwrap();
+        let err = upgrade(other).unwrap_err().to_string();
+        assert!(err.contains("`group_id`"), "{err}");
     }
 
     #[test]

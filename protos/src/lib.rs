@@ -11,7 +11,7 @@ pub mod arrow_schema;
 pub mod subjects;
 mod validate;
 
-pub use validate::{ContractError, decode_trajectory};
+pub use validate::{ContractError, decode_trajectory, model_token_count, model_token_mask};
 
 /// Generated protobuf types and gRPC client/server code (package `asyncrl.v1`).
 pub mod v1 {
@@ -20,8 +20,33 @@ pub mod v1 {
 }
 
 pub use v1::{
-    FinishReason, GroupDropReason, RewardStatus, Task, Timings, Trajectory, WeightAnnouncement,
+    FinishReason, GroupDropReason, RewardStatus, Task, Timings, Trajectory, Turn,
+    WeightAnnouncement,
 };
+
+impl FinishReason {
+    /// The short label of the reason, as the Arrow `finish_reason` column,
+    /// metrics (`reason="stop"`) and logs show it.
+    pub fn label(self) -> &'static str {
+        match self {
+            FinishReason::Unspecified => "unspecified",
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Aborted => "aborted",
+            FinishReason::StopString => "stop_string",
+            FinishReason::MaxTurns => "max_turns",
+            FinishReason::EpisodeLength => "episode_length",
+            FinishReason::ToolCallUnreadable => "tool_call_unreadable",
+        }
+    }
+
+    /// The reason whose [`FinishReason::label`] is `label`.
+    pub fn from_label(label: &str) -> Option<Self> {
+        (0..=7)
+            .filter_map(|code| FinishReason::try_from(code).ok())
+            .find(|r| r.label() == label)
+    }
+}
 
 impl GroupDropReason {
     /// The short label of the reason, as metrics (`reason="stale"`) and logs

@@ -61,12 +61,17 @@ impl Trajectory {
                 format!("negative token id {t}"),
             ));
         }
-        let n = self.completion_token_ids.len();
+        let n = self.model_token_count()?;
+        let what = if self.turns.is_empty() {
+            "completion tokens"
+        } else {
+            "model tokens"
+        };
         if self.behaviour_logprobs.len() != n {
             return Err(field(
                 "behaviour_logprobs",
                 format!(
-                    "has {} entries for {n} completion tokens",
+                    "has {} entries for {n} {what}",
                     self.behaviour_logprobs.len()
                 ),
             ));
@@ -74,10 +79,7 @@ impl Trajectory {
         if self.policy_versions.len() != n {
             return Err(field(
                 "policy_versions",
-                format!(
-                    "has {} entries for {n} completion tokens",
-                    self.policy_versions.len()
-                ),
+                format!("has {} entries for {n} {what}", self.policy_versions.len()),
             ));
         }
         if let Some(lp) = self
@@ -129,6 +131,22 @@ impl Trajectory {
         Ok(())
     }
 
+    /// The number of completion tokens the policy sampled: all of them for a
+    /// single-turn completion, the turns' model tokens for an episode, whose
+    /// turns must cover the completion exactly (the first with no context
+    /// tokens, each with at least one model token, rewards finite).
+    pub fn model_token_count(&self) -> Result<usize, ContractError> {
+        model_token_count(&self.turns, self.completion_token_ids.len())
+    }
+
+    /// Per completion token: whether the policy sampled it (its log-prob and
+    /// version are the next entries of `behaviour_logprobs` and
+    /// `policy_versions`). All true for a single-turn completion. Assumes a
+    /// valid trajectory ([`Trajectory::validate`]).
+    pub fn model_token_mask(&self) -> Vec<bool> {
+        model_token_mask(&self.turns, self.completion_token_ids.len())
+    }
+
     /// The oldest policy version that produced a token of this trajectory
     /// (the admission version when the completion is empty).
     pub fn oldest_version(&self) -> i32 {
@@ -140,10 +158,69 @@ impl Trajectory {
     }
 }
 
+/// The number of model tokens of a `completion_len`-token completion laid
+/// out by `turns` (see [`Trajectory::model_token_count`]); an error names
+/// what is wrong with the layout.
+pub fn model_token_count(
+    turns: &[crate::v1::Turn],
+    completion_len: usize,
+) -> Result<usize, ContractError> {
+    let n = completion_len;
+    if turns.is_empty() {
+        return Ok(n);
+    }
+    if turns[0].context_tokens != 0 {
+        return Err(field(
+            "turns",
+            format!(
+                "turn 0 has {} context tokens; the prompt precedes the first reply",
+                turns[0].context_tokens
+            ),
+        ));
+    }
+    let mut covered = 0usize;
+    let mut model = 0usize;
+    for (i, turn) in turns.iter().enumerate() {
+        if turn.model_tokens == 0 {
+            return Err(field("turns", format!("turn {i} has no model token")));
+        }
+        if let Some(r) = turn.reward.filter(|r| !r.is_finite()) {
+            return Err(field(
+                "turns",
+                format!("turn {i}'s reward {r} is not finite"),
+            ));
+        }
+        covered += turn.context_tokens as usize + turn.model_tokens as usize;
+        model += turn.model_tokens as usize;
+    }
+    if covered != n {
+        return Err(field(
+            "turns",
+            format!("cover {covered} tokens of a {n}-token completion"),
+        ));
+    }
+    Ok(model)
+}
+
+/// Per completion token of a `completion_len`-token completion laid out by
+/// `turns`: whether the policy sampled it. Empty `turns`: every token.
+pub fn model_token_mask(turns: &[crate::v1::Turn], completion_len: usize) -> Vec<bool> {
+    if turns.is_empty() {
+        return vec![true; completion_len];
+    }
+    let mut mask = Vec::with_capacity(completion_len);
+    for t in turns {
+        mask.extend(std::iter::repeat_n(false, t.context_tokens as usize));
+        mask.extend(std::iter::repeat_n(true, t.model_tokens as usize));
+    }
+    mask.resize(completion_len, false);
+    mask
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::v1::{FinishReason, Timings};
+    use crate::v1::{FinishReason, Timings, Turn};
 
     pub(crate) fn sample() -> Trajectory {
         Trajectory {
@@ -165,6 +242,29 @@ mod tests {
             group_size: 4,
             index_in_group: 1,
             admission_version: 3,
+            turns: Vec::new(),
+        }
+    }
+
+    /// A two-turn episode: 2 model tokens, 3 context tokens, 1 model token.
+    pub(crate) fn episode() -> Trajectory {
+        Trajectory {
+            completion_token_ids: vec![4, 5, 6, 7, 8, 9],
+            behaviour_logprobs: vec![-0.5, -1.25, -0.125],
+            policy_versions: vec![3, 3, 4],
+            turns: vec![
+                Turn {
+                    context_tokens: 0,
+                    model_tokens: 2,
+                    reward: None,
+                },
+                Turn {
+                    context_tokens: 3,
+                    model_tokens: 1,
+                    reward: Some(1.0),
+                },
+            ],
+            ..sample()
         }
     }
 
@@ -267,6 +367,67 @@ mod tests {
             |t| t.reward_status = 0,
             Some("reward_status"),
         );
+    }
+
+    /// Like [`check`], on [`episode`].
+    fn check_episode(name: &str, mutate: impl Fn(&mut Trajectory), expect_field: Option<&str>) {
+        let mut t = episode();
+        mutate(&mut t);
+        let got = decode_trajectory(&t.encode_to_vec());
+        match (got, expect_field) {
+            (Ok(back), None) => assert_eq!(back, t, "{name}: round trip changed the message"),
+            (Err(ContractError::Field { field, .. }), Some(want)) => {
+                assert_eq!(field, want, "{name}: wrong field blamed")
+            }
+            (got, want) => panic!("{name}: expected {want:?}, got {got:?}"),
+        }
+    }
+
+    #[test]
+    fn episode_contract_table() {
+        check_episode("valid", |_| {}, None);
+        check_episode(
+            "log-probs for context tokens too",
+            |t| t.behaviour_logprobs = vec![-0.5; 6],
+            Some("behaviour_logprobs"),
+        );
+        check_episode(
+            "versions for context tokens too",
+            |t| t.policy_versions = vec![3; 6],
+            Some("policy_versions"),
+        );
+        check_episode(
+            "turns short of the completion",
+            |t| t.completion_token_ids.push(10),
+            Some("turns"),
+        );
+        check_episode(
+            "context before the first reply",
+            |t| t.turns[0].context_tokens = 1,
+            Some("turns"),
+        );
+        check_episode(
+            "a turn without a model token",
+            |t| {
+                t.turns[1].model_tokens = 0;
+                t.turns[1].context_tokens = 4;
+                t.behaviour_logprobs.pop();
+                t.policy_versions.pop();
+            },
+            Some("turns"),
+        );
+        check_episode(
+            "non-finite turn reward",
+            |t| t.turns[1].reward = Some(f32::NAN),
+            Some("turns"),
+        );
+        let t = episode();
+        assert_eq!(
+            t.model_token_mask(),
+            vec![true, true, false, false, false, true]
+        );
+        assert_eq!(t.oldest_version(), 3);
+        assert_eq!(sample().model_token_mask(), vec![true, true]);
     }
 
     #[test]

@@ -383,6 +383,7 @@ pub(crate) fn build_trajectory(
         group_size,
         index_in_group: index,
         admission_version: task.admission_version,
+        turns: Vec::new(),
     };
     t.validate()?;
     Ok(t)
@@ -526,12 +527,7 @@ async fn run_completion(
         .metrics
         .completions_finished
         .get_or_create(&reason(
-            match FinishReason::try_from(trajectory.finish_reason) {
-                Ok(FinishReason::Stop) => "stop",
-                Ok(FinishReason::Length) => "length",
-                Ok(FinishReason::StopString) => "stop_string",
-                _ => "other",
-            },
+            FinishReason::try_from(trajectory.finish_reason).map_or("other", FinishReason::label),
         ))
         .inc();
     bump(&shared.counters.trajectories_published);

@@ -241,6 +241,7 @@ fn batch(opts: &GpuBenchOptions, vocab: u64) -> anyhow::Result<arrow::array::Rec
                 group_size: opts.rows as u32,
                 index_in_group: i as u32,
                 admission_version: 0,
+                turns: Vec::new(),
             }
         })
         .collect();

@@ -360,6 +360,7 @@ pub fn run_memory_bench(opts: MemoryBenchOptions) -> anyhow::Result<MemoryBenchR
             group_size: sequences.len() as u32,
             index_in_group: i as u32,
             admission_version: 0,
+            turns: Vec::new(),
         })
         .collect();
     let batch = asyncrl_protos::arrow_schema::to_record_batch(&trajectories)?;
