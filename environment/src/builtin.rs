@@ -31,7 +31,7 @@ impl LatencyModel {
     /// smallest value, `median / 2^(1/alpha)`; 0.5 the median).
     pub fn quantile(&self, u: f64) -> Duration {
         let cap = self.median.saturating_mul(Self::MAX_MEDIANS);
-        if !(self.pareto_alpha > 0.0) || self.median.is_zero() {
+        if self.pareto_alpha.is_nan() || self.pareto_alpha <= 0.0 || self.median.is_zero() {
             return self.median.min(cap);
         }
         let u = u.clamp(f64::MIN_POSITIVE, 1.0);
@@ -459,6 +459,14 @@ mod tests {
         assert!((p99 - 1.357).abs() < 0.001, "{p99}");
         // The far tail is capped.
         assert_eq!(m.quantile(0.0), Duration::from_secs(100));
+        // A shape that is not above 0 gives the median, always.
+        for alpha in [0.0, -1.0, f64::NAN] {
+            let m = LatencyModel {
+                pareto_alpha: alpha,
+                ..m
+            };
+            assert_eq!(m.quantile(0.01), Duration::from_millis(100), "{alpha}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -220,11 +220,15 @@ impl HttpEnvironment {
             return Ok(body);
         }
         let text = String::from_utf8_lossy(&body);
+        let excerpt = match one_line(&text, EXCERPT_CHARS) {
+            e if e.is_empty() => "(empty body)".to_owned(),
+            e => e,
+        };
         let code = status.as_u16();
         if status.is_client_error() && code != 408 && code != 429 {
             let reason = match serde_json::from_str::<WireError>(&text) {
                 Ok(e) => format!("HTTP {code}: {}", one_line(&e.error, EXCERPT_CHARS)),
-                Err(_) => format!("HTTP {code}: {}", one_line(&text, EXCERPT_CHARS)),
+                Err(_) => format!("HTTP {code}: {excerpt}"),
             };
             return Err(EnvError::Refused {
                 env: self.base.clone(),
@@ -236,7 +240,7 @@ impl HttpEnvironment {
             env: self.base.clone(),
             call,
             status: code,
-            body_excerpt: one_line(&text, EXCERPT_CHARS),
+            body_excerpt: excerpt,
         })
     }
 
