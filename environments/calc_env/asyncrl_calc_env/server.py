@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -223,6 +224,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.NOT_FOUND, {"error": f"no route POST {self.path}"})
         except BadRequest as e:
             self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+        except Exception as e:  # a bug here: say so with a 500 (the client retries it)
+            self.log_error("%s %s failed: %s", self.command, self.path, traceback.format_exc())
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"internal error: {e!r}"})
 
     def _read_body(self) -> dict[str, Any]:
         length_header = self.headers.get("Content-Length")

@@ -225,3 +225,13 @@ def test_the_module_runs_as_a_process() -> None:
     finally:
         process.terminate()
         assert process.wait(timeout=10) == 0
+
+
+def test_an_internal_error_is_500(url: str, game: HiddenSumGame, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(game, "step", broken)
+    assert step(url, "e", 1, "x?") == (500, {"error": "internal error: RuntimeError('boom')"})
+    # The server still serves.
+    assert call(url, "health")[0] == 200
