@@ -261,6 +261,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.log_requests:
             super().log_message(format, *args)
 
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002
+        # Errors are logged even when requests are not.
+        super().log_message(format, *args)
+
 
 class CalcEnvServer(ThreadingHTTPServer):
     """A threading HTTP server (one thread per connection) holding one game."""
