@@ -14,15 +14,78 @@
 //! on the templates of Qwen2.5 and Llama-3.x.
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
 
 use crate::error::{Result, TextError};
 
-/// One chat message.
+/// One chat message, with the fields of an OpenAI / transformers chat
+/// message that the tool-aware templates read. A template sees only the
+/// fields a message has (see [`ChatTemplate::render_with_tools`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// The calls of an assistant message (absent when empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a tool message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The tool a tool message comes from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The reasoning of an assistant message (Qwen3 writes it in a
+    /// `<think>` block).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+/// One tool call of an assistant message, as OpenAI and vLLM chat messages
+/// carry it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCall {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Always `"function"`.
+    #[serde(rename = "type", default = "function_type")]
+    pub r#type: String,
+    pub function: FunctionCall,
+}
+
+/// The function a [`ToolCall`] calls.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as a JSON object (templates write them with `tojson`
+    /// or iterate them); a JSON string is passed on as a string.
+    pub arguments: Json,
+}
+
+fn function_type() -> String {
+    "function".to_owned()
+}
+
+impl ToolCall {
+    /// A call of `name` with `arguments` (a JSON object), without an id.
+    pub fn function(name: impl Into<String>, arguments: Json) -> Self {
+        Self {
+            id: None,
+            r#type: function_type(),
+            function: FunctionCall {
+                name: name.into(),
+                arguments,
+            },
+        }
+    }
+
+    /// The same call with the id `id`.
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
 }
 
 /// The roles a message may have.
@@ -33,7 +96,47 @@ impl Message {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+            reasoning_content: None,
         }
+    }
+
+    /// An assistant message with `content` (often empty) and `tool_calls`.
+    pub fn assistant_with_tool_calls(
+        content: impl Into<String>,
+        tool_calls: Vec<ToolCall>,
+    ) -> Self {
+        Self {
+            tool_calls,
+            ..Self::new("assistant", content)
+        }
+    }
+
+    /// A tool message: the result `content` of the call `tool_call_id`
+    /// (when known) of the tool `name` (when known).
+    pub fn tool_result(
+        content: impl Into<String>,
+        tool_call_id: Option<String>,
+        name: Option<String>,
+    ) -> Self {
+        Self {
+            tool_call_id,
+            name,
+            ..Self::new("tool", content)
+        }
+    }
+
+    /// The same message with `reasoning_content`.
+    pub fn with_reasoning(mut self, reasoning_content: impl Into<String>) -> Self {
+        self.reasoning_content = Some(reasoning_content.into());
+        self
+    }
+
+    /// Whether the message says nothing: empty content and no tool calls.
+    pub fn is_empty(&self) -> bool {
+        self.content.is_empty() && self.tool_calls.is_empty()
     }
 }
 
@@ -49,7 +152,8 @@ pub enum Prompt {
 
 impl Prompt {
     /// Checks what every prompt must hold: non-empty text, or at least one
-    /// message, each with a known role, and not all empty.
+    /// message, each with a known role, and not all empty (an assistant
+    /// message with tool calls and no content is not empty).
     pub fn validate(&self) -> Result<(), String> {
         match self {
             Prompt::Text(t) if t.is_empty() => Err("the prompt is empty".into()),
@@ -65,7 +169,7 @@ impl Prompt {
                         ));
                     }
                 }
-                if m.iter().all(|msg| msg.content.is_empty()) {
+                if m.iter().all(Message::is_empty) {
                     return Err("every message is empty".into());
                 }
                 Ok(())
@@ -137,6 +241,7 @@ impl SpecialTokens {
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     special: SpecialTokens,
+    source: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -152,6 +257,7 @@ impl Clone for ChatTemplate {
         Self {
             env: self.env.clone(),
             special: self.special.clone(),
+            source: self.source.clone(),
         }
     }
 }
@@ -193,13 +299,40 @@ impl ChatTemplate {
                 what: "cannot compile".into(),
                 source,
             })?;
-        Ok(Self { env, special })
+        Ok(Self {
+            env,
+            special,
+            source: source.to_owned(),
+        })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The text of `messages`, ending with the assistant's generation prompt
-    /// when `add_generation_prompt`. An empty list is an error, as in
-    /// transformers.
+    /// when `add_generation_prompt`, without tools. An empty list is an
+    /// error, as in transformers.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// The text of `messages` with the tool definitions `tools` (JSON
+    /// schemas `{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`), as transformers' `apply_chat_template(messages,
+    /// tools=tools, add_generation_prompt=...)` renders it: the template's
+    /// `tools` is the list, or `None` without tools (as in transformers,
+    /// where `tools is defined` holds either way); each message is a dict
+    /// with only the fields it has (`tool_calls` only when not empty), and
+    /// with `reasoning_content` also as `thinking`, first, as transformers
+    /// 5 aliases it. An empty list is an error, as in transformers.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         if messages.is_empty() {
             return Err(TextError::Invalid(
                 "cannot apply the chat template to an empty conversation: give at least one message"
@@ -217,12 +350,26 @@ impl ChatTemplate {
         // transformers, which passes only the tokens the tokenizer has.
         let s = &self.special;
         let mut ctx = std::collections::BTreeMap::<&str, minijinja::Value>::new();
-        ctx.insert("messages", minijinja::Value::from_serialize(messages));
+        ctx.insert(
+            "messages",
+            minijinja::Value::from(messages.iter().map(message_value).collect::<Vec<_>>()),
+        );
         ctx.insert(
             "add_generation_prompt",
             minijinja::Value::from(add_generation_prompt),
         );
-        ctx.insert("tools", minijinja::Value::from(()));
+        ctx.insert(
+            "tools",
+            match tools {
+                Some(tools) => minijinja::Value::from(
+                    tools
+                        .iter()
+                        .map(crate::jinja_py::json_value)
+                        .collect::<Vec<_>>(),
+                ),
+                None => minijinja::Value::from(()),
+            },
+        );
         ctx.insert("documents", minijinja::Value::from(()));
         for (name, value) in s.named() {
             ctx.insert(name, minijinja::Value::from(value));
@@ -232,6 +379,55 @@ impl ChatTemplate {
             source,
         })
     }
+}
+
+/// A message as transformers hands it to a template: a dict of the fields
+/// it has, in the order of [`Message`]'s fields (`role`, `content`,
+/// `tool_calls`, `tool_call_id`, `name`, `reasoning_content`), with the
+/// reasoning also under `thinking`, in front (transformers 5's
+/// `_alias_reasoning_fields`).
+fn message_value(m: &Message) -> minijinja::Value {
+    use minijinja::Value;
+    let mut fields: Vec<(String, Value)> = Vec::with_capacity(6);
+    if let Some(r) = &m.reasoning_content {
+        fields.push(("thinking".into(), Value::from(r.as_str())));
+    }
+    fields.push(("role".into(), Value::from(m.role.as_str())));
+    fields.push(("content".into(), Value::from(m.content.as_str())));
+    if !m.tool_calls.is_empty() {
+        let calls = m.tool_calls.iter().map(tool_call_value).collect::<Vec<_>>();
+        fields.push(("tool_calls".into(), Value::from(calls)));
+    }
+    for (key, value) in [
+        ("tool_call_id", &m.tool_call_id),
+        ("name", &m.name),
+        ("reasoning_content", &m.reasoning_content),
+    ] {
+        if let Some(v) = value {
+            fields.push((key.into(), Value::from(v.as_str())));
+        }
+    }
+    Value::from_object(crate::jinja_py::Dict(fields))
+}
+
+/// A tool call as a dict: `id` (when set), `type`, `function` (`name`,
+/// `arguments`).
+fn tool_call_value(call: &ToolCall) -> minijinja::Value {
+    use minijinja::Value;
+    let mut fields: Vec<(String, Value)> = Vec::with_capacity(3);
+    if let Some(id) = &call.id {
+        fields.push(("id".into(), Value::from(id.as_str())));
+    }
+    fields.push(("type".into(), Value::from(call.r#type.as_str())));
+    let function = crate::jinja_py::Dict(vec![
+        ("name".into(), Value::from(call.function.name.as_str())),
+        (
+            "arguments".into(),
+            crate::jinja_py::json_value(&call.function.arguments),
+        ),
+    ]);
+    fields.push(("function".into(), Value::from_object(function)));
+    Value::from_object(crate::jinja_py::Dict(fields))
 }
 
 #[cfg(test)]
@@ -318,5 +514,69 @@ mod tests {
         assert_eq!(parsed, Prompt::Messages(vec![Message::new("user", "q")]));
         let parsed: Prompt = serde_json::from_str(r#""q""#).unwrap();
         assert_eq!(parsed, Prompt::Text("q".into()));
+    }
+
+    #[test]
+    fn messages_reach_the_template_with_only_their_fields() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m | tojson }}|{{ 'tool_calls' in m }}|{{ m.name is defined }}\n{% endfor %}{{ tools | tojson }}",
+            tokens(),
+        )
+        .unwrap();
+        let call = ToolCall::function("f", serde_json::json!({"a": 1, "b": [true, null, 2.5]}))
+            .with_id("c1");
+        let messages = [
+            Message::new("user", "q"),
+            Message::assistant_with_tool_calls("", vec![call]).with_reasoning("hmm"),
+            Message::tool_result("42", Some("c1".into()), Some("f".into())),
+        ];
+        let text = t.render(&messages, false).unwrap();
+        assert_eq!(
+            text,
+            concat!(
+                r#"{"role": "user", "content": "q"}|False|False"#,
+                "\n",
+                r#"{"thinking": "hmm", "role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1, "b": [true, null, 2.5]}}}], "reasoning_content": "hmm"}|True|False"#,
+                "\n",
+                r#"{"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}|False|True"#,
+                "\n",
+                "null"
+            )
+        );
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "f"}})];
+        let text = t
+            .render_with_tools(&messages[..1], Some(&tools), true)
+            .unwrap();
+        assert!(
+            text.ends_with(r#"[{"function": {"name": "f"}, "type": "function"}]"#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn messages_serialize_with_only_their_fields() {
+        let m = Message::assistant_with_tool_calls(
+            "",
+            vec![ToolCall::function("f", serde_json::json!({"x": 1}))],
+        );
+        let json = serde_json::to_string(&m).unwrap();
+        assert_eq!(
+            json,
+            r#"{"role":"assistant","content":"","tool_calls":[{"type":"function","function":{"name":"f","arguments":{"x":1}}}]}"#
+        );
+        assert_eq!(serde_json::from_str::<Message>(&json).unwrap(), m);
+        assert_eq!(
+            serde_json::to_string(&Message::new("user", "q")).unwrap(),
+            r#"{"role":"user","content":"q"}"#
+        );
+        // `type` defaults to "function"; unknown fields are refused.
+        let m: Message = serde_json::from_str(
+            r#"{"role":"assistant","content":"","tool_calls":[{"id":"a","function":{"name":"f","arguments":{}}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(m.tool_calls[0].r#type, "function");
+        assert!(serde_json::from_str::<Message>(r#"{"role":"user","content":"q","x":1}"#).is_err());
+        // An assistant message with only tool calls is a valid prompt.
+        assert!(Prompt::Messages(vec![m]).validate().is_ok());
     }
 }

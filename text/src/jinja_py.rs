@@ -459,6 +459,61 @@ pub(crate) fn py_float(f: f64) -> String {
     }
 }
 
+/// A dict that keeps its keys in the order given, as Python's do
+/// (minijinja's own maps are sorted without its `preserve_order` feature).
+#[derive(Debug)]
+pub(crate) struct Dict(pub(crate) Vec<(String, Value)>);
+
+impl minijinja::value::Object for Dict {
+    fn repr(self: &std::sync::Arc<Self>) -> minijinja::value::ObjectRepr {
+        minijinja::value::ObjectRepr::Map
+    }
+
+    fn get_value(self: &std::sync::Arc<Self>, key: &Value) -> Option<Value> {
+        let key = key.as_str()?;
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &std::sync::Arc<Self>) -> minijinja::value::Enumerator {
+        minijinja::value::Enumerator::Values(
+            self.0
+                .iter()
+                .map(|(k, _)| Value::from(k.as_str()))
+                .collect(),
+        )
+    }
+}
+
+/// A JSON value as Python's `json.loads` gives it to a template: objects
+/// as dicts in the order of the JSON map, integers as ints, other numbers
+/// as floats.
+pub(crate) fn json_value(value: &serde_json::Value) -> Value {
+    use serde_json::Value as J;
+    match value {
+        J::Null => Value::from(()),
+        J::Bool(b) => Value::from(*b),
+        J::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                Value::from(i)
+            } else if let Some(u) = n.as_u64() {
+                Value::from(u)
+            } else {
+                Value::from(n.as_f64().unwrap_or(f64::NAN))
+            }
+        }
+        J::String(s) => Value::from(s.as_str()),
+        J::Array(items) => Value::from(items.iter().map(json_value).collect::<Vec<_>>()),
+        J::Object(map) => Value::from_object(Dict(
+            map.iter()
+                .map(|(k, v)| (k.clone(), json_value(v)))
+                .collect(),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,7 +4,9 @@
 //!   built-in character vocabulary of the tiny model;
 //! - [`ChatTemplate`]: the model's Jinja chat template, rendered with
 //!   minijinja as transformers renders it;
-//! - [`Prompt`]: text or a list of [`Message`]s;
+//! - [`Prompt`]: text or a list of [`Message`]s (with their [`ToolCall`]s);
+//! - [`parse_tool_calls`]: the tool calls of a model's reply, in its
+//!   family's [`ToolCallFormat`];
 //! - [`ModelText`]: tokenizer, BOS, stop tokens and strings, chat template of
 //!   one model, and how prompts become token ids and completions become text.
 //!
@@ -17,8 +19,9 @@ pub mod error;
 mod jinja_py;
 pub mod model_text;
 pub mod tokenizer;
+pub mod tool_calls;
 
-pub use chat::{ChatTemplate, Message, Prompt, ROLES, SpecialTokens};
+pub use chat::{ChatTemplate, FunctionCall, Message, Prompt, ROLES, SpecialTokens, ToolCall};
 pub use error::{Result, TextError};
 pub use model_text::{
     ModelFacts, ModelText, TEXT_FILES, builtin_tokenizer_config, eos_token_ids,
@@ -27,3 +30,4 @@ pub use model_text::{
 pub use tokenizer::{
     BUILTIN_BOS, BUILTIN_CHARS, BUILTIN_EOS, BUILTIN_PAD, BUILTIN_UNK, PolicyTokenizer,
 };
+pub use tool_calls::{ParsedReply, ToolCallFormat, ToolParseError, parse_tool_calls};

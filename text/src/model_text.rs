@@ -12,9 +12,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::chat::{ChatTemplate, Prompt, SpecialTokens};
+use crate::chat::{ChatTemplate, Message, Prompt, SpecialTokens};
 use crate::error::{Result, TextError};
 use crate::tokenizer::PolicyTokenizer;
+use crate::tool_calls::ToolCallFormat;
 
 /// What the text side needs from `config.json`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -283,14 +284,52 @@ impl ModelText {
     pub fn render(&self, prompt: &Prompt) -> Result<String> {
         match prompt {
             Prompt::Text(text) => Ok(text.clone()),
-            Prompt::Messages(messages) => self
-                .chat_template
-                .as_ref()
-                .ok_or_else(|| TextError::NoChatTemplate {
-                    model: self.name.clone(),
-                })?
-                .render(messages, true),
+            Prompt::Messages(messages) => self.render_messages(messages, None, true),
         }
+    }
+
+    /// The text of `messages` with the tool definitions `tools`, rendered
+    /// with the chat template as transformers' `apply_chat_template(messages,
+    /// tools=tools, add_generation_prompt=add_generation_prompt)` renders
+    /// it; an error names the model when it has no chat template.
+    pub fn render_messages(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.chat_template
+            .as_ref()
+            .ok_or_else(|| TextError::NoChatTemplate {
+                model: self.name.clone(),
+            })?
+            .render_with_tools(messages, tools, add_generation_prompt)
+    }
+
+    /// Token ids of [`Self::render_messages`]: the text tokenized without
+    /// adding special tokens (the template writes them), as transformers'
+    /// `apply_chat_template(..., tokenize=True)` does.
+    pub fn encode_messages(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<i64>> {
+        let text = self.render_messages(messages, tools, add_generation_prompt)?;
+        let ids = self.tokenizer.encode(&text, false)?;
+        if ids.is_empty() {
+            return Err(TextError::Invalid(
+                "the messages render to no tokens".into(),
+            ));
+        }
+        Ok(ids)
+    }
+
+    /// How the model writes tool calls, read from its chat template
+    /// ([`ToolCallFormat::detect`]); `None` without a template or when the
+    /// template shows no format this crate parses.
+    pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
+        ToolCallFormat::detect(self.chat_template.as_ref()?.source())
     }
 
     /// Token ids of a prompt. Text: [`Self::encode_prompt`]. Messages: the
@@ -299,16 +338,7 @@ impl ModelText {
     pub fn encode(&self, prompt: &Prompt) -> Result<Vec<i64>> {
         match prompt {
             Prompt::Text(text) => self.encode_prompt(text),
-            Prompt::Messages(_) => {
-                let text = self.render(prompt)?;
-                let ids = self.tokenizer.encode(&text, false)?;
-                if ids.is_empty() {
-                    return Err(TextError::Invalid(
-                        "the messages render to no tokens".into(),
-                    ));
-                }
-                Ok(ids)
-            }
+            Prompt::Messages(messages) => self.encode_messages(messages, None, true),
         }
     }
 
@@ -451,7 +481,6 @@ mod tests {
     }
 
     use super::*;
-    use crate::chat::Message;
 
     fn builtin(files: &[(&str, &str)]) -> ModelText {
         let tok = PolicyTokenizer::builtin();
