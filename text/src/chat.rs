@@ -10,8 +10,24 @@
 //! `trim` and `.strip()`, the tokenizer's special tokens (`bos_token`,
 //! `eos_token`, ...) in the context, and an empty message list refused. The
 //! rendered text is tokenized without adding special tokens: the template
-//! writes them. `tests/chat_parity.rs` checks all this against transformers
-//! on the templates of Qwen2.5 and Llama-3.x.
+//! writes them.
+//!
+//! Tools: a [`Message`] carries what the tool-aware templates read
+//! (`tool_calls`, `tool_call_id`, `name`, `reasoning_content`), and
+//! [`ChatTemplate::render_with_tools`] passes tool definitions as
+//! `tools=...` does. Each message reaches the template as transformers
+//! passes it: a dict with only the fields it has (`tool_calls` only when
+//! there are calls, so `'tool_calls' in message` and `message.tool_calls is
+//! defined` read as in Python), `reasoning_content` also under `thinking`
+//! (transformers 5), JSON objects (tool definitions, arguments) as dicts in
+//! the order of their `serde_json::Map`. `tools` is `None` when none are
+//! given, as in transformers; other template keyword arguments (Qwen3's
+//! `enable_thinking`, Llama's `date_string`, `builtin_tools`) are not passed.
+//!
+//! `tests/chat_parity.rs` checks all this against transformers on the
+//! templates of Qwen2.5, Qwen3 and Llama-3.x, tool definitions, tool calls,
+//! tool results and reasoning included. [`crate::tool_calls`] reads tool
+//! calls back out of a model's reply.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;

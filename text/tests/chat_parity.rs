@@ -2,17 +2,20 @@
 //! here wrote.
 //!
 //! The templates of `tests/fixtures/chat/*.jinja` are the exact
-//! `chat_template` strings of Qwen2.5-Instruct, Meta-Llama-3-Instruct,
+//! `chat_template` strings of Qwen2.5-Instruct, Qwen3, Meta-Llama-3-Instruct,
 //! Llama-3.1-Instruct and Llama-3.2-Instruct (`tests/fixtures/chat/README.md`
 //! says where each comes from). For each, the test writes a model folder
 //! (config.json, a small byte-level BPE tokenizer.json with the templates'
 //! special tokens, tokenizer_config.json, and for one model the template as
 //! `chat_template.jinja` instead), has `tests/python/chat_reference.py` apply
-//! transformers' `apply_chat_template(..., add_generation_prompt=True)` to
-//! every message list of `tests/fixtures/chat/messages.json`, and checks that
-//! [`ModelText::render`] gives the same text, byte for byte, and
-//! [`ModelText::encode`] the same token ids; where transformers raises, this
-//! crate must fail too.
+//! transformers' `apply_chat_template(messages, tools=tools,
+//! add_generation_prompt=True)` to every case of
+//! `tests/fixtures/chat/messages.json` (messages with tool calls, tool
+//! results and reasoning; tool definitions or none), and checks that
+//! [`ModelText::render_messages`] gives the same text, byte for byte, and
+//! [`ModelText::encode_messages`] the same token ids; where transformers
+//! raises, this crate must fail too. Cases without tools also go through
+//! [`ModelText::render`] and [`ModelText::encode`] (the `Prompt` path).
 //!
 //! The Python interpreter is `$ASYNCRL_PYTHON` or `<workspace>/.venv/bin/python`
 //! (scripts/setup installs transformers there); without it the test fails.
@@ -74,7 +77,7 @@ struct Model {
     config_bos: &'static str,
 }
 
-const MODELS: [Model; 5] = [
+const MODELS: [Model; 6] = [
     Model {
         name: "Qwen2.5-Instruct",
         template: "qwen2_5_instruct.jinja",
@@ -92,6 +95,17 @@ const MODELS: [Model; 5] = [
         jinja_file: true,
         family: Family::Qwen2,
         model_type: "qwen2",
+        bos_token: None,
+        eos_token: "<|im_end|>",
+        pad_token: Some("<|endoftext|>"),
+        config_bos: "<|endoftext|>",
+    },
+    Model {
+        name: "Qwen3",
+        template: "qwen3.jinja",
+        jinja_file: false,
+        family: Family::Qwen2,
+        model_type: "qwen3",
         bos_token: None,
         eos_token: "<|im_end|>",
         pad_token: Some("<|endoftext|>"),
@@ -370,8 +384,13 @@ fn write_model(root: &Path, m: &Model) -> PathBuf {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Case {
     name: String,
+    /// Tool definitions (JSON schemas), passed as `tools=`; `None` passes
+    /// `tools=None`.
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
     messages: Vec<Message>,
 }
 
@@ -438,9 +457,24 @@ fn check(
     reference: &Reference,
 ) -> Option<String> {
     let what = format!("{model}, message list {index} ({})", case.name);
-    let prompt = Prompt::Messages(case.messages.clone());
-    let rendered = text.render(&prompt);
-    let encoded = text.encode(&prompt);
+    let rendered = text.render_messages(&case.messages, case.tools.as_deref(), true);
+    let encoded = text.encode_messages(&case.messages, case.tools.as_deref(), true);
+    if case.tools.is_none() {
+        // The Prompt path renders and encodes the same.
+        let prompt = Prompt::Messages(case.messages.clone());
+        let (r, e) = (text.render(&prompt), text.encode(&prompt));
+        let same = match (&rendered, &r, &encoded, &e) {
+            (Ok(a), Ok(b), Ok(c), Ok(d)) => a == b && c == d,
+            (Err(_), Err(_), Err(_), Err(_)) => true,
+            _ => false,
+        };
+        if !same {
+            return Some(format!(
+                "{what}: render_messages / encode_messages ({rendered:?}, {encoded:?}) and \
+                 render / encode ({r:?}, {e:?}) differ"
+            ));
+        }
+    }
     match reference {
         Reference {
             error: Some(error), ..
@@ -507,7 +541,17 @@ fn chat_templates_render_and_encode_like_transformers() {
             .unwrap_or_else(|e| panic!("{}: {e}", messages_path.display())),
     )
     .unwrap_or_else(|e| panic!("{}: {e}", messages_path.display()));
-    assert!(cases.len() >= 24, "{} message lists", cases.len());
+    assert!(cases.len() >= 40, "{} message lists", cases.len());
+    assert!(
+        cases.iter().filter(|c| c.tools.is_some()).count() >= 10
+            && cases
+                .iter()
+                .any(|c| c.messages.iter().any(|m| !m.tool_calls.is_empty()))
+            && cases
+                .iter()
+                .any(|c| c.messages.iter().any(|m| m.reasoning_content.is_some())),
+        "the cases cover tools, tool calls and reasoning"
+    );
 
     let day_before = today();
     let work = tempfile::tempdir().expect("tempdir");
@@ -570,6 +614,45 @@ fn chat_templates_render_and_encode_like_transformers() {
         ids.iter().any(|&id| (256..first_special).contains(&id)),
         "no merged token in {ids:?}"
     );
+
+    // The tool cases are not trivial either: every tool-aware template
+    // writes the tools (dropping them changes the text), and transformers
+    // refuses two calls in one Llama-3.1 message and tools without a user
+    // message.
+    let case = |name: &str| {
+        cases
+            .iter()
+            .position(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no case {name}"))
+    };
+    let tools_user = case("tools_user");
+    for ((model, reference), text) in MODELS.iter().zip(&references).zip(&texts) {
+        if model.template == "llama3_instruct.jinja" {
+            continue;
+        }
+        let want = reference.cases[tools_user]
+            .text
+            .as_deref()
+            .unwrap_or_else(|| panic!("{}: tools_user renders", model.name));
+        assert!(want.contains("get_weather"), "{}: {want:?}", model.name);
+        let without = text
+            .render_messages(&cases[tools_user].messages, None, true)
+            .expect("render");
+        assert_ne!(without, want, "{}: the tools change the text", model.name);
+    }
+    for (model, reference) in MODELS.iter().zip(&references) {
+        let llama31 =
+            model.template.starts_with("llama3_1") || model.template.starts_with("llama3_2");
+        for name in ["tool_call_two", "tools_only_system"] {
+            let error = reference.cases[case(name)].error.as_deref();
+            assert_eq!(
+                error.is_some(),
+                llama31,
+                "{}: {name}: {error:?}",
+                model.name
+            );
+        }
+    }
 
     // The Llama-3.x date line, the same on both sides: Llama-3.1's template
     // fixes it, Llama-3.2's takes today's date from strftime_now.

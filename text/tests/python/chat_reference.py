@@ -5,8 +5,11 @@ Usage: chat_reference.py MODEL_DIR MESSAGES_JSON
 
 Opens MODEL_DIR with AutoTokenizer.from_pretrained (as a user of
 transformers would) and, for each message list of MESSAGES_JSON (a JSON list
-of {"name": ..., "messages": [{"role": ..., "content": ...}, ...]}), applies the model's chat template with the
-generation prompt twice: as text (tokenize=False) and as token ids
+of {"name": ..., "tools": [...] (optional), "messages": [{"role": ...,
+"content": ..., and optionally "tool_calls", "tool_call_id", "name",
+"reasoning_content"}, ...]}), applies the model's chat template with the
+case's tools (tools=None when the case has none) and the generation prompt
+twice: as text (tokenize=False) and as token ids
 (tokenize=True). Prints one JSON object on stdout:
 
   {"transformers_version": "...",
@@ -40,10 +43,12 @@ def ids_of(out):
     return [int(i) for i in ids]
 
 
-def reference(tokenizer, messages):
+def reference(tokenizer, messages, tools):
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = ids_of(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        ids = ids_of(
+            tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
+        )
     except Exception as e:  # noqa: BLE001 - every failure is a reference outcome
         return {"error": f"{type(e).__name__}: {e}"}
     return {"text": text, "ids": ids}
@@ -59,7 +64,7 @@ def main():
     out = {
         "transformers_version": transformers.__version__,
         "tokenizer_class": type(tokenizer).__name__,
-        "cases": [reference(tokenizer, case["messages"]) for case in cases],
+        "cases": [reference(tokenizer, case["messages"], case.get("tools")) for case in cases],
     }
     json.dump(out, sys.stdout, ensure_ascii=True)
     sys.stdout.write("\n")
