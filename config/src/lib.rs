@@ -7,6 +7,7 @@
 mod buffer;
 mod bus;
 mod coordinator;
+mod environment;
 mod eval;
 mod learner;
 mod model;
@@ -28,6 +29,7 @@ pub use coordinator::{
     AdminTlsConfig, BUILTIN_VERIFIERS, ClipModeName, CoordinatorConfig, DatasetConfig,
     DatasetFormat, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode, knob_ranges,
 };
+pub use environment::{BUILTIN_ENV_PREFIX, BUILTIN_ENVS, EnvironmentConfig, EnvironmentKind};
 pub use eval::{EvalConfig, EvalEngineName, MAX_EVAL_SAMPLES};
 pub use learner::{
     AdvantageNormName, LearnerConfig, LossAggregationName, MixedPrecisionName, ProximalName,
@@ -89,6 +91,8 @@ pub struct Config {
     pub learner: LearnerConfig,
     pub worker: WorkerConfig,
     pub eval: EvalConfig,
+    /// Multi-turn episodes with an environment; absent: single-turn.
+    pub environment: Option<EnvironmentConfig>,
 }
 
 impl Config {
@@ -167,6 +171,9 @@ impl Config {
         self.learner.validate()?;
         self.worker.validate()?;
         self.eval.validate()?;
+        if let Some(env) = &self.environment {
+            env.validate(self.model.max_seq_len)?;
+        }
         self.check_torch_engine()
     }
 

@@ -881,6 +881,7 @@ fn config() -> impl Strategy<Value = Config> {
                     learner,
                     worker,
                     eval,
+                    environment: None,
                 }
             },
         )

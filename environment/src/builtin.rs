@@ -225,19 +225,15 @@ impl HiddenSum {
 #[async_trait]
 impl Environment for HiddenSum {
     async fn reset(&self, episode_id: &str, task: &EnvTask) -> Result<StepResult, EnvError> {
-        let x = task
-            .metadata
-            .get("x")
-            .and_then(serde_json::Value::as_i64)
-            .ok_or_else(|| {
-                Self::refused(
-                    "reset",
-                    format!(
-                        "task {:?} has no integer metadata[\"x\"] (metadata: {})",
-                        task.task_id, task.metadata
-                    ),
-                )
-            })?;
+        let x = hidden_value(task).ok_or_else(|| {
+            Self::refused(
+                "reset",
+                format!(
+                    "task {:?} has neither an integer metadata[\"x\"] nor a prompt \"A+x=\" with an integer answer (metadata: {}, prompt: {})",
+                    task.task_id, task.metadata, task.prompt
+                ),
+            )
+        })?;
         let mut episodes = self.episodes.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(existing) = episodes.get(episode_id) {
             // A repeated reset (a retry) of an episode that has not stepped.
@@ -317,6 +313,23 @@ impl Environment for HiddenSum {
     fn name(&self) -> &str {
         Self::NAME
     }
+}
+
+/// The hidden `x` of a task: `metadata["x"]` when the task carries it,
+/// else derived from a prompt `A+x=` and the answer (`x = answer − A`), as
+/// the built-in `hidden_sum` data set has it.
+pub fn hidden_value(task: &EnvTask) -> Option<i64> {
+    if let Some(x) = task.metadata.get("x") {
+        return x.as_i64();
+    }
+    let a = task
+        .prompt
+        .as_str()?
+        .strip_suffix("+x=")?
+        .parse::<i64>()
+        .ok()?;
+    let sum = task.answer.trim().parse::<i64>().ok()?;
+    Some(sum - a)
 }
 
 #[cfg(test)]
@@ -442,7 +455,16 @@ mod tests {
         t.metadata = serde_json::json!({ "x": "twelve" });
         let err = env.reset("e", &t).await.unwrap_err();
         assert_eq!(err.kind(), "refused");
-        assert!(err.to_string().contains("no integer metadata"), "{err}");
+        assert!(
+            err.to_string().contains("neither an integer metadata"),
+            "{err}"
+        );
+        // Without metadata, `x` is the answer less the prompt's operand.
+        t.metadata = serde_json::Value::Null;
+        t.answer = "19".into();
+        assert_eq!(hidden_value(&t), Some(12));
+        t.prompt = serde_json::json!("7*x=");
+        assert_eq!(hidden_value(&t), None);
     }
 
     #[test]

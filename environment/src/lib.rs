@@ -80,6 +80,7 @@
 //! `python -m asyncrl_calc_env --port 8000`.
 
 pub mod builtin;
+mod episode;
 mod error;
 mod http;
 mod metrics;
@@ -87,6 +88,7 @@ mod types;
 
 use async_trait::async_trait;
 
+pub use episode::{Episode, EpisodeError, EpisodeLimits, EpisodeOutput, Next, Reply, ReplyEnd};
 pub use error::{EnvError, EnvSetupError};
 pub use http::{HttpEnvSettings, HttpEnvironment, MAX_REPLY_BYTES};
 pub use metrics::{EnvMetrics, HistogramFamily, Labels};
@@ -117,4 +119,37 @@ pub trait Environment: Send + Sync {
     /// What the environment is called in logs and errors (an HTTP one's
     /// base URL).
     fn name(&self) -> &str;
+}
+
+/// The environment of `[environment]`: a built-in one (`builtin:<name>`,
+/// with `environment.tool_latency`), or the HTTP client of a reset/step
+/// server (`environment.call_timeout`, `environment.retries`).
+pub fn from_config(
+    cfg: &asyncrl_config::EnvironmentConfig,
+    metrics: &asyncrl_telemetry::Metrics,
+) -> Result<std::sync::Arc<dyn Environment>, EnvSetupError> {
+    match cfg.kind() {
+        asyncrl_config::EnvironmentKind::Builtin(_) => {
+            let mut env = builtin::HiddenSum::new();
+            if !cfg.tool_latency.is_zero() {
+                env = env.with_latency(builtin::LatencyModel {
+                    median: cfg.tool_latency,
+                    pareto_alpha: cfg.tool_latency_alpha,
+                    seed: 0,
+                });
+            }
+            Ok(std::sync::Arc::new(env))
+        }
+        asyncrl_config::EnvironmentKind::Http(url) => {
+            let settings = HttpEnvSettings {
+                url: url.to_owned(),
+                call_timeout: cfg.call_timeout,
+                retries: cfg.retries,
+                ..HttpEnvSettings::new(url)
+            };
+            Ok(std::sync::Arc::new(HttpEnvironment::new(
+                settings, metrics,
+            )?))
+        }
+    }
 }

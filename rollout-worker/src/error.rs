@@ -30,6 +30,9 @@ pub enum WorkerError {
     /// message names the setting).
     #[error(transparent)]
     Engine(anyhow::Error),
+    /// `[environment]` could not be set up (the message names the key).
+    #[error("environment: {0:#}")]
+    Environment(anyhow::Error),
     /// The worker had to stop (its engine is gone, or its first weights do
     /// not fit the engine).
     #[error("the worker stopped: {0}")]

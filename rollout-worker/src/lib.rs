@@ -37,6 +37,7 @@
 
 mod client;
 pub mod engine;
+mod episode;
 pub mod error;
 pub mod metrics;
 pub mod reward;

@@ -45,8 +45,14 @@ pub struct WorkerMetrics {
     pub sequences_cancelled: Counter,
     pub trajectories_published: Counter,
     /// Published trajectories by why their completion ended (`stop`,
-    /// `length`, `stop_string`).
+    /// `length`, `stop_string`, and an episode's `max_turns`,
+    /// `episode_length`, `tool_call_unreadable`).
     pub completions_finished: Family<ReasonLabels, Counter>,
+    /// Multi-turn episodes by how they ended: a finish reason, or
+    /// `environment_failed` (the task goes back), `cancelled`, `failed`.
+    pub episodes_finished: Family<ReasonLabels, Counter>,
+    /// Model replies per finished episode.
+    pub episode_turns: Histogram,
     /// Durable publishes retried after a transient error.
     pub publish_retries: Counter,
     /// The weight version in use.
@@ -154,6 +160,16 @@ impl WorkerMetrics {
                 "worker_completions_finished",
                 "Published completions by why they ended (reason: stop, length, stop_string)",
                 Family::<ReasonLabels, Counter>::default,
+            )?,
+            episodes_finished: m.get_or_register(
+                "worker_episodes_finished",
+                "Multi-turn episodes by how they ended (a finish reason, environment_failed, cancelled, failed)",
+                Family::default,
+            )?,
+            episode_turns: m.get_or_register(
+                "worker_episode_turns",
+                "Model replies per finished multi-turn episode",
+                || Histogram::new(linear_buckets(1.0, 1.0, 16)),
             )?,
             publish_retries: m.get_or_register(
                 "worker_publish_retries",

@@ -70,6 +70,8 @@ pub(crate) struct Shared {
     /// `generation_config.json` ones.
     pub stop_strings: Vec<String>,
     pub scorer: Scorer,
+    /// `[environment]`: every task is a multi-turn episode.
+    pub episodes: Option<crate::episode::Episodes>,
     pub metrics: WorkerMetrics,
     pub counters: Counters,
     pub lengths: CompletionLengths,

@@ -17,6 +17,7 @@ use asyncrl_text::Prompt;
 use asyncrl_transport::TransportError;
 use bytes::Bytes;
 use futures::StreamExt;
+use futures::future::Either;
 use futures::stream::FuturesUnordered;
 use tokio_util::sync::CancellationToken;
 
@@ -55,7 +56,7 @@ pub(crate) struct Stops {
 
 /// Why one completion was not published.
 #[derive(Debug)]
-enum CompletionError {
+pub(crate) enum CompletionError {
     /// Revoked, or a sibling failed.
     Aborted,
     /// The drain deadline passed.
@@ -63,6 +64,9 @@ enum CompletionError {
     Generation(EngineError),
     Publish(TransportError),
     Invalid(ContractError),
+    /// The environment failed, or the episode could not be continued (a
+    /// template that rewrites earlier turns): not the model's doing.
+    Episode(String),
 }
 
 impl CompletionError {
@@ -73,6 +77,7 @@ impl CompletionError {
             CompletionError::Generation(e) => format!("generation failed: {e}"),
             CompletionError::Publish(e) => format!("publish failed: {e}"),
             CompletionError::Invalid(e) => format!("invalid trajectory: {e}"),
+            CompletionError::Episode(why) => format!("episode failed: {why}"),
         }
     }
 }
@@ -144,54 +149,49 @@ async fn run_task_inner(
             "stopped while waiting for the weights of its admission version".into(),
         );
     }
-    // Rendered once per task: the token ids to generate from, and the text
-    // a reward service is sent.
-    let task_prompt = prompt_of(task);
-    let (prompt_text, prompt) = match shared
-        .text
-        .render(&task_prompt)
-        .and_then(|text| Ok((text, shared.text.encode(&task_prompt)?)))
-    {
-        Ok(both) => both,
-        Err(e) => {
-            return TaskEnd::Unfinished(format!("cannot encode the prompt: {e}"));
-        }
+    let mut completions: FuturesUnordered<_> = if shared.episodes.is_some() {
+        guards
+            .drain(..)
+            .enumerate()
+            .map(|(index, guard)| {
+                Either::Left(crate::episode::run_episode(
+                    shared,
+                    task,
+                    index as u32,
+                    g as u32,
+                    guard,
+                    stops,
+                ))
+            })
+            .collect()
+    } else {
+        let (request, prompt_text) = match single_turn_request(shared, task) {
+            Ok(both) => both,
+            Err(why) => return TaskEnd::Unfinished(why),
+        };
+        let prompt_text = Arc::new(prompt_text);
+        guards
+            .drain(..)
+            .enumerate()
+            .map(|(index, guard)| {
+                let prompt_text = prompt_text.clone();
+                let request = request.clone();
+                Either::Right(async move {
+                    run_completion(
+                        shared,
+                        task,
+                        index as u32,
+                        g as u32,
+                        request,
+                        &prompt_text,
+                        guard,
+                        stops,
+                    )
+                    .await
+                })
+            })
+            .collect()
     };
-    let max_seq_len = shared.engine.max_seq_len();
-    if prompt.len() >= max_seq_len {
-        return TaskEnd::Unfinished(format!(
-            "the prompt has {} tokens; model.max_seq_len = {max_seq_len} leaves no room for a completion",
-            prompt.len()
-        ));
-    }
-    let mut params = shared.params.clone();
-    if shared.lengths == crate::state::CompletionLengths::ReferenceAnswer {
-        let n = shared
-            .text
-            .tokenizer()
-            .encode(&task.answer, false)
-            .map_or(0, |ids| ids.len());
-        params.max_new_tokens = n + 1;
-        params.stop_token_ids.clear();
-    }
-    let request = SequenceRequest { prompt, params };
-
-    let mut completions: FuturesUnordered<_> = guards
-        .drain(..)
-        .enumerate()
-        .map(|(index, guard)| {
-            run_completion(
-                shared,
-                task,
-                index as u32,
-                g as u32,
-                request.clone(),
-                &prompt_text,
-                guard,
-                stops,
-            )
-        })
-        .collect();
     let mut published = 0usize;
     let mut first_error: Option<String> = None;
     while let Some(result) = completions.next().await {
@@ -212,6 +212,7 @@ async fn run_task_inner(
                         CompletionError::Generation(_)
                             | CompletionError::Publish(_)
                             | CompletionError::Invalid(_)
+                            | CompletionError::Episode(_)
                     )
                 {
                     first_error = Some(e.describe());
@@ -229,6 +230,42 @@ async fn run_task_inner(
         return TaskEnd::Unfinished("aborted".into());
     }
     complete(shared, task, g as u32, granted_at, stops).await
+}
+
+/// A single-turn task's request (rendered once per task: the token ids to
+/// generate from) and the prompt's text (what a reward service is sent).
+fn single_turn_request(shared: &Shared, task: &Task) -> Result<(SequenceRequest, String), String> {
+    // Rendered once per task: the token ids to generate from, and the text
+    // a reward service is sent.
+    let task_prompt = prompt_of(task);
+    let (prompt_text, prompt) = match shared
+        .text
+        .render(&task_prompt)
+        .and_then(|text| Ok((text, shared.text.encode(&task_prompt)?)))
+    {
+        Ok(both) => both,
+        Err(e) => {
+            return Err(format!("cannot encode the prompt: {e}"));
+        }
+    };
+    let max_seq_len = shared.engine.max_seq_len();
+    if prompt.len() >= max_seq_len {
+        return Err(format!(
+            "the prompt has {} tokens; model.max_seq_len = {max_seq_len} leaves no room for a completion",
+            prompt.len()
+        ));
+    }
+    let mut params = shared.params.clone();
+    if shared.lengths == crate::state::CompletionLengths::ReferenceAnswer {
+        let n = shared
+            .text
+            .tokenizer()
+            .encode(&task.answer, false)
+            .map_or(0, |ids| ids.len());
+        params.max_new_tokens = n + 1;
+        params.stop_token_ids.clear();
+    }
+    Ok((SequenceRequest { prompt, params }, prompt_text))
 }
 
 /// Reports the task complete (retrying transient errors, bounded by the
@@ -310,7 +347,7 @@ pub(crate) fn verifier_of(task: &Task) -> &str {
 /// that completed it stay exactly as sampled (with their log-probs and
 /// versions); the rest are dropped. Generation itself ran on to a stop
 /// token or the length limit.
-fn cut_at_stop_string(shared: &Shared, mut out: SequenceOutput) -> SequenceOutput {
+pub(crate) fn cut_at_stop_string(shared: &Shared, mut out: SequenceOutput) -> SequenceOutput {
     if shared.stop_strings.is_empty() {
         return out;
     }
@@ -389,7 +426,7 @@ pub(crate) fn build_trajectory(
     Ok(t)
 }
 
-fn clamp_ms(d: Duration) -> u32 {
+pub(crate) fn clamp_ms(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
 }
 
@@ -488,6 +525,19 @@ async fn run_completion(
     )
     .map_err(CompletionError::Invalid)?;
 
+    publish(shared, task, &trajectory, generation_ms, reward_ms, stops).await
+}
+
+/// Publishes one trajectory, retrying transient errors (dedupe by uuid
+/// makes retries safe), and counts it.
+pub(crate) async fn publish(
+    shared: &Arc<Shared>,
+    task: &Task,
+    trajectory: &Trajectory,
+    generation_ms: u32,
+    reward_ms: u32,
+    stops: &Stops,
+) -> Result<(), CompletionError> {
     // Publish, retrying transient errors (dedupe by uuid makes retries safe).
     let subject = trajectory_subject(&task.task_id);
     let payload = Bytes::from(trajectory.encode_to_vec());

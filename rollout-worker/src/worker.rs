@@ -160,6 +160,9 @@ impl Worker {
             max_new_tokens = params.max_new_tokens,
             "rollout worker starting"
         );
+        let episodes =
+            crate::episode::from_config(&self.config, &params, engine.max_seq_len(), &self.metrics)
+                .map_err(WorkerError::Environment)?;
         let tokens_at_start = engine.counters().tokens_generated;
         let (loaded_tx, mut loaded_rx) = watch::channel(None);
         let shared = Arc::new(Shared {
@@ -172,6 +175,7 @@ impl Worker {
             text: built.text,
             params,
             scorer,
+            episodes,
             metrics,
             counters: Counters::default(),
             lengths: self.lengths,

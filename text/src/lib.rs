@@ -24,8 +24,8 @@ pub mod tool_calls;
 pub use chat::{ChatTemplate, FunctionCall, Message, Prompt, ROLES, SpecialTokens, ToolCall};
 pub use error::{Result, TextError};
 pub use model_text::{
-    ModelFacts, ModelText, TEXT_FILES, builtin_tokenizer_config, eos_token_ids,
-    text_before_stop_string,
+    BUILTIN_CHAT_TEMPLATE, ModelFacts, ModelText, TEXT_FILES, builtin_tokenizer_config,
+    eos_token_ids, text_before_stop_string,
 };
 pub use tokenizer::{
     BUILTIN_BOS, BUILTIN_CHARS, BUILTIN_EOS, BUILTIN_PAD, BUILTIN_UNK, PolicyTokenizer,

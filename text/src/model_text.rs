@@ -213,7 +213,7 @@ impl ModelText {
     }
 
     /// The text side of the built-in tiny model (character vocabulary,
-    /// `<bos>` first, `<eos>` to stop, no chat template), as
+    /// `<bos>` first, `<eos>` to stop, [`BUILTIN_CHAT_TEMPLATE`]), as
     /// `Policy::builtin_tiny` has it. `tie_word_embeddings` is the tiny
     /// model's default (true).
     pub fn builtin() -> Self {
@@ -418,10 +418,19 @@ pub fn text_before_stop_string(mut text: String, stop_strings: &[String]) -> Str
     text
 }
 
+/// The built-in tiny model's chat template: `<bos>`, then each message's
+/// content, an assistant's followed by `<eos>` (the token that ends a
+/// reply), a tool's by `;`. Every character is in the built-in vocabulary,
+/// so that multi-turn episodes (`[environment]`) run on the tiny model:
+/// `<bos>7+x=` `x?<eos>` `x=12;` `19<eos>`.
+pub const BUILTIN_CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}{% elif m.role == 'tool' %}{{ m.content }};{% else %}{{ m.content }}{% endif %}{% endfor %}";
+
 /// `tokenizer_config.json` of the built-in tokenizer, so that transformers'
-/// `AutoTokenizer` opens a saved built-in model folder.
+/// `AutoTokenizer` opens a saved built-in model folder; with the built-in
+/// chat template ([`BUILTIN_CHAT_TEMPLATE`]).
 pub fn builtin_tokenizer_config() -> Vec<u8> {
     let v = serde_json::json!({
+        "chat_template": BUILTIN_CHAT_TEMPLATE,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": crate::tokenizer::BUILTIN_BOS,
         "eos_token": crate::tokenizer::BUILTIN_EOS,

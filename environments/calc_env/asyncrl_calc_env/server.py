@@ -63,6 +63,24 @@ class BadRequest(Exception):
     """A request the server refuses with 400 (the message is the error)."""
 
 
+def hidden_value(task: dict[str, Any], answer: str) -> int:
+    """The hidden `x` of a task: `metadata["x"]` when the task carries it,
+    else derived from a prompt `A+x=` and the answer (`x = answer - A`), as
+    asyncrl's built-in `hidden_sum` data set has it."""
+    metadata = task.get("metadata")
+    if isinstance(metadata, dict) and "x" in metadata:
+        return _field(metadata, "x", int, "task.metadata")
+    prompt = task.get("prompt")
+    if isinstance(prompt, str) and prompt.endswith("+x="):
+        try:
+            return int(answer.strip()) - int(prompt[: -len("+x=")])
+        except ValueError:
+            pass
+    raise BadRequest(
+        'task has neither an integer metadata["x"] nor a prompt "A+x=" with an integer answer'
+    )
+
+
 def _field(body: dict[str, Any], name: str, kind: type, where: str) -> Any:
     value = body.get(name)
     # bool is an int in Python; the protocol's integers are not booleans.
@@ -107,12 +125,12 @@ class HiddenSumGame:
             return len(self._episodes)
 
     def reset(self, body: dict[str, Any]) -> Reply:
+        """Starts an episode (see `hidden_value` for where `x` comes from)."""
         episode_id = _field(body, "episode_id", str, "body")
         task = _field(body, "task", dict, "body")
         task_id = _field(task, "task_id", str, "task")
         answer = _field(task, "answer", str, "task")
-        metadata = _field(task, "metadata", dict, "task")
-        x = _field(metadata, "x", int, "task.metadata")
+        x = hidden_value(task, answer)
         with self._lock:
             existing = self._episodes.get(episode_id)
             if existing is not None:

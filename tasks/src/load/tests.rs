@@ -218,11 +218,15 @@ fn messages_are_measured_after_the_template() {
     d.apply_chat_template = true;
     d.system_prompt = Some("be".into());
     d.max_prompt_tokens = Some(100);
-    // The built-in model has no chat template: one clear error.
+    // The built-in model's template: `<bos>`, then the contents, so the
+    // prompt measures 1 + 2 + 4 tokens; a limit below that drops it.
+    let loaded = load_dataset(&d, Some(&ModelText::builtin())).unwrap();
+    assert_eq!(loaded.items.len(), 1);
+    d.max_prompt_tokens = Some(6);
     let err = load_dataset(&d, Some(&ModelText::builtin()))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("no chat template"), "{err}");
+    assert!(err.contains("over max_prompt_tokens"), "{err}");
     // Without a limit nothing is rendered at load time; the prompt is kept
     // as messages with the system prompt first.
     d.max_prompt_tokens = None;
