@@ -235,3 +235,13 @@ def test_an_internal_error_is_500(url: str, game: HiddenSumGame, monkeypatch: py
     assert step(url, "e", 1, "x?") == (500, {"error": "internal error: RuntimeError('boom')"})
     # The server still serves.
     assert call(url, "health")[0] == 200
+
+
+def test_without_metadata_x_is_the_answer_less_the_prompts_operand(url: str) -> None:
+    plain = {"task_id": "t2", "dataset": "hidden_sum", "prompt": "7+x=", "answer": "19"}
+    call(url, "reset", {"episode_id": "e", "task": plain})
+    status, reply = step(url, "e", 1, "x?")
+    assert (status, reply["observation"]["messages"]) == (200, [{"role": "tool", "content": "x=12"}])
+    other = {"task_id": "t3", "dataset": "hidden_sum", "prompt": "what is x?", "answer": "19"}
+    status, reply = call(url, "reset", {"episode_id": "f", "task": other})
+    assert status == 400 and "metadata" in reply["error"]
