@@ -23,7 +23,9 @@ use asyncrl_text::{Message, Prompt};
 
 use crate::metrics::reason;
 use crate::state::{SeqGuard, Shared, bump};
-use crate::task::{CompletionError, Stops, clamp_ms, cut_at_stop_string, prompt_of, publish};
+use crate::task::{
+    CompletionError, Stops, clamp_ms, cut_at_stop_string, prompt_of, publish, to_i32,
+};
 
 /// The worker's environment and the limits of its episodes.
 pub(crate) struct Episodes {
@@ -229,16 +231,6 @@ pub(crate) fn episode_trajectory(
     out: &EpisodeOutput,
     timings: Timings,
 ) -> Result<Trajectory, ContractError> {
-    let to_i32 = |field: &'static str, ids: &[i64]| -> Result<Vec<i32>, ContractError> {
-        ids.iter()
-            .map(|&t| {
-                i32::try_from(t).map_err(|_| ContractError::Field {
-                    field,
-                    reason: format!("token id {t} does not fit in int32"),
-                })
-            })
-            .collect()
-    };
     let t = Trajectory {
         uuid,
         task_id: task.task_id.clone(),

@@ -378,6 +378,19 @@ fn finish_reason(r: SeqFinish) -> FinishReason {
     }
 }
 
+/// Token ids as the contract holds them (`int32`); an id beyond it is an
+/// error naming `field`.
+pub(crate) fn to_i32(field: &'static str, ids: &[i64]) -> Result<Vec<i32>, ContractError> {
+    ids.iter()
+        .map(|&t| {
+            i32::try_from(t).map_err(|_| ContractError::Field {
+                field,
+                reason: format!("token id {t} does not fit in int32"),
+            })
+        })
+        .collect()
+}
+
 /// The trajectory of one finished completion, token-exact.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn build_trajectory(
@@ -390,16 +403,6 @@ pub(crate) fn build_trajectory(
     reward: &RewardOutcome,
     timings: Timings,
 ) -> Result<Trajectory, ContractError> {
-    let to_i32 = |field: &'static str, ids: &[i64]| -> Result<Vec<i32>, ContractError> {
-        ids.iter()
-            .map(|&t| {
-                i32::try_from(t).map_err(|_| ContractError::Field {
-                    field,
-                    reason: format!("token id {t} does not fit in int32"),
-                })
-            })
-            .collect()
-    };
     let (reward_value, status) = match reward {
         RewardOutcome::Scored { reward, .. } => (*reward, RewardStatus::Ok),
         RewardOutcome::Failed { .. } => (f32::NAN, RewardStatus::Failed),

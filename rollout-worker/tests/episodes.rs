@@ -98,6 +98,15 @@ async fn environment() -> (String, Arc<Mutex<Vec<Value>>>) {
     (url, calls)
 }
 
+/// Replies end at a stop string (most characters), so that an untrained
+/// model's replies are short and end as a stop does.
+fn short_replies(config: &mut asyncrl_config::Config) {
+    config.model.stop_strings = "0123456789abcdefghijklmnopqrstuvwxyz "
+        .chars()
+        .map(String::from)
+        .collect();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn episodes_are_token_exact_across_turns_and_a_weight_swap_and_limits_end_them() {
     let (url, calls) = environment().await;
@@ -115,12 +124,7 @@ async fn episodes_are_token_exact_across_turns_and_a_weight_swap_and_limits_end_
     )
     .await;
     let mut config = rig.config.clone();
-    // Replies end at a stop string (most characters), so that an untrained
-    // model's replies are short and end as a stop does.
-    config.model.stop_strings = "0123456789abcdefghijklmnopqrstuvwxyz "
-        .chars()
-        .map(String::from)
-        .collect();
+    short_replies(&mut config);
     config.environment = Some(EnvironmentConfig {
         url,
         max_turns: MAX_TURNS,
@@ -329,10 +333,7 @@ async fn an_environment_that_answers_garbage_gets_the_task_returned_naming_it_an
     )
     .await;
     let mut config = rig.config.clone();
-    config.model.stop_strings = "0123456789abcdefghijklmnopqrstuvwxyz "
-        .chars()
-        .map(String::from)
-        .collect();
+    short_replies(&mut config);
     config.environment = Some(EnvironmentConfig {
         url: url.clone(),
         ..EnvironmentConfig::default()
