@@ -330,13 +330,8 @@ pub fn decode_segment(bytes: &[u8], expected: &SchemaRef) -> Result<SegmentScan,
                     .map_err(|e| e.to_string())
             })
             .map_err(|e| format!("first frame at byte {pos} is not a schema: {e}"))?;
-            legacy = schema.fields().len() == arrow_schema::LEGACY_COLUMNS
-                && expected.fields() == arrow_schema::trajectory_schema().fields()
-                && schema
-                    .fields()
-                    .iter()
-                    .zip(expected.fields())
-                    .all(|(a, b)| a == b);
+            legacy = expected.fields() == arrow_schema::trajectory_schema().fields()
+                && arrow_schema::is_legacy(&schema);
             if schema.fields() != expected.fields() && !legacy {
                 return Err(format!(
                     "schema differs from the trajectory schema: {:?}",

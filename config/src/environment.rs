@@ -29,7 +29,7 @@ pub const BUILTIN_ENVS: [&str; 1] = ["hidden_sum"];
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EnvironmentConfig {
-    /// `http://host:port` of a reset/step server (docs/contracts.md,
+    /// `http://host:port` of a reset/step server (plain HTTP) (docs/contracts.md,
     /// "Environments"), or `builtin:<name>` for one of [`BUILTIN_ENVS`],
     /// run in the worker's process.
     pub url: String,
@@ -103,11 +103,12 @@ impl EnvironmentConfig {
             }
             EnvironmentKind::Builtin(_) => {}
             EnvironmentKind::Http(url) => {
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                // The client is plain HTTP (no TLS), like the vLLM engine's.
+                if !url.starts_with("http://") {
                     return Err(ConfigError::invalid(
                         "environment.url",
                         format!(
-                            "{url:?} is neither http(s)://host:port nor {BUILTIN_ENV_PREFIX}<name>"
+                            "{url:?} is neither http://host:port nor {BUILTIN_ENV_PREFIX}<name>"
                         ),
                     ));
                 }
@@ -161,5 +162,57 @@ impl EnvironmentConfig {
         self.max_episode_tokens
             .unwrap_or(max_seq_len)
             .min(max_seq_len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(edit: impl Fn(&mut EnvironmentConfig)) -> Result<(), String> {
+        let mut c = EnvironmentConfig {
+            url: "builtin:hidden_sum".into(),
+            ..EnvironmentConfig::default()
+        };
+        edit(&mut c);
+        c.validate(64).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn every_bad_value_names_its_key() {
+        assert_eq!(check(|_| {}), Ok(()));
+        assert_eq!(check(|c| c.url = "http://127.0.0.1:8711".into()), Ok(()));
+        for (edit, key) in [
+            (
+                Box::new(|c: &mut EnvironmentConfig| c.url = "builtin:chess".into())
+                    as Box<dyn Fn(&mut EnvironmentConfig)>,
+                "environment.url",
+            ),
+            (
+                Box::new(|c| c.url = "https://env:443".into()),
+                "environment.url",
+            ),
+            (Box::new(|c| c.url = "env:8711".into()), "environment.url"),
+            (
+                Box::new(|c| c.call_timeout = Duration::ZERO),
+                "environment.call_timeout",
+            ),
+            (Box::new(|c| c.max_turns = 0), "environment.max_turns"),
+            (
+                Box::new(|c| c.max_turn_tokens = Some(0)),
+                "environment.max_turn_tokens",
+            ),
+            (
+                Box::new(|c| c.max_episode_tokens = Some(65)),
+                "environment.max_episode_tokens",
+            ),
+            (
+                Box::new(|c| c.tool_latency_alpha = 1.0),
+                "environment.tool_latency_alpha",
+            ),
+        ] {
+            let err = check(edit).unwrap_err();
+            assert!(err.contains(&format!("`{key}`")), "{err}");
+        }
     }
 }

@@ -88,7 +88,8 @@ pub enum EpisodeError {
         logprobs: usize,
         versions: usize,
     },
-    #[error("the episode is not waiting for {0}")]
+    /// The driver called the episode out of order (a bug in the driver).
+    #[error("the episode got {0} out of order")]
     OutOfOrder(&'static str),
 }
 
@@ -206,7 +207,9 @@ impl<'a> Episode<'a> {
     pub fn next_action(&mut self) -> Result<Next, EpisodeError> {
         match self.state {
             State::Done => Ok(Next::Done),
-            State::Step => Err(EpisodeError::OutOfOrder("a reply")),
+            State::Step => Err(EpisodeError::OutOfOrder(
+                "a request for its next action while a step is pending",
+            )),
             State::Generate => {
                 if self.turns.len() as u32 >= self.limits.max_turns {
                     let note = format!(
@@ -239,7 +242,7 @@ impl<'a> Episode<'a> {
     /// parser cannot read).
     pub fn on_reply(&mut self, reply: Reply) -> Result<Next, EpisodeError> {
         if !matches!(self.state, State::Generate) {
-            return Err(EpisodeError::OutOfOrder("a step"));
+            return Err(EpisodeError::OutOfOrder("a reply"));
         }
         let n = reply.tokens.len();
         if n == 0 || reply.logprobs.len() != n || reply.versions.len() != n {
@@ -309,7 +312,7 @@ impl<'a> Episode<'a> {
     /// Takes the environment's answer to the last step.
     pub fn on_step(&mut self, result: &StepResult) -> Result<Next, EpisodeError> {
         if !matches!(self.state, State::Step) {
-            return Err(EpisodeError::OutOfOrder("a reply"));
+            return Err(EpisodeError::OutOfOrder("a step result"));
         }
         if let Some(r) = result.reward {
             self.reward += r;

@@ -142,7 +142,6 @@ pub fn from_config(
         }
         asyncrl_config::EnvironmentKind::Http(url) => {
             let settings = HttpEnvSettings {
-                url: url.to_owned(),
                 call_timeout: cfg.call_timeout,
                 retries: cfg.retries,
                 ..HttpEnvSettings::new(url)

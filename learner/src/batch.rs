@@ -37,6 +37,9 @@ pub enum BatchError {
     /// panic's payload).
     #[error("the batch is not an Arrow IPC stream of trajectories: the decoder panicked: {0}")]
     DecoderPanic(String),
+    /// The turn columns of a multi-turn row do not fit together.
+    #[error("the batch's turn columns are invalid: {0}")]
+    Turns(#[source] asyncrl_protos::ContractError),
 }
 
 impl BatchError {
@@ -49,6 +52,7 @@ impl BatchError {
             BatchError::Empty => "batch",
             BatchError::Ipc(_) | BatchError::DecoderPanic(_) => "arrow_ipc",
             BatchError::Schema(_) => "schema",
+            BatchError::Turns(_) => cols::TURN_MODEL_TOKENS,
         }
     }
 }
@@ -294,11 +298,7 @@ fn list_rows<'a, T: arrow::datatypes::ArrowPrimitiveType>(
 fn turns_of(batch: &RecordBatch) -> Result<Vec<Vec<asyncrl_protos::Turn>>, BatchError> {
     cols::turns_of(batch).map_err(|e| match e {
         asyncrl_protos::ContractError::ArrowColumn { column } => BatchError::Column(column),
-        other => BatchError::Row {
-            row: 0,
-            field: cols::TURN_MODEL_TOKENS,
-            reason: other.to_string(),
-        },
+        other => BatchError::Turns(other),
     })
 }
 
@@ -308,9 +308,9 @@ struct Row<'a> {
     /// One per model token.
     logprobs: &'a [f32],
     versions: &'a [i32],
-    /// Per completion token: sampled by the policy (all for a single-turn
-    /// row).
-    model: Vec<bool>,
+    /// An episode's per-completion-token mask: sampled by the policy.
+    /// `None` for a single-turn row (every token a model token).
+    model: Option<Vec<bool>>,
     reward: Option<f32>,
     uuid: String,
     group: String,
@@ -351,7 +351,8 @@ pub fn assemble(
                 completion,
                 logprobs: &l_vals[span(l_off)],
                 versions: &v_vals[span(v_off)],
-                model: asyncrl_protos::model_token_mask(&turns[i], completion.len()),
+                model: (!turns[i].is_empty())
+                    .then(|| asyncrl_protos::model_token_mask(&turns[i], completion.len())),
                 reward: (!reward.is_null(i)).then(|| reward.value(i)),
                 uuid: uuid.value(i).to_owned(),
                 group: group.value(i).to_owned(),
@@ -360,7 +361,10 @@ pub fn assemble(
             if row.prompt.is_empty() {
                 return Err(row_error(n, cols::PROMPT_TOKEN_IDS, "is empty"));
             }
-            let model = row.model.iter().filter(|m| **m).count();
+            let model = row
+                .model
+                .as_ref()
+                .map_or(row.completion.len(), |m| m.iter().filter(|m| **m).count());
             if row.logprobs.len() != model {
                 return Err(row_error(
                     n,
@@ -433,21 +437,9 @@ pub fn assemble(
             *g = (p - 1 + k) as i64;
         }
         min_version = r.versions.iter().copied().fold(min_version, i32::min);
-        if r.logprobs.len() == c {
-            // Single-turn: every completion token is a model token.
-            behaviour[row.clone()].copy_from_slice(r.logprobs);
-            for (dst, src) in versions[row.clone()].iter_mut().zip(r.versions) {
-                *dst = i64::from(*src);
-            }
-            if let Some(a) = adv[i] {
-                advantages[row.clone()].fill(a);
-                mask[row].fill(true);
-                tokens += c as i64;
-            }
-        } else {
+        if let Some(model) = &r.model {
             // An episode: context tokens stay 0 and masked out of everything.
-            let model = r
-                .model
+            let model = model
                 .iter()
                 .enumerate()
                 .filter_map(|(k, m)| m.then_some(i * t + k));
@@ -459,6 +451,17 @@ pub fn assemble(
                     mask[at] = true;
                     tokens += 1;
                 }
+            }
+        } else {
+            // Single-turn: every completion token is a model token.
+            behaviour[row.clone()].copy_from_slice(r.logprobs);
+            for (dst, src) in versions[row.clone()].iter_mut().zip(r.versions) {
+                *dst = i64::from(*src);
+            }
+            if let Some(a) = adv[i] {
+                advantages[row.clone()].fill(a);
+                mask[row].fill(true);
+                tokens += c as i64;
             }
         }
     }

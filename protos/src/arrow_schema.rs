@@ -84,6 +84,18 @@ pub fn trajectory_schema() -> SchemaRef {
     ]))
 }
 
+/// Whether `schema` is the trajectory schema as it was before the turn
+/// columns: exactly today's first [`LEGACY_COLUMNS`] columns.
+pub fn is_legacy(schema: &Schema) -> bool {
+    let today = trajectory_schema();
+    schema.fields().len() == LEGACY_COLUMNS
+        && schema
+            .fields()
+            .iter()
+            .zip(today.fields())
+            .all(|(a, b)| a == b)
+}
+
 /// A record batch of [`trajectory_schema`] from one written before the turn
 /// columns existed (exactly the first [`LEGACY_COLUMNS`] columns of today's
 /// schema): every row single-turn. A batch of today's schema is returned as
@@ -94,13 +106,7 @@ pub fn upgrade(batch: RecordBatch) -> Result<RecordBatch, ContractError> {
         return Ok(batch);
     }
     let got = batch.schema();
-    if got.fields().len() == LEGACY_COLUMNS
-        && got
-            .fields()
-            .iter()
-            .zip(schema.fields())
-            .all(|(a, b)| a == b)
-    {
+    if is_legacy(&got) {
         let n = batch.num_rows();
         let empty = |item: DataType, nullable: bool| -> ArrayRef {
             Arc::new(arrow::array::ListArray::new(

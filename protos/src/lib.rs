@@ -42,8 +42,8 @@ impl FinishReason {
 
     /// The reason whose [`FinishReason::label`] is `label`.
     pub fn from_label(label: &str) -> Option<Self> {
-        (0..=7)
-            .filter_map(|code| FinishReason::try_from(code).ok())
+        (0..)
+            .map_while(|code| FinishReason::try_from(code).ok())
             .find(|r| r.label() == label)
     }
 }

@@ -24,7 +24,7 @@ use asyncrl_text::{Message, Prompt};
 use crate::metrics::reason;
 use crate::state::{SeqGuard, Shared, bump};
 use crate::task::{
-    CompletionError, Stops, clamp_ms, cut_at_stop_string, prompt_of, publish, to_i32,
+    CompletionError, Stops, clamp_ms, cut_at_stop_string, prompt_of, publish, to_i32, trajectory_of,
 };
 
 /// The worker's environment and the limits of its episodes.
@@ -35,18 +35,18 @@ pub(crate) struct Episodes {
 
 /// What the environment is sent at reset: the task as the coordinator
 /// issued it.
-pub(crate) fn env_task(task: &Task) -> EnvTask {
+pub(crate) fn env_task(task: &Task) -> Result<EnvTask, serde_json::Error> {
     let prompt = match prompt_of(task) {
         Prompt::Text(t) => serde_json::Value::String(t),
-        Prompt::Messages(m) => serde_json::to_value(m).unwrap_or(serde_json::Value::Null),
+        Prompt::Messages(m) => serde_json::to_value(m)?,
     };
-    EnvTask {
+    Ok(EnvTask {
         task_id: task.task_id.clone(),
         dataset: task.dataset.clone(),
         prompt,
         answer: task.answer.clone(),
         metadata: serde_json::Value::Null,
-    }
+    })
 }
 
 /// The messages an episode starts from: the task's, or its text prompt as
@@ -152,7 +152,8 @@ async fn drive(
     let env = episodes.env.as_ref();
     let mut env_time = std::time::Duration::ZERO;
     let t0 = Instant::now();
-    let reset_task = env_task(task);
+    let reset_task =
+        env_task(task).map_err(|e| failed(format!("cannot write the task as JSON: {e}")))?;
     let reset = tokio::select! {
         r = env.reset(episode_id, &reset_task) => r,
         _ = stops.abort.cancelled() => return Err(CompletionError::Aborted),
@@ -232,9 +233,6 @@ pub(crate) fn episode_trajectory(
     timings: Timings,
 ) -> Result<Trajectory, ContractError> {
     let t = Trajectory {
-        uuid,
-        task_id: task.task_id.clone(),
-        group_id: task.lease_id.clone(),
         prompt_token_ids: to_i32("prompt_token_ids", &out.prompt)?,
         completion_token_ids: to_i32("completion_token_ids", &out.completion)?,
         behaviour_logprobs: out.logprobs.clone(),
@@ -242,12 +240,8 @@ pub(crate) fn episode_trajectory(
         reward: out.reward,
         reward_status: RewardStatus::Ok as i32,
         finish_reason: out.finish as i32,
-        worker_id: worker_id.to_owned(),
-        timings: Some(timings),
-        group_size,
-        index_in_group: index,
-        admission_version: task.admission_version,
         turns: out.turns.clone(),
+        ..trajectory_of(uuid, task, index, group_size, worker_id, timings)
     };
     t.validate()?;
     Ok(t)

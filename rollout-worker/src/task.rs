@@ -149,49 +149,39 @@ async fn run_task_inner(
             "stopped while waiting for the weights of its admission version".into(),
         );
     }
-    let mut completions: FuturesUnordered<_> = if shared.episodes.is_some() {
-        guards
-            .drain(..)
-            .enumerate()
-            .map(|(index, guard)| {
-                Either::Left(crate::episode::run_episode(
-                    shared,
-                    task,
-                    index as u32,
-                    g as u32,
-                    guard,
-                    stops,
-                ))
-            })
-            .collect()
-    } else {
-        let (request, prompt_text) = match single_turn_request(shared, task) {
-            Ok(both) => both,
+    // Rendered once per task (single-turn): the token ids to generate from,
+    // and the text a reward service is sent. An episode renders its own.
+    let single_turn = match &shared.episodes {
+        Some(_) => None,
+        None => match single_turn_request(shared, task) {
+            Ok(both) => Some(both),
             Err(why) => return TaskEnd::Unfinished(why),
-        };
-        let prompt_text = Arc::new(prompt_text);
-        guards
-            .drain(..)
-            .enumerate()
-            .map(|(index, guard)| {
-                let prompt_text = prompt_text.clone();
-                let request = request.clone();
-                Either::Right(async move {
-                    run_completion(
-                        shared,
-                        task,
-                        index as u32,
-                        g as u32,
-                        request,
-                        &prompt_text,
-                        guard,
-                        stops,
-                    )
-                    .await
-                })
-            })
-            .collect()
+        },
     };
+    let mut completions: FuturesUnordered<_> = guards
+        .drain(..)
+        .enumerate()
+        .map(|(index, guard)| match &single_turn {
+            None => Either::Left(crate::episode::run_episode(
+                shared,
+                task,
+                index as u32,
+                g as u32,
+                guard,
+                stops,
+            )),
+            Some((request, prompt_text)) => Either::Right(run_completion(
+                shared,
+                task,
+                index as u32,
+                g as u32,
+                request.clone(),
+                prompt_text,
+                guard,
+                stops,
+            )),
+        })
+        .collect();
     let mut published = 0usize;
     let mut first_error: Option<String> = None;
     while let Some(result) = completions.next().await {
@@ -235,8 +225,6 @@ async fn run_task_inner(
 /// A single-turn task's request (rendered once per task: the token ids to
 /// generate from) and the prompt's text (what a reward service is sent).
 fn single_turn_request(shared: &Shared, task: &Task) -> Result<(SequenceRequest, String), String> {
-    // Rendered once per task: the token ids to generate from, and the text
-    // a reward service is sent.
     let task_prompt = prompt_of(task);
     let (prompt_text, prompt) = match shared
         .text
@@ -408,9 +396,6 @@ pub(crate) fn build_trajectory(
         RewardOutcome::Failed { .. } => (f32::NAN, RewardStatus::Failed),
     };
     let t = Trajectory {
-        uuid,
-        task_id: task.task_id.clone(),
-        group_id: task.lease_id.clone(),
         prompt_token_ids: to_i32("prompt_token_ids", &out.prompt)?,
         completion_token_ids: to_i32("completion_token_ids", &out.tokens)?,
         behaviour_logprobs: out.logprobs.clone(),
@@ -418,15 +403,33 @@ pub(crate) fn build_trajectory(
         reward: reward_value,
         reward_status: status as i32,
         finish_reason: finish_reason(out.finish_reason) as i32,
+        ..trajectory_of(uuid, task, index, group_size, worker_id, timings)
+    };
+    t.validate()?;
+    Ok(t)
+}
+
+/// A trajectory's identity and bookkeeping (its tokens, reward and finish
+/// reason left empty): what every trajectory of `task` shares.
+pub(crate) fn trajectory_of(
+    uuid: String,
+    task: &Task,
+    index: u32,
+    group_size: u32,
+    worker_id: &str,
+    timings: Timings,
+) -> Trajectory {
+    Trajectory {
+        uuid,
+        task_id: task.task_id.clone(),
+        group_id: task.lease_id.clone(),
         worker_id: worker_id.to_owned(),
         timings: Some(timings),
         group_size,
         index_in_group: index,
         admission_version: task.admission_version,
-        turns: Vec::new(),
-    };
-    t.validate()?;
-    Ok(t)
+        ..Trajectory::default()
+    }
 }
 
 pub(crate) fn clamp_ms(d: Duration) -> u32 {

@@ -98,39 +98,39 @@ async fn environment() -> (String, Arc<Mutex<Vec<Value>>>) {
     (url, calls)
 }
 
-/// Replies end at a stop string (most characters), so that an untrained
-/// model's replies are short and end as a stop does.
-fn short_replies(config: &mut asyncrl_config::Config) {
+fn options(max_per_acquire: u32) -> ScriptOptions {
+    ScriptOptions {
+        group_size: G,
+        admission_version: 5,
+        max_per_acquire,
+        heartbeat_interval_ms: 10,
+        ..ScriptOptions::default()
+    }
+}
+
+/// The rig's worker config with `[environment]` at `url`. Replies end at a
+/// stop string (most characters), so that an untrained model's replies are
+/// short and end as a stop does.
+fn episode_config(rig: &Rig, url: String, max_turns: u32) -> asyncrl_config::Config {
+    let mut config = rig.config.clone();
     config.model.stop_strings = "0123456789abcdefghijklmnopqrstuvwxyz "
         .chars()
         .map(String::from)
         .collect();
+    config.environment = Some(EnvironmentConfig {
+        url,
+        max_turns,
+        ..EnvironmentConfig::default()
+    });
+    config.validate().unwrap();
+    config
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn episodes_are_token_exact_across_turns_and_a_weight_swap_and_limits_end_them() {
     let (url, calls) = environment().await;
-    let rig = Rig::nats(
-        model_section(MAX_NEW, 64),
-        8,
-        tasks(),
-        ScriptOptions {
-            group_size: G,
-            admission_version: 5,
-            max_per_acquire: 2,
-            heartbeat_interval_ms: 10,
-            ..ScriptOptions::default()
-        },
-    )
-    .await;
-    let mut config = rig.config.clone();
-    short_replies(&mut config);
-    config.environment = Some(EnvironmentConfig {
-        url,
-        max_turns: MAX_TURNS,
-        ..EnvironmentConfig::default()
-    });
-    config.validate().unwrap();
+    let rig = Rig::nats(model_section(MAX_NEW, 64), 8, tasks(), options(2)).await;
+    let config = episode_config(&rig, url, MAX_TURNS);
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run(
@@ -323,21 +323,10 @@ async fn an_environment_that_answers_garbage_gets_the_task_returned_naming_it_an
         model_section(MAX_NEW, 64),
         4,
         tasks()[..1].to_vec(),
-        ScriptOptions {
-            group_size: G,
-            admission_version: 5,
-            max_per_acquire: 1,
-            heartbeat_interval_ms: 10,
-            ..ScriptOptions::default()
-        },
+        options(1),
     )
     .await;
-    let mut config = rig.config.clone();
-    short_replies(&mut config);
-    config.environment = Some(EnvironmentConfig {
-        url: url.clone(),
-        ..EnvironmentConfig::default()
-    });
+    let config = episode_config(&rig, url.clone(), EnvironmentConfig::default().max_turns);
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run(
