@@ -80,9 +80,16 @@ fn stand_in_model(dir: &Path, template: bool) -> PathBuf {
         "plain-model"
     });
     policy.save_pretrained(&out, None).expect("save the model");
+    // The built-in tokenizer's config, without its chat template: the plain
+    // model has none, the chat model gets `chat_template.jinja`.
+    let mut tokenizer_config: serde_json::Value =
+        serde_json::from_slice(&asyncrl_text::builtin_tokenizer_config()).expect("json");
+    if let Some(fields) = tokenizer_config.as_object_mut() {
+        fields.remove("chat_template");
+    }
     std::fs::write(
         out.join("tokenizer_config.json"),
-        asyncrl_text::builtin_tokenizer_config(),
+        serde_json::to_vec_pretty(&tokenizer_config).expect("json"),
     )
     .expect("tokenizer_config.json");
     if template {

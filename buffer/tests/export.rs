@@ -185,7 +185,9 @@ async fn export_writes_parquet_that_pyarrow_reads() {
     assert!((v["logprob_sum"].as_f64().unwrap() - logprobs).abs() < 1e-3);
     assert_eq!(v["null_rewards"], 1, "a failed reward is null, not 0");
     assert_eq!(v["codec"], "ZSTD");
-    assert_eq!(v["columns"].as_array().unwrap().len(), 18);
+    // The trajectory schema: 18 columns and the three of a multi-turn
+    // episode's turns.
+    assert_eq!(v["columns"].as_array().unwrap().len(), 21);
     let v = read(&range);
     assert_eq!(v["rows"], 12);
     assert_eq!(v["versions"], serde_json::json!([1, 2]));

@@ -91,7 +91,7 @@ use async_trait::async_trait;
 pub use episode::{Episode, EpisodeError, EpisodeLimits, EpisodeOutput, Next, Reply, ReplyEnd};
 pub use error::{EnvError, EnvSetupError};
 pub use http::{HttpEnvSettings, HttpEnvironment, MAX_REPLY_BYTES};
-pub use metrics::{EnvMetrics, HistogramFamily, Labels};
+pub use metrics::{EnvMetrics, LabelledHistogram, Labels};
 pub use types::{Action, ActionToolCall, EnvMessage, EnvTask, Observation, ROLES, StepResult};
 
 /// An environment: episodes of `reset` then `step`s until `done`.

@@ -14,7 +14,7 @@ use asyncrl_telemetry::prometheus_client::metrics::histogram::{Histogram, expone
 pub type Labels = Vec<(String, String)>;
 
 /// A histogram family whose histograms are made by a plain function.
-pub type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+pub type LabelledHistogram = Family<Labels, Histogram, fn() -> Histogram>;
 
 /// Handles to the environment metrics. Every HTTP attempt counts once: a
 /// step answered 500 and then 200 adds `outcome="status"` and
@@ -24,7 +24,7 @@ pub struct EnvMetrics {
     /// `asyncrl_env_calls_total{call="reset|step|close", outcome="ok|timeout|connection|status|malformed|refused"}`.
     pub calls: Family<Labels, Counter>,
     /// `asyncrl_env_call_seconds{call}`: the time of each attempt.
-    pub call_seconds: HistogramFamily,
+    pub call_seconds: LabelledHistogram,
     /// `asyncrl_env_retries_total{call}`: attempts after the first.
     pub retries: Family<Labels, Counter>,
 }
@@ -57,7 +57,7 @@ impl EnvMetrics {
             call_seconds: m.get_or_register(
                 "env_call_seconds",
                 "Time of one environment call attempt, by call",
-                || HistogramFamily::new_with_constructor(call_seconds_histogram),
+                || LabelledHistogram::new_with_constructor(call_seconds_histogram),
             )?,
             retries: m.get_or_register(
                 "env_retries",
