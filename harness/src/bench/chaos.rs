@@ -229,7 +229,10 @@ pub struct MemoryTrend {
 /// Judges one role from its samples `(t, incarnation, rss bytes)`: the
 /// incarnation with the longest sampled span, its samples from `warmup`
 /// seconds after its first sample on; flat when slope × `run_secs` ≤
-/// max(frac × median, mib).
+/// max(frac × median, mib). Not judged with fewer than `min_samples`
+/// samples, or samples spanning less than `warmup` seconds: a slope over a
+/// few seconds (a learner that reached its step target early) projected
+/// over the whole run is noise, not a leak.
 pub fn memory_trend(
     role: &str,
     samples: &[(f64, u32, u64)],
@@ -272,6 +275,10 @@ pub fn memory_trend(
         median(pts.iter().map(|p| p.1).collect())
     };
     let threshold = (frac * med).max(mib);
+    let span = match (pts.first(), pts.last()) {
+        (Some(a), Some(b)) => b.0 - a.0,
+        _ => 0.0,
+    };
     let k = slope(&pts).unwrap_or(0.0);
     let projected = k * run_secs;
     MemoryTrend {
@@ -282,7 +289,7 @@ pub fn memory_trend(
         slope_mib_per_min: k * 60.0,
         projected_mib: projected,
         threshold_mib: threshold,
-        flat: (pts.len() >= min_samples).then_some(projected <= threshold),
+        flat: (pts.len() >= min_samples && span >= warmup).then_some(projected <= threshold),
     }
 }
 
@@ -1730,6 +1737,13 @@ mod tests {
             memory_trend("x", &leak[..4], 0.0, 600.0, 5, 32.0, 0.1).flat,
             None
         );
+        // Growth sampled over 6 s after a 12 s warm-up (a role that exited
+        // early) is not extrapolated over the run.
+        let short: Vec<(f64, u32, u64)> = (0..30)
+            .map(|i| (i as f64 * 0.6, 1, (100 + 4 * i) * mib))
+            .collect();
+        let m = memory_trend("learner", &short, 12.0, 600.0, 5, 32.0, 0.1);
+        assert_eq!((m.samples, m.flat), (10, None), "{m:?}");
     }
 
     #[test]
