@@ -160,18 +160,19 @@ struct WarmstartArgs {
 enum DataCommand {
     /// Generate a JSONL data set of a built-in task (deterministic per seed).
     Generate {
-        /// arith or reverse.
+        /// arith, reverse or hidden_sum.
         #[arg(long)]
         task: String,
         #[arg(long, default_value_t = 10_000)]
         n: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// arith: operands are drawn below this bound.
+        /// arith, hidden_sum: operands are drawn below this bound.
         #[arg(long, default_value_t = 100)]
         max_operand: u64,
-        /// arith: every problem once (2 × max_operand² of them) instead of
-        /// --n random ones: a held-out set that covers the whole task.
+        /// arith, hidden_sum: every problem once (2 × max_operand² or
+        /// max_operand² of them) instead of --n random ones: a held-out set
+        /// that covers the whole task.
         #[arg(long, conflicts_with_all = ["n", "seed"])]
         all: bool,
         #[arg(long)]

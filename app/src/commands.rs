@@ -190,13 +190,16 @@ pub struct DataGenerate {
 pub fn data_generate(args: &DataGenerate) -> anyhow::Result<()> {
     let task = asyncrl_tasks::BuiltinTask::from_name(&args.task).with_context(|| {
         format!(
-            "--task {:?} is not a built-in task (arith, reverse)",
+            "--task {:?} is not a built-in task (arith, reverse, hidden_sum)",
             args.task
         )
     })?;
     let items = match (args.all, task) {
         (true, asyncrl_tasks::BuiltinTask::Arith) => asyncrl_tasks::arith_all(args.max_operand),
-        (true, _) => anyhow::bail!("--all lists every problem of arith only"),
+        (true, asyncrl_tasks::BuiltinTask::HiddenSum) => {
+            asyncrl_tasks::hidden_sum_all(args.max_operand)
+        }
+        (true, _) => anyhow::bail!("--all lists every problem of arith and hidden_sum only"),
         (false, _) => asyncrl_tasks::generate_with(
             task,
             args.n,

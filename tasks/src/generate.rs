@@ -53,12 +53,28 @@ pub enum BuiltinTask {
     /// workload where asynchronous rollouts pay. Reward = fraction of
     /// positions right.
     Reverse,
+    /// `7+x=` → `12`: a sum with one operand hidden, the built-in
+    /// multi-turn task (`[environment] url = "builtin:hidden_sum"`). The
+    /// model asks `x?`, the environment answers `x=5`, and the model
+    /// answers. Operands are drawn from `0..max_operand`; `x` is the answer
+    /// less the visible operand, so the task needs no other field. The
+    /// final answer is scored like `arith` (its items' verifier).
+    HiddenSum,
 }
 
 impl BuiltinTask {
     pub fn name(self) -> &'static str {
         match self {
             BuiltinTask::Arith => "arith",
+            BuiltinTask::Reverse => "reverse",
+            BuiltinTask::HiddenSum => "hidden_sum",
+        }
+    }
+
+    /// The built-in verifier of this task's items.
+    pub fn verifier(self) -> &'static str {
+        match self {
+            BuiltinTask::Arith | BuiltinTask::HiddenSum => "arith",
             BuiltinTask::Reverse => "reverse",
         }
     }
@@ -67,6 +83,7 @@ impl BuiltinTask {
         match name {
             "arith" => Some(BuiltinTask::Arith),
             "reverse" => Some(BuiltinTask::Reverse),
+            "hidden_sum" => Some(BuiltinTask::HiddenSum),
             _ => None,
         }
     }
@@ -76,6 +93,7 @@ impl BuiltinTask {
         match self {
             BuiltinTask::Arith => "0123456789+-=",
             BuiltinTask::Reverse => "0123456789rev:=",
+            BuiltinTask::HiddenSum => "0123456789+x=?;",
         }
     }
 }
@@ -136,16 +154,40 @@ pub fn generate_with(
                         .collect();
                     (format!("rev:{digits}="), digits.chars().rev().collect())
                 }
+                BuiltinTask::HiddenSum => {
+                    let a = rng.below(bound);
+                    let x = rng.below(bound);
+                    (format!("{a}+x="), (a + x).to_string())
+                }
             };
             TaskItem {
                 id: format!("{}-{i:06}", task.name()),
                 dataset: task.name().to_owned(),
                 prompt: Prompt::Text(prompt),
                 answer,
-                verifier: task.name().to_owned(),
+                verifier: task.verifier().to_owned(),
             }
         })
         .collect()
+}
+
+/// Every `hidden_sum` problem with operands below `max_operand`, once
+/// (`max_operand²` of them, 400 for 20): its held-out set.
+pub fn hidden_sum_all(max_operand: u64) -> Vec<TaskItem> {
+    let task = BuiltinTask::HiddenSum;
+    let mut items = Vec::new();
+    for a in 0..max_operand {
+        for x in 0..max_operand {
+            items.push(TaskItem {
+                id: format!("{}-all-{:06}", task.name(), items.len()),
+                dataset: task.name().to_owned(),
+                prompt: Prompt::Text(format!("{a}+x=")),
+                answer: (a + x).to_string(),
+                verifier: task.verifier().to_owned(),
+            });
+        }
+    }
+    items
 }
 
 /// Every `arith` problem with operands below `max_operand`, once:
@@ -209,6 +251,37 @@ mod tests {
                 crate::Verdict::Reward(1.0)
             );
         }
+    }
+
+    #[test]
+    fn hidden_sum_items_hide_one_operand_and_cover_the_task() {
+        let all = hidden_sum_all(20);
+        assert_eq!(all.len(), 400);
+        let prompts: std::collections::HashSet<(&str, &str)> = all
+            .iter()
+            .map(|t| (t.prompt_text(), t.answer.as_str()))
+            .collect();
+        assert_eq!(prompts.len(), 400);
+        assert!(prompts.contains(&("0+x=", "0")) && prompts.contains(&("19+x=", "38")));
+        let sampled = generate_with(
+            BuiltinTask::HiddenSum,
+            500,
+            3,
+            GenerateOptions { max_operand: 20 },
+        );
+        for item in &sampled {
+            assert!(prompts.contains(&(item.prompt_text(), item.answer.as_str())));
+            assert_eq!(item.verifier, "arith");
+            assert!(
+                item.prompt_text()
+                    .chars()
+                    .all(|c| BuiltinTask::HiddenSum.alphabet().contains(c))
+            );
+        }
+        assert_eq!(
+            BuiltinTask::from_name(BuiltinTask::HiddenSum.name()),
+            Some(BuiltinTask::HiddenSum)
+        );
     }
 
     #[test]

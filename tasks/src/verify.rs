@@ -24,11 +24,13 @@ pub fn score(verifier: &str, completion: &str, answer: &str) -> Verdict {
         return Verdict::Reward(crate::math_reward(completion, answer));
     }
     match BuiltinTask::from_name(verifier) {
-        Some(BuiltinTask::Arith) => Verdict::Reward(if completion.trim() == answer {
-            1.0
-        } else {
-            0.0
-        }),
+        Some(BuiltinTask::Arith | BuiltinTask::HiddenSum) => {
+            Verdict::Reward(if completion.trim() == answer {
+                1.0
+            } else {
+                0.0
+            })
+        }
         Some(BuiltinTask::Reverse) => {
             let got: Vec<char> = completion.trim().chars().collect();
             let want: Vec<char> = answer.chars().collect();
