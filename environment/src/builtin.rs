@@ -145,6 +145,13 @@ impl HiddenSum {
         self
     }
 
+    /// The replies of an episode of `task` played right: ask for `x`, then
+    /// give the answer. The supervised warm start of the multi-turn task
+    /// learns from these.
+    pub fn demonstration(task: &EnvTask) -> Vec<String> {
+        vec!["x?".to_owned(), task.answer.trim().to_owned()]
+    }
+
     /// Episodes reset and not closed.
     pub fn open_episodes(&self) -> usize {
         self.episodes

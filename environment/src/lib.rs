@@ -83,6 +83,7 @@ pub mod builtin;
 mod episode;
 mod error;
 mod http;
+mod lockstep;
 mod metrics;
 mod types;
 
@@ -91,8 +92,11 @@ use async_trait::async_trait;
 pub use episode::{Episode, EpisodeError, EpisodeLimits, EpisodeOutput, Next, Reply, ReplyEnd};
 pub use error::{EnvError, EnvSetupError};
 pub use http::{HttpEnvSettings, HttpEnvironment, MAX_REPLY_BYTES};
+pub use lockstep::{EpisodeFailure, LockstepEpisode, ReplyRequest, run_lockstep};
 pub use metrics::{EnvMetrics, LabelledHistogram, Labels};
-pub use types::{Action, ActionToolCall, EnvMessage, EnvTask, Observation, ROLES, StepResult};
+pub use types::{
+    Action, ActionToolCall, EnvMessage, EnvTask, Observation, ROLES, StepResult, prompt_messages,
+};
 
 /// An environment: episodes of `reset` then `step`s until `done`.
 ///

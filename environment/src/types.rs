@@ -21,6 +21,37 @@ pub struct EnvTask {
     pub metadata: serde_json::Value,
 }
 
+impl EnvTask {
+    /// The task of a data set row with `prompt` (no metadata).
+    pub fn from_prompt(
+        task_id: &str,
+        dataset: &str,
+        prompt: &asyncrl_text::Prompt,
+        answer: &str,
+    ) -> Result<Self, serde_json::Error> {
+        let prompt = match prompt {
+            asyncrl_text::Prompt::Text(t) => serde_json::Value::String(t.clone()),
+            asyncrl_text::Prompt::Messages(m) => serde_json::to_value(m)?,
+        };
+        Ok(Self {
+            task_id: task_id.to_owned(),
+            dataset: dataset.to_owned(),
+            prompt,
+            answer: answer.to_owned(),
+            metadata: serde_json::Value::Null,
+        })
+    }
+}
+
+/// The messages an episode of a task starts from: the task's, or its text
+/// prompt as one user message.
+pub fn prompt_messages(prompt: &asyncrl_text::Prompt) -> Vec<asyncrl_text::Message> {
+    match prompt {
+        asyncrl_text::Prompt::Text(t) => vec![asyncrl_text::Message::new("user", t.clone())],
+        asyncrl_text::Prompt::Messages(m) => m.clone(),
+    }
+}
+
 /// One chat message of an observation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EnvMessage {
