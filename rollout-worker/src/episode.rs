@@ -4,7 +4,11 @@
 //! weight swap between or inside turns keeps per-token versions exact) and
 //! the environment (reset, then one step per reply), and publishes the
 //! episode as one trajectory with its turns. The environment's calls are
-//! awaited, never blocking: other episodes generate meanwhile.
+//! awaited, never blocking: other episodes generate meanwhile. While it
+//! waits on a step an episode gives back its sequence slot
+//! (`worker.max_sequences` counts episodes generating), so a slow tool does
+//! not idle the engine; the worker's held tasks stay bounded by
+//! `worker.max_tasks_in_flight`.
 //!
 //! A failing environment (timeout, connection, malformed reply) fails the
 //! completion: the task goes back to the coordinator. A limit or a tool
@@ -19,7 +23,6 @@ use asyncrl_environment::{
 };
 use asyncrl_policy::{FinishReason as SeqFinish, SequenceRequest};
 use asyncrl_protos::{ContractError, RewardStatus, Task, Timings, Trajectory};
-use asyncrl_text::{Message, Prompt};
 
 use crate::metrics::reason;
 use crate::state::{SeqGuard, Shared, bump};
@@ -36,26 +39,7 @@ pub(crate) struct Episodes {
 /// What the environment is sent at reset: the task as the coordinator
 /// issued it.
 pub(crate) fn env_task(task: &Task) -> Result<EnvTask, serde_json::Error> {
-    let prompt = match prompt_of(task) {
-        Prompt::Text(t) => serde_json::Value::String(t),
-        Prompt::Messages(m) => serde_json::to_value(m)?,
-    };
-    Ok(EnvTask {
-        task_id: task.task_id.clone(),
-        dataset: task.dataset.clone(),
-        prompt,
-        answer: task.answer.clone(),
-        metadata: serde_json::Value::Null,
-    })
-}
-
-/// The messages an episode starts from: the task's, or its text prompt as
-/// one user message.
-pub(crate) fn task_messages(task: &Task) -> Vec<Message> {
-    match prompt_of(task) {
-        Prompt::Text(t) => vec![Message::new("user", t)],
-        Prompt::Messages(m) => m,
-    }
+    EnvTask::from_prompt(&task.task_id, &task.dataset, &prompt_of(task), &task.answer)
 }
 
 fn failed(what: impl std::fmt::Display) -> CompletionError {
@@ -78,10 +62,11 @@ pub(crate) async fn run_episode(
     let started_ms = shared.clock.now_unix_ms();
     let started = Instant::now();
     let uuid = uuid::Uuid::new_v4().to_string();
-    let result = drive(shared, episodes, task, &uuid, stops).await;
+    let mut guard = Some(guard);
+    let result = drive(shared, episodes, task, &uuid, stops, &mut guard).await;
+    drop(guard);
     // The environment's state for this episode is freed whatever happened.
     env.close(&uuid).await;
-    drop(guard);
     let (out, env_time, swaps) = match result {
         Ok(done) => done,
         Err(e) => {
@@ -148,6 +133,7 @@ async fn drive(
     task: &Task,
     episode_id: &str,
     stops: &Stops,
+    slot: &mut Option<SeqGuard>,
 ) -> Result<(EpisodeOutput, std::time::Duration, u32), CompletionError> {
     let env = episodes.env.as_ref();
     let mut env_time = std::time::Duration::ZERO;
@@ -163,7 +149,7 @@ async fn drive(
     env_time += t0.elapsed();
     let mut episode = Episode::start(
         &shared.text,
-        task_messages(task),
+        asyncrl_environment::prompt_messages(&prompt_of(task)),
         &reset,
         episodes.limits,
         shared.params.stop_token_ids.clone(),
@@ -204,6 +190,8 @@ async fn drive(
                     .map_err(failed)?
             }
             Next::Step { step, action } => {
+                // The slot is free while the environment works.
+                *slot = None;
                 let t0 = Instant::now();
                 let result = tokio::select! {
                     r = env.step(episode_id, step, &action) => r,
@@ -212,7 +200,11 @@ async fn drive(
                 }
                 .map_err(|e| failed(format!("environment step {step}: {e}")))?;
                 env_time += t0.elapsed();
-                episode.on_step(&result).map_err(failed)?
+                let next = episode.on_step(&result).map_err(failed)?;
+                if matches!(next, Next::Generate { .. }) {
+                    *slot = Some(SeqGuard::new(shared));
+                }
+                next
             }
         };
     }
