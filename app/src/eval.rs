@@ -65,7 +65,7 @@ pub fn eval_command(args: EvalArgs) -> anyhow::Result<()> {
     apply_args(&mut config, &args)?;
     let text = policy.text().context("the model's tokenizer")?;
     let items = asyncrl_tasks::load_eval_problems(&config.eval, Some(&text))?;
-    let spec = EvalSpec::from_config(&config);
+    let spec = EvalSpec::from_config(&config, &asyncrl_telemetry::Metrics::new())?;
     let scores = evaluate(&policy, &text, &items, &spec)?;
     if args.json {
         let json = serde_json::json!({

@@ -17,11 +17,15 @@
 use std::collections::{BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use anyhow::Context as _;
 use asyncrl_config::{Config, EvalEngineName, TrainerEngineName};
+use asyncrl_environment::{
+    EnvTask, Environment, EpisodeFailure, EpisodeLimits, EpisodeOutput, LockstepEpisode, Reply,
+    ReplyEnd, ReplyRequest, run_lockstep,
+};
 use asyncrl_policy::{DecodeBatchOptions, ModelText, Policy, SamplingParams, SequenceRequest};
 use asyncrl_tasks::{TaskItem, Verdict};
 use asyncrl_telemetry::{Metrics, TelemetryError};
@@ -40,7 +44,7 @@ use crate::trainer::TrainError;
 pub use crate::outputs::{EvalRow, EvalScores};
 
 /// How to evaluate.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct EvalSpec {
     /// Greedy accuracy (one completion per problem at temperature 0).
     pub greedy: bool,
@@ -52,20 +56,158 @@ pub struct EvalSpec {
     pub seed: u64,
     /// Stop strings (the text a verifier sees ends before the first).
     pub stop_strings: Vec<String>,
+    /// Multi-turn: each problem is an episode in this environment, scored
+    /// by the rewards the environment gives (`None`: one completion scored
+    /// by the item's verifier).
+    pub episodes: Option<EpisodeEval>,
 }
 
 impl EvalSpec {
-    /// `[eval]` with the defaults it takes from `[model]`.
-    pub fn from_config(config: &Config) -> Self {
+    /// `[eval]` with the defaults it takes from `[model]`, and episodes in
+    /// `[environment]`'s environment when the config has one (its HTTP
+    /// client counts its calls in `metrics`). Each reply of an episode has
+    /// at most `eval.max_new_tokens` tokens (default: the episode's turn
+    /// limit).
+    pub fn from_config(config: &Config, metrics: &Metrics) -> anyhow::Result<Self> {
         let e = &config.eval;
-        Self {
+        let episodes = EpisodeEval::from_config(config, metrics)?;
+        let max_new_tokens = match (&episodes, e.max_new_tokens) {
+            (_, Some(n)) => n,
+            (Some(ep), None) => ep.limits.max_turn_tokens,
+            (None, None) => config.model.max_new_tokens,
+        };
+        Ok(Self {
             greedy: e.greedy,
             samples: e.samples,
             temperature: e.temperature.unwrap_or(config.model.temperature),
-            max_new_tokens: e.max_new_tokens.unwrap_or(config.model.max_new_tokens),
+            max_new_tokens,
             seed: e.seed,
             stop_strings: config.model.stop_strings.clone(),
+            episodes,
+        })
+    }
+}
+
+/// The environment of a multi-turn evaluation and the limits of its
+/// episodes (`[environment]`'s). The environment runs without
+/// `environment.tool_latency`: an evaluation measures the policy, not the
+/// tool. Its calls run on a runtime of the evaluation's own, on the
+/// evaluating thread.
+#[derive(Clone)]
+pub struct EpisodeEval {
+    pub env: Arc<dyn Environment>,
+    pub limits: EpisodeLimits,
+    runtime: Arc<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for EpisodeEval {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpisodeEval")
+            .field("env", &self.env.name())
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EpisodeEval {
+    /// `None` without `[environment]`.
+    pub fn from_config(config: &Config, metrics: &Metrics) -> anyhow::Result<Option<Self>> {
+        let Some(cfg) = &config.environment else {
+            return Ok(None);
+        };
+        let mut cfg = cfg.clone();
+        cfg.tool_latency = std::time::Duration::ZERO;
+        let env = asyncrl_environment::from_config(&cfg, metrics)
+            .with_context(|| format!("environment.url = {:?}", cfg.url))?;
+        let turn_tokens = config
+            .eval
+            .max_new_tokens
+            .unwrap_or_else(|| cfg.turn_tokens(config.model.max_new_tokens));
+        Ok(Some(Self::new(
+            env,
+            EpisodeLimits {
+                max_turns: cfg.max_turns,
+                max_turn_tokens: turn_tokens,
+                max_episode_tokens: cfg.episode_tokens(config.model.max_seq_len),
+            },
+        )?))
+    }
+
+    pub fn new(env: Arc<dyn Environment>, limits: EpisodeLimits) -> anyhow::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the runtime of the evaluation's environment calls")?;
+        Ok(Self {
+            env,
+            limits,
+            runtime: Arc::new(runtime),
+        })
+    }
+
+    /// Runs one episode of each item, `per_item` times, item-major, with
+    /// `generate` making every reply (all the replies of a round in one
+    /// call): each episode's output, in order.
+    pub fn run(
+        &self,
+        text: &ModelText,
+        items: &[TaskItem],
+        per_item: usize,
+        eos: &[i64],
+        mut generate: impl FnMut(&[ReplyRequest]) -> Result<Vec<Reply>, TrainError>,
+    ) -> Result<Vec<EpisodeOutput>, TrainError> {
+        let run_id = uuid::Uuid::new_v4();
+        let mut episodes = Vec::with_capacity(items.len() * per_item);
+        for (i, item) in items.iter().enumerate() {
+            let task = EnvTask::from_prompt(&item.id, &item.dataset, &item.prompt, &item.answer)
+                .map_err(|e| TrainError::Episode {
+                    task_id: item.id.clone(),
+                    source: EpisodeFailure::Task(e),
+                })?;
+            for j in 0..per_item {
+                episodes.push(LockstepEpisode {
+                    episode_id: format!("eval-{run_id}-{i}-{j}"),
+                    task: task.clone(),
+                    messages: asyncrl_environment::prompt_messages(&item.prompt),
+                });
+            }
         }
+        let outputs = run_lockstep(
+            &self.runtime,
+            self.env.as_ref(),
+            text,
+            episodes,
+            self.limits,
+            eos,
+            &mut generate,
+        )?;
+        outputs
+            .into_iter()
+            .enumerate()
+            .map(|(n, out)| {
+                out.map_err(|source| TrainError::Episode {
+                    task_id: items[n / per_item.max(1)].id.clone(),
+                    source,
+                })
+            })
+            .collect()
+    }
+}
+
+/// A reply made of `tokens` generated for `request` without log-probs (an
+/// evaluation's, a demonstration's): cut to the request's token limit, and
+/// ended by a stop token when its last token is one.
+pub fn untracked_reply(mut tokens: Vec<i64>, request: &ReplyRequest, stops: &[i64]) -> Reply {
+    tokens.truncate(request.max_new_tokens.max(1));
+    let end = match tokens.last() {
+        Some(t) if stops.contains(t) => ReplyEnd::Stop,
+        _ => ReplyEnd::Length,
+    };
+    Reply {
+        logprobs: vec![0.0; tokens.len()],
+        versions: vec![0; tokens.len()],
+        tokens,
+        end,
     }
 }
 
@@ -123,13 +265,37 @@ pub fn evaluate_with(
     mut generate: impl Generate,
 ) -> Result<EvalScores, TrainError> {
     let start = Instant::now();
+    if let Some(episodes) = &spec.episodes {
+        return score_runs(items, spec, start, |temperature, per_item| {
+            let outputs = episodes.run(text, items, per_item, eos, |requests| {
+                let prompts: Vec<Vec<i64>> = requests.iter().map(|r| r.prompt.clone()).collect();
+                // Seed of reply t of sample j of problem i: the single-turn
+                // seed, plus t·2³².
+                let seeds: Vec<u64> = requests
+                    .iter()
+                    .map(|r| {
+                        spec.seed
+                            .wrapping_add(r.episode as u64)
+                            .wrapping_add((r.turn as u64) << 32)
+                    })
+                    .collect();
+                let outs = generate(&prompts, &seeds, temperature)?;
+                Ok(outs
+                    .into_iter()
+                    .zip(requests)
+                    .map(|(tokens, r)| untracked_reply(tokens, r, eos))
+                    .collect())
+            })?;
+            Ok(outputs.iter().map(|o| f64::from(o.reward)).collect())
+        });
+    }
     let prompts: Vec<Vec<i64>> = items
         .iter()
         .map(|it| text.encode(&it.prompt))
         .collect::<Result<_, _>>()
         .map_err(asyncrl_policy::PolicyError::from)?;
     // Rewards of `per_item` completions of every item, item-major.
-    let mut run = |temperature: f64, per_item: usize| -> Result<Vec<f64>, TrainError> {
+    let run = |temperature: f64, per_item: usize| -> Result<Vec<f64>, TrainError> {
         let mut requests = Vec::with_capacity(items.len() * per_item);
         let mut seeds = Vec::with_capacity(items.len() * per_item);
         for (i, prompt) in prompts.iter().enumerate() {
@@ -157,6 +323,17 @@ pub fn evaluate_with(
             })
             .collect()
     };
+    score_runs(items, spec, start, run)
+}
+
+/// The scores of `run(temperature, per_item)`'s rewards (item-major):
+/// greedy at temperature 0, sampled and pass@k at the spec's.
+fn score_runs(
+    items: &[TaskItem],
+    spec: &EvalSpec,
+    start: Instant,
+    mut run: impl FnMut(f64, usize) -> Result<Vec<f64>, TrainError>,
+) -> Result<EvalScores, TrainError> {
     let mean = |v: &[f64]| {
         if v.is_empty() {
             0.0
@@ -321,6 +498,7 @@ impl Evaluator {
         if !config.eval.enabled() {
             return Ok(None);
         }
+        let registry = metrics.clone();
         let metrics = EvalMetrics::register(metrics)?;
         let csv = config.run.output_dir.join(EVAL_CSV);
         let done = evaluated_versions(&csv)?;
@@ -335,18 +513,18 @@ impl Evaluator {
                 let setup = || -> anyhow::Result<_> {
                     let (backend, text) = Backend::start(&config)?;
                     let items = asyncrl_tasks::load_eval_problems(&config.eval, Some(&text))?;
+                    let spec = EvalSpec::from_config(&config, &registry)?;
                     let file = CsvLog::<EvalRow>::open(path)?;
                     tracing::info!(
                         engine = backend.name(),
                         problems = items.len(),
                         "held-out evaluation ready"
                     );
-                    Ok((backend, text, items, file))
+                    Ok((backend, text, items, file, spec))
                 };
                 match setup() {
-                    Ok((backend, text, items, file)) => {
+                    Ok((backend, text, items, file, spec)) => {
                         let _ = ready_tx.send(Ok(()));
-                        let spec = EvalSpec::from_config(&config);
                         eval_loop(backend, &text, &items, &spec, rx, file, &metrics, on_row);
                     }
                     Err(e) => {

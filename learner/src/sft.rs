@@ -62,11 +62,15 @@ fn encode_task_prompt(
         .map_err(asyncrl_policy::PolicyError::from)?)
 }
 
-fn encode_example(
-    text: &ModelText,
-    item: &TaskItem,
-    eos: i64,
-) -> Result<(Vec<i64>, usize), TrainError> {
+/// One supervised example: token ids and, per token, whether it is a
+/// target (the model wrote it).
+#[derive(Debug, Clone, PartialEq)]
+struct Example {
+    ids: Vec<i64>,
+    target: Vec<bool>,
+}
+
+fn encode_example(text: &ModelText, item: &TaskItem, eos: i64) -> Result<Example, TrainError> {
     let mut ids = encode_task_prompt(text, &item.prompt)?;
     let prompt_len = ids.len();
     ids.extend(
@@ -75,32 +79,88 @@ fn encode_example(
             .map_err(asyncrl_policy::PolicyError::from)?,
     );
     ids.push(eos);
-    Ok((ids, prompt_len))
+    let target = (0..ids.len()).map(|i| i >= prompt_len).collect();
+    Ok(Example { ids, target })
 }
 
-/// One cross-entropy step on `items`; returns the loss.
+/// The examples of demonstrated episodes: every token of each, the
+/// model's replies as targets (the environment's tokens are context only,
+/// as in RL).
+fn demonstrated_examples(
+    episodes: &crate::eval::EpisodeEval,
+    text: &ModelText,
+    items: &[TaskItem],
+    eos: &[i64],
+) -> Result<Vec<Example>, TrainError> {
+    let demos: Vec<Vec<String>> = items
+        .iter()
+        .map(|it| {
+            asyncrl_environment::builtin::HiddenSum::demonstration(&asyncrl_environment::EnvTask {
+                task_id: it.id.clone(),
+                dataset: it.dataset.clone(),
+                prompt: serde_json::Value::Null,
+                answer: it.answer.clone(),
+                metadata: serde_json::Value::Null,
+            })
+        })
+        .collect();
+    let stop = eos.first().copied().unwrap_or(0);
+    let outputs = episodes.run(text, items, 1, eos, |requests| {
+        requests
+            .iter()
+            .map(|r| {
+                let reply = demos[r.episode]
+                    .get(r.turn)
+                    .or(demos[r.episode].last())
+                    .map(String::as_str)
+                    .unwrap_or_default();
+                let mut tokens = text
+                    .tokenizer()
+                    .encode(reply, false)
+                    .map_err(asyncrl_policy::PolicyError::from)?;
+                tokens.push(stop);
+                Ok(crate::eval::untracked_reply(tokens, r, eos))
+            })
+            .collect()
+    })?;
+    Ok(outputs
+        .into_iter()
+        .map(|out| {
+            let mask = asyncrl_protos::model_token_mask(&out.turns, out.completion.len());
+            let mut target = vec![false; out.prompt.len()];
+            target.extend(mask);
+            let mut ids = out.prompt;
+            ids.extend(out.completion);
+            Example { ids, target }
+        })
+        .collect())
+}
+
+/// One cross-entropy step on `examples` (on their target tokens); returns
+/// the loss.
 fn sft_step(
     policy: &Policy,
-    text: &ModelText,
     opt: &mut AdamW,
-    items: &[&TaskItem],
+    examples: &[&Example],
     opts: &SftOptions,
 ) -> Result<f64, TrainError> {
-    let eos = policy.eos_token_ids().first().copied().unwrap_or(0);
     let pad = policy.config().pad_token_id.unwrap_or(0);
-    let examples: Vec<(Vec<i64>, usize)> = items
+    let l = examples
         .iter()
-        .map(|it| encode_example(text, it, eos))
-        .collect::<Result<_, _>>()?;
-    let l = examples.iter().map(|(ids, _)| ids.len()).max().unwrap_or(2);
+        .map(|e| e.ids.len())
+        .max()
+        .unwrap_or(2)
+        .max(2);
     let n = examples.len();
     let mut ids = vec![pad; n * l];
     let mut target_mask = vec![0f32; n * (l - 1)];
-    for (i, (ex, p)) in examples.iter().enumerate() {
-        ids[i * l..i * l + ex.len()].copy_from_slice(ex);
-        // Position j predicts token j+1: the answer and eos are tokens p..len.
-        for j in (p - 1)..(ex.len() - 1) {
-            target_mask[i * (l - 1) + j] = 1.0;
+    for (i, ex) in examples.iter().enumerate() {
+        ids[i * l..i * l + ex.ids.len()].copy_from_slice(&ex.ids);
+        // Position j predicts token j+1.
+        for j in 0..ex.ids.len().saturating_sub(1) {
+            if ex.target[j + 1] {
+                target_mask[i * (l - 1) + j] = 1.0;
+            }
         }
     }
     let device = policy.device();
@@ -125,13 +185,15 @@ fn sft_step(
     Ok(loss.double_value(&[]))
 }
 
-/// Greedy and sampled (one completion per problem) mean reward on `items`.
+/// Greedy and sampled (one completion or episode per problem) mean reward
+/// on `items`.
 pub fn evaluate(
     policy: &Policy,
     items: &[TaskItem],
     temperature: f64,
     max_new_tokens: usize,
     seed: u64,
+    episodes: Option<&crate::eval::EpisodeEval>,
 ) -> Result<Accuracy, TrainError> {
     let spec = crate::eval::EvalSpec {
         greedy: true,
@@ -140,6 +202,7 @@ pub fn evaluate(
         max_new_tokens,
         seed,
         stop_strings: Vec::new(),
+        episodes: episodes.cloned(),
     };
     let scores = crate::eval::evaluate(policy, &policy.text()?, items, &spec)?;
     Ok(Accuracy {
@@ -149,26 +212,52 @@ pub fn evaluate(
 }
 
 /// Warm-starts `policy` on `train`, evaluating on `eval` before and after.
+/// With `episodes`, each item is a demonstrated episode of the built-in
+/// hidden_sum game ([`asyncrl_environment::builtin::HiddenSum::demonstration`])
+/// in that environment, learnt on the replies only, and evaluated as
+/// episodes.
 pub fn warm_start(
     policy: &mut Policy,
     train: &[TaskItem],
     eval: &[TaskItem],
     max_new_tokens: usize,
     opts: &SftOptions,
+    episodes: Option<&crate::eval::EpisodeEval>,
 ) -> Result<SftReport, TrainError> {
     let start = std::time::Instant::now();
+    let score = |policy: &Policy| {
+        evaluate(
+            policy,
+            eval,
+            opts.temperature,
+            max_new_tokens,
+            opts.seed,
+            episodes,
+        )
+    };
     let mut report = SftReport {
-        before: evaluate(policy, eval, opts.temperature, max_new_tokens, opts.seed)?,
+        before: score(policy)?,
         ..Default::default()
     };
     let mut rng = SplitMix64::new(opts.seed ^ 0x5F7);
     let mut opt = AdamW::new(AdamWConfig::default());
     let text = policy.text()?;
+    let eos = policy.eos_token_ids();
+    let examples: Vec<Example> = match episodes {
+        Some(episodes) => demonstrated_examples(episodes, &text, train, &eos)?,
+        None => {
+            let stop = eos.first().copied().unwrap_or(0);
+            train
+                .iter()
+                .map(|it| encode_example(&text, it, stop))
+                .collect::<Result<_, _>>()?
+        }
+    };
     for step in 0..opts.steps {
-        let batch: Vec<&TaskItem> = (0..opts.batch_size.max(1))
-            .map(|_| &train[rng.below(train.len() as u64) as usize])
+        let batch: Vec<&Example> = (0..opts.batch_size.max(1))
+            .map(|_| &examples[rng.below(examples.len() as u64) as usize])
             .collect();
-        let loss = sft_step(policy, &text, &mut opt, &batch, opts)?;
+        let loss = sft_step(policy, &mut opt, &batch, opts)?;
         if !loss.is_finite() {
             return Err(TrainError::NonFiniteLoss(loss));
         }
@@ -178,7 +267,7 @@ pub fn warm_start(
         }
     }
     policy.mark_weights_changed();
-    report.after = evaluate(policy, eval, opts.temperature, max_new_tokens, opts.seed)?;
+    report.after = score(policy)?;
     report.seconds = start.elapsed().as_secs_f64();
     Ok(report)
 }
@@ -193,6 +282,8 @@ pub enum WarmStartError {
     Train(#[from] TrainError),
     #[error(transparent)]
     Policy(#[from] asyncrl_policy::PolicyError),
+    #[error("the warm start's episodes: {0:#}")]
+    Episodes(anyhow::Error),
     #[error("cannot write {path}: {source}")]
     Write {
         path: std::path::PathBuf,
@@ -224,7 +315,34 @@ pub fn run_warm_start(
     let mut section = config.model.clone();
     section.path = None;
     let mut policy = asyncrl_policy::from_config::load_policy(&section, config.run.seed)?;
-    let report = warm_start(&mut policy, train, eval, config.model.max_new_tokens, opts)?;
+    // Multi-turn (`[environment]`): demonstrated episodes of the built-in
+    // hidden_sum game, in-process whatever `environment.url` names (the
+    // example server plays the same game).
+    let episodes = match &config.environment {
+        None => None,
+        Some(env) => Some(
+            crate::eval::EpisodeEval::new(
+                std::sync::Arc::new(asyncrl_environment::builtin::HiddenSum::new()),
+                asyncrl_environment::EpisodeLimits {
+                    max_turns: env.max_turns,
+                    max_turn_tokens: env.turn_tokens(config.model.max_new_tokens),
+                    max_episode_tokens: env.episode_tokens(config.model.max_seq_len),
+                },
+            )
+            .map_err(WarmStartError::Episodes)?,
+        ),
+    };
+    let max_new_tokens = episodes
+        .as_ref()
+        .map_or(config.model.max_new_tokens, |e| e.limits.max_turn_tokens);
+    let report = warm_start(
+        &mut policy,
+        train,
+        eval,
+        max_new_tokens,
+        opts,
+        episodes.as_ref(),
+    )?;
     policy.set_version(0);
     policy.save_pretrained(out, None)?;
     let json = format!(

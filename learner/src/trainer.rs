@@ -56,6 +56,14 @@ pub enum TrainError {
     /// The `torch` engine process group failed or refused a call.
     #[error(transparent)]
     Engine(#[from] crate::torch_engine::EngineError),
+    /// A held-out or demonstrated episode failed (its environment, its
+    /// template); `episode` names it.
+    #[error("episode of task {task_id:?}: {source}")]
+    Episode {
+        task_id: String,
+        #[source]
+        source: asyncrl_environment::EpisodeFailure,
+    },
 }
 
 /// Static settings of the trainer (from `[learner]` and `[model]`).

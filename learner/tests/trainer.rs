@@ -363,7 +363,8 @@ fn warm_start_teaches_the_task_format() {
         learning_rate: 3e-3,
         ..Default::default()
     };
-    let report = asyncrl_learner::sft::warm_start(&mut policy, train, eval, 4, &opts).unwrap();
+    let report =
+        asyncrl_learner::sft::warm_start(&mut policy, train, eval, 4, &opts, None).unwrap();
     let first = report.losses.first().copied().unwrap();
     let last = report.losses.last().copied().unwrap();
     assert!(
@@ -389,7 +390,8 @@ fn warm_start_is_reproducible_from_its_seed() {
             seed,
             ..Default::default()
         };
-        let report = asyncrl_learner::sft::warm_start(&mut policy, train, eval, 4, &opts).unwrap();
+        let report =
+            asyncrl_learner::sft::warm_start(&mut policy, train, eval, 4, &opts, None).unwrap();
         let weights = policy
             .weights_to_safetensors(asyncrl_policy::WeightDtype::F32)
             .unwrap();
