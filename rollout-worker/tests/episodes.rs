@@ -296,10 +296,28 @@ async fn episodes_are_token_exact_across_turns_and_a_weight_swap_and_limits_end_
     assert_eq!(failures(&m.episodes_finished, "length") as usize, by_length);
 }
 
-/// An environment whose every step answers `body` (with HTTP 200).
-async fn broken_environment(body: &'static str) -> String {
+/// How the broken environment's steps fail.
+#[derive(Clone, Copy)]
+enum Broken {
+    /// HTTP 200 with a body that is not JSON.
+    Garbage,
+    /// No reply, ever.
+    Hangs,
+    /// The connection closes before a reply (the handler's task dies).
+    Closes,
+}
+
+/// An environment that resets well and whose every step fails as `how`.
+async fn broken_environment(how: Broken) -> String {
     use axum::Router;
     use axum::routing::post;
+    let step = post(move || async move {
+        match how {
+            Broken::Garbage => "this is not json",
+            Broken::Hangs => std::future::pending().await,
+            Broken::Closes => panic!("the environment's step handler dies (a test fake)"),
+        }
+    });
     let app = Router::new()
         .route(
             "/reset",
@@ -307,7 +325,7 @@ async fn broken_environment(body: &'static str) -> String {
                 axum::Json(json!({"observation": {"messages": []}, "reward": null, "done": false}))
             }),
         )
-        .route("/step", post(move || async move { body }))
+        .route("/step", step)
         .route("/close", post(|| async { "{}" }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -315,10 +333,12 @@ async fn broken_environment(body: &'static str) -> String {
     url
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_environment_that_answers_garbage_gets_the_task_returned_naming_it_and_nothing_published()
- {
-    let url = broken_environment("this is not json").await;
+/// A broken environment's episode: the task goes back to the coordinator
+/// with one line naming the environment, the call and `what` went wrong;
+/// nothing is published; the worker counts it (`environment_failed`, the
+/// client's `outcome`) and goes on.
+async fn a_broken_environment_gets_the_task_returned(how: Broken, what: &str, outcome: &str) {
+    let url = broken_environment(how).await;
     let rig = Rig::local(
         model_section(MAX_NEW, 64),
         4,
@@ -326,7 +346,11 @@ async fn an_environment_that_answers_garbage_gets_the_task_returned_naming_it_an
         options(1),
     )
     .await;
-    let config = episode_config(&rig, url.clone(), EnvironmentConfig::default().max_turns);
+    let mut config = episode_config(&rig, url.clone(), EnvironmentConfig::default().max_turns);
+    if let Some(env) = config.environment.as_mut() {
+        env.call_timeout = Duration::from_millis(300);
+        env.retries = 1;
+    }
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run(
@@ -345,8 +369,8 @@ async fn an_environment_that_answers_garbage_gets_the_task_returned_naming_it_an
     assert!(returned, "the task was not returned: {log:#?}");
     let reason = &log.returns[0].reason;
     assert!(
-        reason.contains("environment step 1") && reason.contains(&url) && reason.contains("JSON"),
-        "one line naming the environment, the call and what was wrong: {reason}"
+        reason.contains("environment step 1") && reason.contains(&url) && reason.contains(what),
+        "one line naming the environment, the call and what was wrong ({what}): {reason}"
     );
     assert!(!reason.contains('\n'), "{reason}");
     assert!(log.completed_leases().is_empty());
@@ -354,5 +378,22 @@ async fn an_environment_that_answers_garbage_gets_the_task_returned_naming_it_an
     assert!(failures(&m.episodes_finished, "environment_failed") >= 1);
     assert_eq!(m.trajectories_published.get(), 0);
     let env = asyncrl_environment::EnvMetrics::new(&metrics).unwrap();
-    assert!(env.call_count("step", "malformed") >= 1);
+    assert!(env.call_count("step", outcome) >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_environment_that_answers_garbage_gets_the_task_returned_naming_it_and_nothing_published()
+ {
+    a_broken_environment_gets_the_task_returned(Broken::Garbage, "JSON", "malformed").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_environment_that_never_answers_gets_the_task_returned_after_its_timeout() {
+    a_broken_environment_gets_the_task_returned(Broken::Hangs, "no reply within", "timeout").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_environment_that_closes_the_connection_gets_the_task_returned() {
+    a_broken_environment_gets_the_task_returned(Broken::Closes, "connection failed", "connection")
+        .await;
 }
