@@ -79,6 +79,7 @@ fn the_example_configs_are_valid() {
             "arith-vllm.toml",
             "arith.toml",
             "gsm8k-qwen2.5.toml",
+            "hidden-sum.toml",
             "local.toml"
         ]
     );
