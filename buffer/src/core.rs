@@ -260,9 +260,16 @@ pub struct Core {
     /// Completed tasks: the group kept for it, and whether that group is
     /// consumed (will never be served again and is released).
     task_done: HashMap<Arc<str>, (Arc<str>, bool)>,
+    /// Per task, its groups dropped as stale before they were served, while
+    /// no other attempt of it has been trained on: the coordinator issued
+    /// the task again, so the task stays open for that attempt (it is not
+    /// in `task_done`), and a recovery skips these groups' rows.
+    stale: HashMap<Arc<str>, Vec<Arc<str>>>,
     live_uuids: HashSet<u128>,
     /// Trajectories dropped so far of each attempt that lost its task.
     late: HashMap<Arc<str>, u32>,
+    /// Per task, its attempts superseded by a kept one (group ids).
+    superseded: HashMap<Arc<str>, Vec<Arc<str>>>,
     ready: ReadyGroups,
     reuse_queue: VecDeque<Arc<str>>,
     rng: StdRng,
@@ -289,8 +296,10 @@ impl Core {
             groups: HashMap::new(),
             task_groups: HashMap::new(),
             task_done: HashMap::new(),
+            stale: HashMap::new(),
             live_uuids: HashSet::new(),
             late: HashMap::new(),
+            superseded: HashMap::new(),
             ready: ReadyGroups::default(),
             reuse_queue: VecDeque::new(),
             rng: StdRng::seed_from_u64(seed),
@@ -357,9 +366,23 @@ impl Core {
                 out.duplicates += 1;
                 continue;
             }
+            if self
+                .stale
+                .get(&m.task)
+                .is_some_and(|groups| groups.contains(&m.group))
+            {
+                // A copy of a row of a group dropped as stale (redelivered,
+                // or replayed by a recovery).
+                out.duplicates += 1;
+                continue;
+            }
             if let Some((kept, consumed)) = self.task_done.get(&m.task) {
                 if *kept != m.group {
                     out.superseded += 1;
+                    let of_task = self.superseded.entry(m.task.clone()).or_default();
+                    if !of_task.contains(&m.group) {
+                        of_task.push(m.group.clone());
+                    }
                     if !replay {
                         let n = self.late.entry(m.group.clone()).or_insert(0);
                         *n += 1;
@@ -461,6 +484,10 @@ impl Core {
                 // Every other attempt of this task is superseded.
                 let others = self.task_groups.remove(&task).unwrap_or_default();
                 for other in others.into_iter().filter(|o| *o != id) {
+                    let of_task = self.superseded.entry(task.clone()).or_default();
+                    if !of_task.contains(&other) {
+                        of_task.push(other.clone());
+                    }
                     if let Some(g) = self.release(&other) {
                         out.dropped.push(DroppedGroup {
                             task: g.task.to_string(),
@@ -746,11 +773,20 @@ impl Core {
         let mut out = Vec::new();
         for (id, why) in &plan.drops {
             if let Some(g) = self.groups.get(id) {
+                let closed = match why {
+                    DropReason::Stale => self
+                        .superseded
+                        .get(&g.task)
+                        .map(|groups| groups.iter().map(|x| x.to_string()).collect())
+                        .unwrap_or_default(),
+                    DropReason::Expired => Vec::new(),
+                };
                 out.push(Record::Dropped {
                     group: g.gref(),
                     reason: *why,
                     trajectories: g.members.len() as u32,
                     version: plan.ask.version,
+                    closed,
                 });
             }
         }
@@ -787,7 +823,19 @@ impl Core {
             };
             g.state = GroupState::Exhausted;
             self.ready.remove(g);
-            self.settle(id);
+            let task = g.task.clone();
+            match why {
+                // Never served: released now, and the task is open for the
+                // attempt the coordinator issues next; the attempts
+                // superseded so far stay superseded (as the `Dropped`
+                // record says).
+                DropReason::Stale => {
+                    let closed = self.superseded.get(&task).cloned().unwrap_or_default();
+                    self.release(id);
+                    self.reopen(&task, id, closed);
+                }
+                DropReason::Expired => self.settle(id),
+            }
             dropped.push(info);
         }
         if let Outcome::Serve(groups) = plan.outcome {
@@ -846,7 +894,39 @@ impl Core {
             .get(id)
             .is_some_and(|g| g.state == GroupState::Exhausted && g.last_step <= self.done_through);
         if final_ && let Some(g) = self.release(id) {
-            self.task_done.insert(g.task.clone(), (g.id.clone(), true));
+            self.consumed(g.task.clone(), g.id.clone());
+        }
+    }
+
+    /// `group` of `task` will never be served again: later attempts of the
+    /// task are superseded, and a stale drop of another attempt is history.
+    fn consumed(&mut self, task: Arc<str>, group: Arc<str>) {
+        if self
+            .stale
+            .get(&task)
+            .is_some_and(|groups| !groups.contains(&group))
+        {
+            self.stale.remove(&task);
+        }
+        self.superseded.remove(&task);
+        self.task_done.insert(task, (group, true));
+    }
+
+    /// `group` of `task` was dropped as stale before it was served: the
+    /// coordinator issues the task again, and that attempt must be kept.
+    fn reopen(&mut self, task: &Arc<str>, group: &Arc<str>, closed: Vec<Arc<str>>) {
+        if self
+            .task_done
+            .get(task)
+            .is_some_and(|(kept, _)| kept == group)
+        {
+            self.task_done.remove(task);
+        }
+        let groups = self.stale.entry(task.clone()).or_default();
+        for g in std::iter::once(group.clone()).chain(closed) {
+            if !groups.contains(&g) {
+                groups.push(g);
+            }
         }
     }
 
@@ -888,12 +968,14 @@ impl Core {
     pub fn seed(&mut self, records: &[Record]) {
         let mut serves: HashMap<GroupRef, Restore> = HashMap::new();
         let mut steps: BTreeMap<u64, ServedStep> = BTreeMap::new();
+        let mut stale_drops: Vec<GroupRef> = Vec::new();
         for r in records {
             match r {
                 Record::Snapshot {
                     done_through,
                     consumed,
                     reused,
+                    stale,
                 } => {
                     self.done_through = self.done_through.max(*done_through);
                     for g in consumed {
@@ -901,6 +983,9 @@ impl Core {
                             Arc::from(g.task.as_str()),
                             (Arc::from(g.group.as_str()), true),
                         );
+                    }
+                    for g in stale {
+                        stale_drops.push(g.clone());
                     }
                     for u in reused {
                         let e = serves.entry(u.group.clone()).or_default();
@@ -930,12 +1015,24 @@ impl Core {
                         },
                     );
                 }
-                Record::Dropped { group, reason, .. } => {
+                Record::Dropped {
+                    group,
+                    reason,
+                    closed,
+                    ..
+                } => {
                     let e = serves.entry(group.clone()).or_default();
                     match reason {
                         DropReason::Stale => {
                             e.expired = true;
                             e.serves = e.serves.max(self.max_serves);
+                            stale_drops.push(group.clone());
+                            for c in closed {
+                                stale_drops.push(GroupRef {
+                                    task: group.task.clone(),
+                                    group: c.clone(),
+                                });
+                            }
                         }
                         DropReason::Expired => e.expired = true,
                     }
@@ -943,6 +1040,16 @@ impl Core {
             }
         }
         self.served = steps.split_off(&(self.done_through + 1));
+        // A stale drop's task stays open for its next attempt, unless an
+        // attempt of it was trained on since.
+        for g in stale_drops {
+            serves.remove(&g);
+            let (task, group) = (Arc::from(g.task.as_str()), Arc::from(g.group.as_str()));
+            match self.task_done.get(&task) {
+                Some((kept, true)) if *kept != group => {}
+                _ => self.reopen(&task, &group, Vec::new()),
+            }
+        }
         for (g, r) in serves {
             let exhausted = r.expired || r.serves >= self.max_serves;
             if exhausted && r.last_step <= self.done_through {
@@ -1026,10 +1133,22 @@ impl Core {
             })
             .collect();
         reused.sort_by(|a, b| a.group.group.cmp(&b.group.group));
+        let mut stale: Vec<GroupRef> = self
+            .stale
+            .iter()
+            .flat_map(|(task, groups)| {
+                groups.iter().map(|g| GroupRef {
+                    task: task.to_string(),
+                    group: g.to_string(),
+                })
+            })
+            .collect();
+        stale.sort_by(|a, b| a.group.cmp(&b.group));
         let mut out = vec![Record::Snapshot {
             done_through: self.done_through,
             consumed,
             reused,
+            stale,
         }];
         for (step, s) in &self.served {
             out.push(Record::Served {

@@ -57,6 +57,11 @@ pub enum Record {
         reason: DropReason,
         trajectories: u32,
         version: i32,
+        /// A stale drop: the other attempts of the task already superseded
+        /// (group ids). The task is issued again and only a new attempt may
+        /// be kept, so these stay superseded.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        closed: Vec<String>,
     },
     /// Everything older, folded: steps up to `done_through` are trained,
     /// `consumed` groups will never be served again, and `reused` groups were
@@ -66,6 +71,12 @@ pub enum Record {
         consumed: Vec<GroupRef>,
         #[serde(default)]
         reused: Vec<Reused>,
+        /// Groups dropped as stale before they were ever served whose task
+        /// no other attempt has completed and been trained on yet: the task
+        /// was issued again, so its rows are skipped and its next attempt
+        /// is kept.
+        #[serde(default)]
+        stale: Vec<GroupRef>,
     },
 }
 
@@ -254,6 +265,7 @@ mod tests {
                 reason: DropReason::Stale,
                 trajectories: 4,
                 version: 9,
+                closed: vec!["g-5".into()],
             },
             Record::Snapshot {
                 done_through: 4,
@@ -263,6 +275,7 @@ mod tests {
                     serves: 1,
                     expired: false,
                 }],
+                stale: vec![g(9)],
             },
         ]
     }

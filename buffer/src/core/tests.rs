@@ -204,6 +204,67 @@ fn stale_groups_are_never_served_and_are_dropped() {
 }
 
 #[test]
+fn the_attempt_issued_after_a_stale_drop_is_kept_served_and_survives_a_recovery() {
+    let mut live = core(SamplingPolicy::Fifo, 1);
+    let mut log: Vec<Record> = Vec::new();
+    let first = groups(0, 1, 2, 1); // task-0, lease-0, version 1
+    let fresh = groups(1, 1, 2, 4); // task-1
+    feed(&mut live, &first, 1);
+    feed(&mut live, &fresh, 1);
+    // v = 5, η = 2: task-0's attempt is stale; the coordinator issues the
+    // task again (lease `again`), sampled at version 5.
+    let plan = live.plan(ask(1, 5, 2, 1));
+    log.extend(live.records(&plan, 0));
+    let dropped = live.commit(plan);
+    assert_eq!(dropped.len(), 1);
+    assert_eq!(dropped[0].reason, GroupDropReason::Stale);
+    let again = [
+        traj_of("task-0", "again", 90, 0, 2, 5, 4),
+        traj_of("task-0", "again", 91, 1, 2, 5, 4),
+    ];
+    let a = feed(&mut live, &again, 1);
+    assert_eq!((a.stored, a.newly_ready, a.superseded), (2, 1, 0), "{a:?}");
+    assert!(a.dropped.is_empty(), "{:?}", a.dropped);
+    // A redelivered copy of the stale attempt is a duplicate, not a rival.
+    let copy = feed(&mut live, &first, 1);
+    assert_eq!((copy.stored, copy.duplicates), (0, 2));
+    let segments = [first.clone(), fresh.clone(), again.to_vec(), first.clone()];
+    // Recovered from the log, and from a snapshot of it, the buffer holds
+    // the same: the new attempt ready, the stale one gone.
+    for records in [log.clone(), live.snapshot()] {
+        let mut back = core(SamplingPolicy::Fifo, 1);
+        back.seed(&records);
+        for t in &segments {
+            let batch = to_record_batch(t).unwrap();
+            let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
+            back.apply(batch, &metas, 1, true);
+        }
+        assert!(back.finish_recovery().is_empty());
+        let (x, y) = (live.stats(), back.stats());
+        assert_eq!(
+            (x.ready_groups, x.live_trajectories),
+            (y.ready_groups, y.live_trajectories)
+        );
+        assert_eq!(
+            served(&back.plan(ask(2, 5, 2, 1)).outcome),
+            ["again".to_string()]
+        );
+    }
+    let (outcome, _) = serve(&mut live, ask(2, 5, 2, 1));
+    assert_eq!(served(&outcome), ["again".to_string()]);
+    // Once the new attempt is trained on, the task is done: a third attempt
+    // is superseded.
+    let plan = live.plan(ask(3, 6, 2, 1));
+    live.commit(plan);
+    let third = [
+        traj_of("task-0", "third", 95, 0, 2, 6, 4),
+        traj_of("task-0", "third", 96, 1, 2, 6, 4),
+    ];
+    let t = feed(&mut live, &third, 1);
+    assert_eq!((t.stored, t.superseded), (0, 2));
+}
+
+#[test]
 fn a_group_with_one_old_token_is_stale() {
     let mut c = core(SamplingPolicy::Fifo, 1);
     let mut t = groups(0, 1, 2, 6);
