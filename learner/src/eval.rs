@@ -736,3 +736,104 @@ fn eval_loop(
         on_row(row);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use asyncrl_environment::builtin::HiddenSum;
+
+    fn items() -> Vec<TaskItem> {
+        asyncrl_tasks::hidden_sum_all(4)
+    }
+
+    fn spec(samples: usize) -> EvalSpec {
+        EvalSpec {
+            greedy: true,
+            samples,
+            temperature: 1.0,
+            max_new_tokens: 4,
+            seed: 7,
+            stop_strings: Vec::new(),
+            episodes: Some(
+                EpisodeEval::new(
+                    Arc::new(HiddenSum::new()),
+                    EpisodeLimits {
+                        max_turns: 3,
+                        max_turn_tokens: 4,
+                        max_episode_tokens: 40,
+                    },
+                )
+                .unwrap(),
+            ),
+        }
+    }
+
+    /// A policy that asks for `x` when the context has no `x=` yet, then
+    /// answers `A + x` (or `A + x + 1` when `wrong`).
+    fn player(
+        text: &ModelText,
+        wrong: impl Fn(i64) -> bool,
+    ) -> impl FnMut(&[Vec<i64>], &[u64], f64) -> Result<Vec<Vec<i64>>, TrainError> {
+        let eos = text.eos_token_ids()[0];
+        move |prompts, _seeds, _temperature| {
+            Ok(prompts
+                .iter()
+                .map(|p| {
+                    let so_far = text.tokenizer().decode(p, true).unwrap();
+                    // `A+x=`, then `x?x=<x>;` once it has asked.
+                    let reply = match so_far.rsplit_once("x=") {
+                        Some((_, x)) if !x.is_empty() => {
+                            let a: i64 = so_far.split_once('+').unwrap().0.parse().unwrap();
+                            let x: i64 = x.trim_end_matches(';').parse().unwrap();
+                            let sum = a + x + i64::from(wrong(a));
+                            sum.to_string()
+                        }
+                        _ => "x?".to_owned(),
+                    };
+                    let mut tokens = text.tokenizer().encode(&reply, false).unwrap();
+                    tokens.push(eos);
+                    tokens
+                })
+                .collect())
+        }
+    }
+
+    #[test]
+    fn a_multi_turn_evaluation_scores_episodes_by_the_environments_rewards() {
+        let text = ModelText::builtin();
+        let eos = text.eos_token_ids().to_vec();
+        let items = items();
+        // Asks, then answers right: every episode earns 1, greedy and sampled.
+        let scores =
+            evaluate_with(&text, &items, &spec(2), &eos, player(&text, |_| false)).unwrap();
+        assert_eq!(scores.greedy, Some(1.0));
+        assert_eq!(scores.sampled, Some(1.0));
+        assert_eq!(scores.pass_at_k, Some(1.0));
+        // Wrong whenever the visible operand is 0: a quarter of 16 problems.
+        let scores =
+            evaluate_with(&text, &items, &spec(0), &eos, player(&text, |a| a == 0)).unwrap();
+        assert_eq!(scores.greedy, Some(0.75));
+        // Answers at once, without asking: right only by luck (`0`, when
+        // the sum is 0: 1 of 16).
+        let blind =
+            |prompts: &[Vec<i64>], _: &[u64], _: f64| -> Result<Vec<Vec<i64>>, TrainError> {
+                let mut tokens = text.tokenizer().encode("0", false).unwrap();
+                tokens.push(eos[0]);
+                Ok(vec![tokens; prompts.len()])
+            };
+        let scores = evaluate_with(&text, &items, &spec(0), &eos, blind).unwrap();
+        assert_eq!(scores.greedy, Some(1.0 / 16.0));
+    }
+
+    #[test]
+    fn an_episode_the_environment_cannot_play_fails_the_evaluation_naming_its_task() {
+        let text = ModelText::builtin();
+        let eos = text.eos_token_ids().to_vec();
+        let mut items = items();
+        items[3].prompt = asyncrl_tasks::Prompt::Text("what?".to_owned());
+        let err = evaluate_with(&text, &items, &spec(0), &eos, player(&text, |_| false))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&items[3].id) && err.contains("reset"), "{err}");
+    }
+}
