@@ -20,9 +20,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use asyncrl_config::{
-    Config, EngineConfig, EngineKind, EnvironmentConfig, EvalConfig, WeightTransportName,
-};
+use asyncrl_config::{Config, EngineConfig, EnvironmentConfig, EvalConfig, WeightTransportName};
 use asyncrl_harness::configs;
 
 fn asyncrl(args: &[&str]) -> Output {
@@ -295,19 +293,7 @@ fn a_multi_turn_run_read_through_the_export_is_token_exact_and_masked_vllm_engin
         python.display()
     );
     let port = asyncrl_testkit::free_port().unwrap();
-    let server = format!(
-        "exec env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 '{python}' -m vllm.entrypoints.openai.api_server --model '{model}' --dtype float32 --max-model-len 64 --logprobs-mode processed_logprobs --enable-scale-out --enforce-eager --host 127.0.0.1 --port {port}",
-        python = python.display(),
-        model = d.join("warm").display(),
-    );
-    let engine = EngineConfig {
-        kind: EngineKind::Vllm,
-        endpoints: vec![format!("http://127.0.0.1:{port}")],
-        launch: vec!["sh".into(), "-c".into(), server],
-        weights_dir: d.join("engine-weights"),
-        ready_timeout: std::time::Duration::from_secs(540),
-        ..EngineConfig::default()
-    };
+    let engine = configs::launched_vllm(&d.join("warm"), &d.join("engine-weights"), port, None);
     let report = read_back(d, Some(engine));
     check(&report);
 }

@@ -11,8 +11,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use asyncrl_config::{
-    Config, EngineConfig, EngineKind, EvalConfig, ProximalName, TrainerEngineName,
-    WeightTransportName,
+    Config, EngineConfig, EvalConfig, ProximalName, TrainerEngineName, WeightTransportName,
 };
 use asyncrl_harness::configs;
 use asyncrl_harness::invariants::{TrainedCheck, check_trained_file};
@@ -73,21 +72,7 @@ fn vllm_engine(dir: &Path, port: u16, pid_file: &Path) -> EngineConfig {
 /// A vLLM server the worker launches from `.venv-vllm` on `port`, serving
 /// `model`, its weights swapped through `weights_dir`.
 fn vllm_engine_for(model: &Path, weights_dir: &Path, port: u16, pid_file: &Path) -> EngineConfig {
-    let python = root().join(".venv-vllm/bin/python");
-    let server = format!(
-        "echo $$ > '{pid}'; exec env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 '{python}' -m vllm.entrypoints.openai.api_server --model '{model}' --dtype float32 --max-model-len 64 --logprobs-mode processed_logprobs --enable-scale-out --enforce-eager --host 127.0.0.1 --port {port}",
-        pid = pid_file.display(),
-        python = python.display(),
-        model = model.display(),
-    );
-    EngineConfig {
-        kind: EngineKind::Vllm,
-        endpoints: vec![format!("http://127.0.0.1:{port}")],
-        launch: vec!["sh".into(), "-c".into(), server],
-        weights_dir: weights_dir.to_owned(),
-        ready_timeout: Duration::from_secs(540),
-        ..EngineConfig::default()
-    }
+    configs::launched_vllm(model, weights_dir, port, Some(pid_file))
 }
 
 /// `arith` data in `dir/arith.jsonl` (`data_args` after the task and seed),

@@ -6,13 +6,16 @@
 //!   file, opening no port (the in-process tests and the benches);
 //! - [`cluster_role`]: a role process of a cross-process run over NATS, the
 //!   shape the cluster tests and the chaos bench share; they set their own
-//!   spec (steps, η, batch, timings) on it.
+//!   spec (steps, η, batch, timings) on it;
+//! - [`launched_vllm`]: a worker engine that launches a vLLM CPU server from
+//!   the project's `.venv-vllm`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use asyncrl_config::{
-    Config, DatasetConfig, DeviceName, LogFormat, RetentionPolicy, TinyModelConfig,
+    Config, DatasetConfig, DeviceName, EngineConfig, EngineKind, LogFormat, RetentionPolicy,
+    TinyModelConfig,
 };
 
 /// The small built-in model every test and bench trains (about 10k
@@ -116,4 +119,31 @@ pub fn write_arith_all(path: impl Into<PathBuf>, max_operand: u64) -> PathBuf {
     asyncrl_tasks::write_jsonl(&path, &asyncrl_tasks::arith_all(max_operand))
         .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     path
+}
+
+/// A vLLM CPU server the worker launches from `.venv-vllm` on `port`,
+/// serving `model` in float32 with processed log-probs and its weights
+/// swapped through `weights_dir`; it writes its pid to `pid_file` when one
+/// is given.
+pub fn launched_vllm(
+    model: &Path,
+    weights_dir: &Path,
+    port: u16,
+    pid_file: Option<&Path>,
+) -> EngineConfig {
+    let python = asyncrl_testkit::workspace_root().join(".venv-vllm/bin/python");
+    let pid = pid_file.map_or(String::new(), |p| format!("echo $$ > '{}'; ", p.display()));
+    let server = format!(
+        "{pid}exec env VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 '{python}' -m vllm.entrypoints.openai.api_server --model '{model}' --dtype float32 --max-model-len 64 --logprobs-mode processed_logprobs --enable-scale-out --enforce-eager --host 127.0.0.1 --port {port}",
+        python = python.display(),
+        model = model.display(),
+    );
+    EngineConfig {
+        kind: EngineKind::Vllm,
+        endpoints: vec![format!("http://127.0.0.1:{port}")],
+        launch: vec!["sh".into(), "-c".into(), server],
+        weights_dir: weights_dir.to_owned(),
+        ready_timeout: Duration::from_secs(540),
+        ..EngineConfig::default()
+    }
 }

@@ -770,12 +770,9 @@ mod tests {
 
     /// A policy that asks for `x` when the context has no `x=` yet, then
     /// answers `A + x` (or `A + x + 1` when `wrong`).
-    fn player(
-        text: &ModelText,
-        wrong: impl Fn(i64) -> bool,
-    ) -> impl FnMut(&[Vec<i64>], &[u64], f64) -> Result<Vec<Vec<i64>>, TrainError> {
+    fn player<'a>(text: &'a ModelText, wrong: impl Fn(i64) -> bool + 'a) -> impl Generate + 'a {
         let eos = text.eos_token_ids()[0];
-        move |prompts, _seeds, _temperature| {
+        move |prompts: &[Vec<i64>], _seeds: &[u64], _temperature: f64| {
             Ok(prompts
                 .iter()
                 .map(|p| {
