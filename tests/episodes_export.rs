@@ -80,25 +80,25 @@ fn config(dir: &Path, engine: Option<EngineConfig>) -> PathBuf {
 
 /// The contract-only client: prints one JSON object of what it found.
 const CLIENT: &str = r#"
-import glob, json, os, sys
+import json, sys
 import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-export, data, weights, warm, temperature = sys.argv[1:6]
+# tasks: the data set's rows by wire task id; folders: the published
+# weights' folder by version (both written by the test from the contract).
+export, tasks, folders, warm, temperature = sys.argv[1:6]
 temperature = float(temperature)
-tasks = {}
-for line in open(data):
-    row = json.loads(line)
-    tasks[row["id"]] = row
+tasks = json.load(open(tasks))
+folders = {int(v): f for v, f in json.load(open(folders)).items()}
 tok = AutoTokenizer.from_pretrained(warm)
 rows = pq.read_table(export).to_pylist()
 
 models = {}
 def model(version):
     if version not in models:
-        folder = os.path.join(weights, "policy-v%08d" % version)
-        if not os.path.isdir(folder):
+        folder = folders.get(version)
+        if folder is None:
             assert version == 0, "no folder for version %d" % version
             folder = warm
         m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -127,8 +127,7 @@ for r in rows:
     report["context_tokens"] += sum(ctx)
     report["model_tokens"] += sum(mod)
     # The messages by the game's rules: the reply `x?` is answered `x=<x>`.
-    # On the wire a task id is `<item id>-e<epoch>`.
-    task = tasks[r["task_id"].rsplit("-e", 1)[0]]
+    task = tasks[r["task_id"]]
     a = int(task["prompt"][: -len("+x=")])
     x = int(task["answer"]) - a
     messages = [{"role": "user", "content": task["prompt"]}]
@@ -235,13 +234,42 @@ fn read_back(dir: &Path, engine: Option<EngineConfig>) -> serde_json::Value {
             export.to_str().unwrap(),
         ]),
     );
+    // The contract's names, for the client: each data set row under its
+    // wire task ids (the run's epochs), each published folder's version.
+    let mut tasks = serde_json::Map::new();
+    for line in std::fs::read_to_string(&data).unwrap().lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        let id = row["id"].as_str().unwrap().to_owned();
+        for epoch in 0..4 {
+            tasks.insert(
+                asyncrl_protos::subjects::wire_task_id(&id, epoch),
+                row.clone(),
+            );
+        }
+    }
+    let mut folders = serde_json::Map::new();
+    for entry in std::fs::read_dir(dir.join("weights")).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(v) = asyncrl_protos::subjects::weights_folder_version(&name) {
+            folders.insert(v.to_string(), entry.path().to_string_lossy().into());
+        }
+    }
+    let tasks_file = dir.join("tasks.json");
+    let folders_file = dir.join("folders.json");
+    std::fs::write(&tasks_file, serde_json::Value::Object(tasks).to_string()).unwrap();
+    std::fs::write(
+        &folders_file,
+        serde_json::Value::Object(folders).to_string(),
+    )
+    .unwrap();
     let out = Command::new(venv_python())
         .args([
             "-c",
             CLIENT,
             export.to_str().unwrap(),
-            data.to_str().unwrap(),
-            dir.join("weights").to_str().unwrap(),
+            tasks_file.to_str().unwrap(),
+            folders_file.to_str().unwrap(),
             warm.to_str().unwrap(),
             "1.0",
         ])
