@@ -16,6 +16,23 @@ fn feed(c: &mut Core, trajs: &[Trajectory], segment: u64) -> Applied {
     c.apply(batch, &metas, segment, false)
 }
 
+/// A recovery: `records` seed a new core, `segments` are replayed into it.
+fn recover(
+    sampling: SamplingPolicy,
+    k: u32,
+    records: &[Record],
+    segments: &[Vec<Trajectory>],
+) -> Core {
+    let mut c = core(sampling, k);
+    c.seed(records);
+    for t in segments {
+        let batch = to_record_batch(t).unwrap();
+        let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
+        c.apply(batch, &metas, 1, true);
+    }
+    c
+}
+
 /// `n` complete groups of size `g`, numbered from `first`, at `version`.
 fn groups(first: u32, n: u32, g: u32, version: i32) -> Vec<Trajectory> {
     (first * g..(first + n) * g)
@@ -232,13 +249,7 @@ fn the_attempt_issued_after_a_stale_drop_is_kept_served_and_survives_a_recovery(
     // Recovered from the log, and from a snapshot of it, the buffer holds
     // the same: the new attempt ready, the stale one gone.
     for records in [log.clone(), live.snapshot()] {
-        let mut back = core(SamplingPolicy::Fifo, 1);
-        back.seed(&records);
-        for t in &segments {
-            let batch = to_record_batch(t).unwrap();
-            let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
-            back.apply(batch, &metas, 1, true);
-        }
+        let mut back = recover(SamplingPolicy::Fifo, 1, &records, &segments);
         assert!(back.finish_recovery().is_empty());
         let (x, y) = (live.stats(), back.stats());
         assert_eq!(
@@ -452,13 +463,7 @@ fn seed_and_replay_reach_the_same_state() {
         feed(&mut live, &late, 1);
         segments.push(late.to_vec());
 
-        let mut back = core(sampling, k);
-        back.seed(&log);
-        for t in &segments {
-            let batch = to_record_batch(t).unwrap();
-            let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
-            back.apply(batch, &metas, 1, true);
-        }
+        let mut back = recover(sampling, k, &log, &segments);
         assert!(back.finish_recovery().is_empty());
         let (a, b) = (live.stats(), back.stats());
         assert_eq!(
@@ -494,13 +499,7 @@ fn seed_and_replay_reach_the_same_state() {
             assert_eq!(served(&x).len(), served(&y).len());
         }
         // A snapshot of the log reproduces the same state too.
-        let mut snap = core(sampling, k);
-        snap.seed(&live.snapshot());
-        for t in &segments {
-            let batch = to_record_batch(t).unwrap();
-            let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
-            snap.apply(batch, &metas, 1, true);
-        }
+        let mut snap = recover(sampling, k, &live.snapshot(), &segments);
         assert!(snap.finish_recovery().is_empty());
         let c = snap.stats();
         assert_eq!(
@@ -675,13 +674,7 @@ proptest::proptest! {
                 Op::Repeat => {}
                 Op::Restart => {
                     let before = c.stats();
-                    let mut back = core(sampling, k);
-                    back.seed(&log);
-                    for t in &written {
-                        let batch = to_record_batch(t).unwrap();
-                        let metas: Vec<RowMeta> = t.iter().map(|t| RowMeta::of(t).unwrap()).collect();
-                        back.apply(batch, &metas, 1, true);
-                    }
+                    let mut back = recover(sampling, k, &log, &written);
                     proptest::prop_assert!(back.finish_recovery().is_empty());
                     let after = back.stats();
                     proptest::prop_assert_eq!(
