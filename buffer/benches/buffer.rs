@@ -184,6 +184,7 @@ async fn request(bus: &dyn Bus, step: u64, groups: u32) -> BatchReply {
         zstd: false,
         step,
         wait_ms: 10_000,
+        ..Default::default()
     };
     let bytes = bus
         .request(
@@ -509,12 +510,7 @@ fn resident(scattered: bool) -> Vec<(RecordBatch, Vec<RowMeta>)> {
 }
 
 fn plan_64(core: &mut Core) -> Vec<Arc<str>> {
-    let plan = core.plan(Ask {
-        step: 1,
-        version: 0,
-        eta: 4,
-        num_groups: GROUPS,
-    });
+    let plan = core.plan(Ask::next(1, 0, 4, GROUPS));
     let Outcome::Serve(groups) = plan.outcome.clone() else {
         panic!("not served: {:?}", plan.outcome)
     };

@@ -21,7 +21,7 @@ use rand::seq::SliceRandom;
 use asyncrl_config::SamplingPolicy;
 use asyncrl_protos::{GroupDropReason, Trajectory};
 
-use crate::statelog::{DropReason, GroupRef, Record};
+use crate::statelog::{DropReason, GroupRef, Quarantined, Record};
 
 /// What the core needs to know about one stored trajectory.
 #[derive(Debug, Clone, PartialEq)]
@@ -192,6 +192,7 @@ struct ServedStep {
     version: i32,
     eta: u32,
     groups: Vec<Arc<str>>,
+    trained_through: u64,
 }
 
 /// A learner's batch request, as the core sees it.
@@ -201,6 +202,34 @@ pub struct Ask {
     pub version: i32,
     pub eta: u32,
     pub num_groups: usize,
+    /// The last step the learner has trained: `step - 1`, or less for a
+    /// prefetch (asked while `step - 1` trains). Groups served after it are
+    /// held, so that a refused step can be served anew.
+    pub trained_through: u64,
+}
+
+impl Ask {
+    /// A request for `step` from a learner that has trained `step - 1`.
+    pub fn next(step: u64, version: i32, eta: u32, num_groups: usize) -> Self {
+        Self {
+            step,
+            version,
+            eta,
+            num_groups,
+            trained_through: step.saturating_sub(1),
+        }
+    }
+}
+
+/// The learner's refusal of groups it was served for a step, planned
+/// without changing the core: the caller dead-letters the groups' rows
+/// ([`Core::gather`] of [`Refusal::groups`]), persists
+/// [`Core::refusal_record`] and then calls [`Core::commit_refusal`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub step: u64,
+    /// The refused groups the step holds, with the learner's reason.
+    pub groups: Vec<(Arc<str>, String)>,
 }
 
 /// A decision about a batch request, made without changing the core; the
@@ -634,6 +663,98 @@ impl Core {
         g.state == GroupState::Ready && g.serves < self.max_serves
     }
 
+    /// The groups of `refused` (group id, reason) that `step` was served
+    /// and that are still held: `None` when there are none (a retried
+    /// request whose refusal was already applied, or groups never served
+    /// for the step).
+    pub fn plan_refusal(&self, step: u64, refused: &[(String, String)]) -> Option<Refusal> {
+        let served = self.served.get(&step)?;
+        let groups: Vec<(Arc<str>, String)> = refused
+            .iter()
+            .filter_map(|(id, reason)| {
+                let id = served.groups.iter().find(|g| ***g == **id)?;
+                self.groups
+                    .contains_key(id)
+                    .then(|| (id.clone(), reason.clone()))
+            })
+            .collect();
+        (!groups.is_empty()).then_some(Refusal { step, groups })
+    }
+
+    /// The record that makes a refusal durable.
+    pub fn refusal_record(&self, refusal: &Refusal) -> Record {
+        let groups = refusal
+            .groups
+            .iter()
+            .filter_map(|(id, _)| self.groups.get(id))
+            .map(|g| Quarantined {
+                group: g.gref(),
+                trajectories: g.members.len() as u32,
+                closed: self
+                    .superseded
+                    .get(&g.task)
+                    .map(|groups| groups.iter().map(|x| x.to_string()).collect())
+                    .unwrap_or_default(),
+            })
+            .collect();
+        let mut reasons: Vec<&str> = refusal.groups.iter().map(|(_, r)| r.as_str()).collect();
+        reasons.dedup();
+        Record::Refused {
+            step: refusal.step,
+            groups,
+            reason: reasons.join("; "),
+        }
+    }
+
+    /// Applies a refusal whose record is durable: the refused groups are
+    /// released and their tasks reopened (the coordinator issues them
+    /// again), the step's other groups count one serve fewer (servable
+    /// again), and the step is forgotten, to be served anew. Returns the
+    /// quarantined groups.
+    pub fn commit_refusal(&mut self, refusal: Refusal) -> Vec<DroppedGroup> {
+        let Some(step) = self.served.remove(&refusal.step) else {
+            return Vec::new();
+        };
+        let refused: HashSet<&Arc<str>> = refusal.groups.iter().map(|(id, _)| id).collect();
+        for id in step.groups.iter().filter(|id| !refused.contains(id)) {
+            self.unserve(id);
+        }
+        let mut dropped = Vec::new();
+        for (id, _) in &refusal.groups {
+            let Some(g) = self.groups.get(id) else {
+                continue;
+            };
+            let task = g.task.clone();
+            let closed = self.superseded.get(&task).cloned().unwrap_or_default();
+            if let Some(g) = self.release(id) {
+                dropped.push(DroppedGroup {
+                    task: g.task.to_string(),
+                    group: g.id.to_string(),
+                    reason: GroupDropReason::Quarantined,
+                    trajectories: g.members.len() as u32,
+                });
+            }
+            self.reopen(&task, id, closed);
+        }
+        dropped
+    }
+
+    /// One serve of a group is taken back (its step was refused): it is
+    /// servable again if that serve was what exhausted it.
+    fn unserve(&mut self, id: &Arc<str>) {
+        let max_serves = self.max_serves;
+        let Some(g) = self.groups.get_mut(id) else {
+            return;
+        };
+        let was_exhausted_by_serving = g.state == GroupState::Exhausted && g.serves >= max_serves;
+        g.serves = g.serves.saturating_sub(1);
+        if was_exhausted_by_serving && g.serves < max_serves {
+            g.state = GroupState::Ready;
+            let g = g.clone();
+            self.ready.insert(&g);
+        }
+    }
+
     /// Decides what to answer to a batch request, without changing anything.
     pub fn plan(&self, ask: Ask) -> Plan {
         let mut plan = Plan {
@@ -800,6 +921,7 @@ impl Core {
                     .filter_map(|id| self.groups.get(id).map(Group::gref))
                     .collect(),
                 unix_ms,
+                trained_through: Some(plan.ask.trained_through),
             });
         }
         out
@@ -846,9 +968,10 @@ impl Core {
                     version: plan.ask.version,
                     eta: plan.ask.eta,
                     groups: groups.clone(),
+                    trained_through: plan.ask.trained_through,
                 },
             );
-            self.mark_done(step - 1);
+            self.mark_done(plan.ask.trained_through.min(step - 1));
             for id in &groups {
                 if let Some(g) = self.groups.get_mut(id) {
                     g.serves += 1;
@@ -957,6 +1080,11 @@ impl Core {
         Ok((batches, indices))
     }
 
+    /// The task of a held group.
+    pub fn group_task(&self, id: &str) -> Option<String> {
+        self.groups.get(id).map(|g| g.task.to_string())
+    }
+
     /// The learner version a served step was asked at (for a replay).
     pub fn served_version(&self, step: u64) -> Option<(i32, u32)> {
         self.served.get(&step).map(|s| (s.version, s.eta))
@@ -968,6 +1096,7 @@ impl Core {
     pub fn seed(&mut self, records: &[Record]) {
         let mut serves: HashMap<GroupRef, Restore> = HashMap::new();
         let mut steps: BTreeMap<u64, ServedStep> = BTreeMap::new();
+        let mut step_refs: HashMap<u64, Vec<GroupRef>> = HashMap::new();
         let mut stale_drops: Vec<GroupRef> = Vec::new();
         for r in records {
             match r {
@@ -998,22 +1127,52 @@ impl Core {
                     version,
                     eta,
                     groups,
+                    trained_through,
                     ..
                 } => {
-                    self.done_through = self.done_through.max(step.saturating_sub(1));
+                    let trained_through = trained_through
+                        .unwrap_or(step.saturating_sub(1))
+                        .min(step.saturating_sub(1));
+                    self.done_through = self.done_through.max(trained_through);
                     for g in groups {
                         let e = serves.entry(g.clone()).or_default();
                         e.serves += 1;
                         e.last_step = e.last_step.max(*step);
                     }
+                    step_refs.insert(*step, groups.clone());
                     steps.insert(
                         *step,
                         ServedStep {
                             version: *version,
                             eta: *eta,
                             groups: groups.iter().map(|g| Arc::from(g.group.as_str())).collect(),
+                            trained_through,
                         },
                     );
+                }
+                Record::Refused { step, groups, .. } => {
+                    let quarantined: HashSet<&str> =
+                        groups.iter().map(|q| q.group.group.as_str()).collect();
+                    steps.remove(step);
+                    for g in step_refs.remove(step).unwrap_or_default() {
+                        if !quarantined.contains(g.group.as_str())
+                            && let Some(e) = serves.get_mut(&g)
+                        {
+                            e.serves = e.serves.saturating_sub(1);
+                        }
+                    }
+                    for q in groups {
+                        let e = serves.entry(q.group.clone()).or_default();
+                        e.expired = true;
+                        e.serves = e.serves.max(self.max_serves);
+                        stale_drops.push(q.group.clone());
+                        for c in &q.closed {
+                            stale_drops.push(GroupRef {
+                                task: q.group.task.clone(),
+                                group: c.clone(),
+                            });
+                        }
+                    }
                 }
                 Record::Dropped {
                     group,
@@ -1161,6 +1320,7 @@ impl Core {
                     .filter_map(|id| self.groups.get(id).map(Group::gref))
                     .collect(),
                 unix_ms: 0,
+                trained_through: Some(s.trained_through),
             });
         }
         out

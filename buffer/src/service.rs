@@ -12,11 +12,11 @@ use tokio::sync::watch;
 use asyncrl_config::{BufferConfig, Config, RetentionPolicy};
 use asyncrl_protos::arrow_schema::{from_record_batch, to_record_batch, trajectory_schema};
 use asyncrl_protos::subjects::{
-    BUFFER_BATCH, BUFFER_GROUP_DROPPED, DEAD_LETTER_SUBJECT, TRAJECTORY_STREAM,
-    TRAJECTORY_SUBJECT_PREFIX,
+    BUFFER_BATCH, BUFFER_GROUP_DROPPED, DEAD_LETTER_PAYLOAD_MAX, DEAD_LETTER_SUBJECT,
+    TRAJECTORY_STREAM, TRAJECTORY_SUBJECT_PREFIX,
 };
-use asyncrl_protos::v1::{BatchReply, BatchRequest, DeadLetter, GroupDropped};
-use asyncrl_protos::{ContractError, Message, Trajectory, decode_trajectory};
+use asyncrl_protos::v1::{BatchReply, BatchRequest, DeadLetter, GroupDropped, RefusedGroup};
+use asyncrl_protos::{ContractError, GroupDropReason, Message, Trajectory, decode_trajectory};
 use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_transport::{Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, ObjectStore, Request};
 use tokio_util::sync::CancellationToken;
@@ -172,7 +172,7 @@ impl Shared {
                 .groups_dropped
                 .get_or_create(&BufferMetrics::reason(d.reason.label()))
                 .inc();
-            if d.reason.is_stale() {
+            if d.reason == GroupDropReason::Stale {
                 self.metrics.stale_dropped.inc();
             }
             tracing::info!(task = %d.task, group = %d.group, reason = d.reason.label(), trajectories = d.trajectories, "group dropped");
@@ -495,6 +495,33 @@ struct Ingest {
     writer: Option<SegmentWriter>,
 }
 
+/// A dead letter's payload: the message's bytes, or their first
+/// [`DEAD_LETTER_PAYLOAD_MAX`] bytes, so that the letter always fits the
+/// server's `max_payload` (a malformed message near the limit would
+/// otherwise be redelivered forever).
+fn dead_letter_payload(payload: &[u8]) -> DeadLetter {
+    let keep = payload.len().min(DEAD_LETTER_PAYLOAD_MAX);
+    DeadLetter {
+        payload: payload[..keep].to_vec(),
+        payload_size: payload.len() as u64,
+        truncated: keep < payload.len(),
+        ..Default::default()
+    }
+}
+
+/// A reason from the learner, cut to what a log line and a letter hold.
+fn clip_reason(reason: &str) -> String {
+    const MAX: usize = 1024;
+    if reason.len() <= MAX {
+        return reason.to_owned();
+    }
+    let mut end = MAX;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &reason[..end])
+}
+
 /// Why a message is dead-lettered: the kind (metric label) and the reason.
 fn contract_kind(e: &ContractError) -> &'static str {
     match e {
@@ -760,11 +787,11 @@ impl Ingest {
         let dlq_results = futures::future::join_all(dead.iter().map(|(i, kind, reason)| {
             let d = &deliveries[*i];
             let letter = DeadLetter {
-                payload: d.payload.to_vec(),
                 reason: reason.clone(),
                 subject: d.subject.clone(),
                 stream_sequence: d.stream_sequence,
                 msg_id: d.msg_id.clone().unwrap_or_default(),
+                ..dead_letter_payload(&d.payload)
             };
             let bus = self.shared.bus.clone();
             let id = format!("dlq-{}", d.stream_sequence);
@@ -1039,12 +1066,101 @@ impl Server {
         }
     }
 
+    /// Applies the learner's refusal of groups it was served for `step`
+    /// (see `BatchRequest.refused`): each group's rows are dead-lettered,
+    /// the refusal is made durable, the groups are released and reported
+    /// quarantined (the coordinator issues their tasks again), and the
+    /// step's other groups become servable again. Groups the step no longer
+    /// holds are ignored (a retried request). An error leaves everything as
+    /// it was; the learner asks again.
+    async fn quarantine(&mut self, step: u64, refused: &[RefusedGroup]) -> Result<(), String> {
+        let refused: Vec<(String, String)> = refused
+            .iter()
+            .map(|g| (g.group_id.clone(), clip_reason(&g.reason)))
+            .collect();
+        let Some(refusal) = self.shared.core().plan_refusal(step, &refused) else {
+            return Ok(());
+        };
+        for (group, reason) in &refusal.groups {
+            self.dead_letter_group(step, group, reason).await?;
+        }
+        let record = self.shared.core().refusal_record(&refusal);
+        self.append(vec![record])
+            .await
+            .map_err(|e| format!("buffer cannot persist its served log: {e}"))?;
+        let dropped = self.shared.core().commit_refusal(refusal);
+        for d in &dropped {
+            tracing::warn!(step, task = %d.task, group = %d.group, trajectories = d.trajectories, "the learner refused a group: quarantined (dead-lettered; its task is issued again)");
+        }
+        self.shared
+            .metrics
+            .dead_lettered
+            .get_or_create(&BufferMetrics::reason("quarantined"))
+            .inc_by(dropped.len() as u64);
+        self.maybe_compact().await;
+        self.shared.report_dropped(&dropped).await;
+        self.shared.update_gauges();
+        Ok(())
+    }
+
+    /// Publishes a quarantined group's rows (Arrow IPC, truncated to what a
+    /// letter holds) to the dead-letter stream, once (the msg id).
+    async fn dead_letter_group(
+        &self,
+        step: u64,
+        group: &Arc<str>,
+        reason: &str,
+    ) -> Result<(), String> {
+        let (task, gathered) = {
+            let core = self.shared.core();
+            (
+                core.group_task(group),
+                core.gather(std::slice::from_ref(group)),
+            )
+        };
+        let (batches, indices) =
+            gathered.map_err(|e| format!("cannot dead-letter group `{group}`: {e}"))?;
+        let encoded =
+            tokio::task::spawn_blocking(move || encode_batch(&batches, &indices, true, 0))
+                .await
+                .map_err(|e| format!("cannot dead-letter group `{group}`: {e}"))?
+                .map_err(|e| format!("cannot dead-letter group `{group}`: {e}"))?;
+        let letter = DeadLetter {
+            reason: format!("refused by the learner at step {step}: {reason}"),
+            subject: BUFFER_BATCH.to_owned(),
+            task_id: task.unwrap_or_default(),
+            group_id: group.to_string(),
+            step,
+            ..dead_letter_payload(&encoded.ipc)
+        };
+        self.shared
+            .bus
+            .publish_durable(
+                DEAD_LETTER_SUBJECT,
+                &format!("dlq-quarantine-{group}"),
+                Bytes::from(letter.encode_to_vec()),
+            )
+            .await
+            .map_err(|e| format!("cannot dead-letter group `{group}`: {e}"))?;
+        Ok(())
+    }
+
     async fn answer(&mut self, r: BatchRequest, stop: &CancellationToken) -> BatchReply {
+        if !r.refused.is_empty()
+            && let Err(error) = self.quarantine(r.step, &r.refused).await
+        {
+            tracing::warn!(step = r.step, %error, "cannot quarantine the groups the learner refused; it will ask again");
+            return BatchReply {
+                step: r.step,
+                error,
+                ..Default::default()
+            };
+        }
         let ask = Ask {
-            step: r.step,
-            version: r.learner_version,
-            eta: r.eta,
-            num_groups: r.num_groups as usize,
+            trained_through: r.trained_through.map_or(r.step.saturating_sub(1), |t| {
+                t.min(r.step.saturating_sub(1))
+            }),
+            ..Ask::next(r.step, r.learner_version, r.eta, r.num_groups as usize)
         };
         let wait = Duration::from_millis(u64::from(r.wait_ms)).min(self.config.max_request_wait);
         let deadline = tokio::time::Instant::now() + wait;

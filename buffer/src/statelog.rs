@@ -40,6 +40,17 @@ pub enum DropReason {
     Expired,
 }
 
+/// A group the learner refused, quarantined by a [`Record::Refused`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quarantined {
+    pub group: GroupRef,
+    pub trajectories: u32,
+    /// The other attempts of the task already superseded (group ids): the
+    /// task is issued again and only a new attempt may be kept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub closed: Vec<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Record {
@@ -50,6 +61,19 @@ pub enum Record {
         eta: u32,
         groups: Vec<GroupRef>,
         unix_ms: i64,
+        /// The last step the learner had trained when it asked (a prefetch
+        /// asks for step s + 1 while s trains); absent: `step - 1`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trained_through: Option<u64>,
+    },
+    /// The learner refused `groups` of the batch served for `step`: they
+    /// are quarantined (released; their tasks issued again, as after a
+    /// stale drop), the step's other groups are served as if never served
+    /// for it, and the step is served anew.
+    Refused {
+        step: u64,
+        groups: Vec<Quarantined>,
+        reason: String,
     },
     /// A group will never be served (again).
     Dropped {
@@ -259,6 +283,7 @@ mod tests {
                 eta: 2,
                 groups: vec![g(1), g(2)],
                 unix_ms: 5,
+                trained_through: None,
             },
             Record::Dropped {
                 group: g(3),

@@ -40,12 +40,13 @@ fn absurd() -> Vec<BatchRequest> {
         zstd: false,
         step: 1,
         wait_ms: 0,
+        ..Default::default()
     };
     let mut out = Vec::new();
     for version in [i32::MIN, -1] {
         out.push(BatchRequest {
             learner_version: version,
-            ..base
+            ..base.clone()
         });
     }
     for step in [0, 1, u64::MAX] {
@@ -57,7 +58,7 @@ fn absurd() -> Vec<BatchRequest> {
                     eta,
                     learner_version: i32::MAX,
                     zstd: true,
-                    ..base
+                    ..base.clone()
                 });
             }
         }
@@ -79,6 +80,7 @@ async fn exercise(bus: Arc<dyn Bus>, url: &str, random: u32) -> usize {
         zstd: false,
         step: 1,
         wait_ms: 0,
+        ..Default::default()
     }
     .encode_to_vec();
     let mut payloads: Vec<Vec<u8>> = (0..good.len()).map(|cut| good[..cut].to_vec()).collect();

@@ -11,12 +11,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 
+use asyncrl_buffer::decode_batch;
 use asyncrl_buffer::segment::{list_segments, read_segment};
 use asyncrl_buffer::segment_dir;
 use asyncrl_protos::arrow_schema::trajectory_schema;
-use asyncrl_protos::subjects::{BUFFER_GROUP_DROPPED, DEAD_LETTER_STREAM, trajectory_subject};
-use asyncrl_protos::v1::{DeadLetter, GroupDropped};
-use asyncrl_protos::{Message, Trajectory};
+use asyncrl_protos::subjects::{
+    BUFFER_GROUP_DROPPED, DEAD_LETTER_PAYLOAD_MAX, DEAD_LETTER_STREAM, trajectory_subject,
+};
+use asyncrl_protos::v1::{BatchRequest, DeadLetter, GroupDropped, RefusedGroup};
+use asyncrl_protos::{GroupDropReason, Message, Trajectory};
 use asyncrl_testkit::NatsServer;
 use asyncrl_transport::{Bus, ConsumerSpec, LocalBus};
 
@@ -313,5 +316,144 @@ async fn in_process_bus_runs_the_same_buffer() {
     let (_, got) = ask(bus.as_ref(), 1, 3, 0, 4, 0).await.unwrap();
     assert_eq!(uuids(&got), uuids(&trajs));
     assert_eq!(buffer.metric("buffer_ingested_trajectories_total"), 8.0);
+    buffer.shutdown().await;
+}
+
+/// The learner refuses a group it was served (a row it cannot train on,
+/// a non-finite loss): the buffer dead-letters the group with its reason
+/// and reference, reports it quarantined (the coordinator issues the task
+/// again), serves the step anew from other groups, and a restarted buffer
+/// agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_the_learner_refuses_is_quarantined_and_the_step_is_served_anew() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(&server.url(), dir.path());
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    let mut drops = bus.subscribe(BUFFER_GROUP_DROPPED).await.unwrap();
+    let all = groups(0, 4, 2, 0, 8);
+    publish(bus.as_ref(), &all).await;
+    eventually("four ready groups", WAIT, || {
+        buffer.handle.stats().ready_groups >= 4
+    })
+    .await;
+    let request = |refused: Vec<RefusedGroup>| BatchRequest {
+        learner_version: 0,
+        num_groups: 2,
+        eta: 2,
+        step: 1,
+        wait_ms: 0,
+        refused,
+        ..Default::default()
+    };
+    let (_, first) = ask_request(bus.as_ref(), request(Vec::new()))
+        .await
+        .unwrap();
+    let first_groups = groups_of(&first);
+    assert_eq!(first_groups.len(), 2);
+    let bad = first_groups[1].clone();
+    let refused = vec![RefusedGroup {
+        group_id: bad.clone(),
+        reason:
+            "row 3: `completion_token_ids` holds token id 1000000, outside the vocabulary [0, 98)"
+                .into(),
+    }];
+    let (reply, again) = ask_request(bus.as_ref(), request(refused.clone()))
+        .await
+        .unwrap();
+    assert!(!reply.replayed);
+    let again_groups = groups_of(&again);
+    assert_eq!(again_groups.len(), 2);
+    assert!(!again_groups.contains(&bad), "{again_groups:?}");
+    assert!(again_groups.contains(&first_groups[0]), "{again_groups:?}");
+    // Reported quarantined, for the coordinator to issue the task again.
+    let msg = tokio::time::timeout(WAIT, drops.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let dropped = GroupDropped::decode(msg.payload).unwrap();
+    assert_eq!(dropped.group_id, bad);
+    assert_eq!(dropped.kind(), GroupDropReason::Quarantined);
+    // The dead letter names the group, its task, the step and the reason,
+    // and holds the group's rows.
+    let consumer = bus
+        .consumer(DEAD_LETTER_STREAM, &ConsumerSpec::new("test-dlq"))
+        .await
+        .unwrap();
+    let letters = consumer.fetch(10, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let letter = DeadLetter::decode(letters[0].payload.clone()).unwrap();
+    assert_eq!((letter.group_id.as_str(), letter.step), (bad.as_str(), 1));
+    let task = &all.iter().find(|t| t.group_id == bad).unwrap().task_id;
+    assert_eq!(&letter.task_id, task);
+    assert!(
+        letter.reason.contains("outside the vocabulary"),
+        "{}",
+        letter.reason
+    );
+    assert!(!letter.truncated);
+    let rows: usize = decode_batch(&letter.payload)
+        .unwrap()
+        .iter()
+        .map(|b| b.num_rows())
+        .sum();
+    assert_eq!(rows, 2);
+    assert_eq!(
+        metric_sum(&buffer, "buffer_dead_lettered_total"),
+        1.0,
+        "counted once"
+    );
+    // The same refusal again (a retried request) changes nothing: the step
+    // replays its new groups.
+    let (reply, retried) = ask_request(bus.as_ref(), request(refused)).await.unwrap();
+    assert!(reply.replayed);
+    assert_eq!(groups_of(&retried), again_groups);
+    // A restarted buffer serves the same, and never the refused group.
+    buffer.shutdown().await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    let (reply, after) = ask_request(bus.as_ref(), request(Vec::new()))
+        .await
+        .unwrap();
+    assert!(reply.replayed);
+    assert_eq!(groups_of(&after), again_groups);
+    let (_, next) = ask(bus.as_ref(), 2, 1, 2, 1, 0).await.unwrap();
+    assert!(!groups_of(&next).contains(&bad));
+    buffer.shutdown().await;
+}
+
+/// A malformed message near the server's payload limit: its dead letter
+/// carries the first bytes and the size, so it fits, and the message is
+/// acked (not redelivered forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_message_near_the_payload_limit_is_dead_lettered_truncated() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(&server.url(), dir.path());
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    // 1 MiB is the server's max_payload; leave room for the headers.
+    let size = 1024 * 1024 - 4096;
+    let junk = Bytes::from(vec![0xffu8; size]);
+    bus.publish_durable(&trajectory_subject("junk"), "junk-big", junk)
+        .await
+        .unwrap();
+    publish(bus.as_ref(), &groups(0, 1, 2, 0, 8)).await;
+    eventually("the dead letter and the good group", WAIT, || {
+        buffer.handle.stats().ready_groups >= 1
+            && metric_sum(&buffer, "buffer_dead_lettered_total") >= 1.0
+    })
+    .await;
+    let consumer = bus
+        .consumer(DEAD_LETTER_STREAM, &ConsumerSpec::new("test-dlq"))
+        .await
+        .unwrap();
+    let letters = consumer.fetch(10, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let letter = DeadLetter::decode(letters[0].payload.clone()).unwrap();
+    assert!(letter.truncated);
+    assert_eq!(letter.payload_size, size as u64);
+    assert_eq!(letter.payload.len(), DEAD_LETTER_PAYLOAD_MAX);
+    assert_eq!(letter.msg_id, "junk-big");
     buffer.shutdown().await;
 }

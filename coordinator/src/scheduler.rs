@@ -506,14 +506,23 @@ impl Scheduler {
         }
     }
 
-    /// The buffer dropped a group. A stale group of a remembered completion
-    /// gives its capacity back and its task is issued again (front of the
-    /// queue); returns the task when that happened.
-    pub fn on_group_dropped(&mut self, group_id: &str, stale: bool) -> Option<TaskRef> {
-        if !stale {
+    /// The buffer dropped a group. A group never trained on (stale, or
+    /// quarantined: `reissue`) of a remembered completion gives its
+    /// capacity back and its task is issued again (front of the queue);
+    /// returns the task when that happened. `stale` counts it in
+    /// `stale_dropped_total`.
+    pub fn on_group_dropped(
+        &mut self,
+        group_id: &str,
+        reissue: bool,
+        stale: bool,
+    ) -> Option<TaskRef> {
+        if !reissue {
             return None;
         }
-        self.stale_dropped_total += 1;
+        if stale {
+            self.stale_dropped_total += 1;
+        }
         let seq = self.parse_lease(group_id)?;
         let k = self.completed_seqs.remove(&seq)?;
         let c = self.completed.remove(&k)?;

@@ -126,9 +126,25 @@ fn row_error(row: usize, field: &'static str, reason: impl Into<String>) -> Batc
 /// objective needs no order among them), no null inside a list, rewards finite where present.
 /// The first problem is returned, naming its row and field.
 pub fn check(batches: &[RecordBatch], limits: &BatchLimits) -> Result<(), BatchError> {
+    match check_rows(batches, limits)?.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// As [`check`], but every row is checked: the problem of each bad row
+/// (a [`BatchError::Row`], in row order). The error is a problem of the
+/// batch as a whole (a column missing, no rows), which no row is to blame
+/// for.
+pub fn check_rows(
+    batches: &[RecordBatch],
+    limits: &BatchLimits,
+) -> Result<Vec<BatchError>, BatchError> {
     let mut base = 0usize;
     let mut any = false;
+    let mut bad: Vec<BatchError> = Vec::new();
     for batch in batches {
+        let mut null_rows = std::collections::BTreeSet::new();
         for name in [
             cols::PROMPT_TOKEN_IDS,
             cols::COMPLETION_TOKEN_IDS,
@@ -139,10 +155,12 @@ pub fn check(batches: &[RecordBatch], limits: &BatchLimits) -> Result<(), BatchE
                 .column_by_name(name)
                 .and_then(|c| c.as_list_opt::<i32>())
                 .ok_or(BatchError::Column(name))?;
-            if let Some(i) =
-                (0..list.len()).find(|i| !list.is_null(*i) && list.value(*i).null_count() > 0)
+            for i in
+                (0..list.len()).filter(|i| !list.is_null(*i) && list.value(*i).null_count() > 0)
             {
-                return Err(row_error(base + i, name, "holds a null entry"));
+                if null_rows.insert(i) {
+                    bad.push(row_error(base + i, name, "holds a null entry"));
+                }
             }
         }
         let (p_vals, p_off) = list_rows::<Int32Type>(batch, cols::PROMPT_TOKEN_IDS)?;
@@ -155,98 +173,139 @@ pub fn check(batches: &[RecordBatch], limits: &BatchLimits) -> Result<(), BatchE
             .ok_or(BatchError::Column(cols::REWARD))?;
         let turns = turns_of(batch)?;
         for i in 0..batch.num_rows() {
+            any = true;
+            if null_rows.contains(&i) {
+                continue;
+            }
             let row = base + i;
             let span = |off: &[i32]| off[i] as usize..off[i + 1] as usize;
-            let (prompt, completion) = (&p_vals[span(p_off)], &c_vals[span(c_off)]);
-            let (logprobs, versions) = (&l_vals[span(l_off)], &v_vals[span(v_off)]);
-            if prompt.is_empty() {
-                return Err(row_error(row, cols::PROMPT_TOKEN_IDS, "is empty"));
-            }
-            let len = prompt.len() + completion.len();
-            if len > limits.max_seq_len {
-                return Err(row_error(
-                    row,
-                    cols::COMPLETION_TOKEN_IDS,
-                    format!(
-                        "makes the row {len} tokens long, beyond the model's {}",
-                        limits.max_seq_len
-                    ),
-                ));
-            }
-            for (name, ids) in [
-                (cols::PROMPT_TOKEN_IDS, prompt),
-                (cols::COMPLETION_TOKEN_IDS, completion),
-            ] {
-                if let Some(t) = ids
-                    .iter()
-                    .find(|t| **t < 0 || i64::from(**t) >= limits.vocab_size)
-                {
+            let checked = || -> Result<(), BatchError> {
+                let (prompt, completion) = (&p_vals[span(p_off)], &c_vals[span(c_off)]);
+                let (logprobs, versions) = (&l_vals[span(l_off)], &v_vals[span(v_off)]);
+                if prompt.is_empty() {
+                    return Err(row_error(row, cols::PROMPT_TOKEN_IDS, "is empty"));
+                }
+                let len = prompt.len() + completion.len();
+                if len > limits.max_seq_len {
                     return Err(row_error(
                         row,
-                        name,
+                        cols::COMPLETION_TOKEN_IDS,
                         format!(
-                            "holds token id {t}, outside the vocabulary [0, {})",
-                            limits.vocab_size
+                            "makes the row {len} tokens long, beyond the model's {}",
+                            limits.max_seq_len
                         ),
                     ));
                 }
-            }
-            let model = asyncrl_protos::model_token_count(&turns[i], completion.len())
-                .map_err(|e| row_error(row, cols::TURN_MODEL_TOKENS, e.to_string()))?;
-            let what = if turns[i].is_empty() {
-                "completion tokens"
-            } else {
-                "model tokens"
+                for (name, ids) in [
+                    (cols::PROMPT_TOKEN_IDS, prompt),
+                    (cols::COMPLETION_TOKEN_IDS, completion),
+                ] {
+                    if let Some(t) = ids
+                        .iter()
+                        .find(|t| **t < 0 || i64::from(**t) >= limits.vocab_size)
+                    {
+                        return Err(row_error(
+                            row,
+                            name,
+                            format!(
+                                "holds token id {t}, outside the vocabulary [0, {})",
+                                limits.vocab_size
+                            ),
+                        ));
+                    }
+                }
+                let model = asyncrl_protos::model_token_count(&turns[i], completion.len())
+                    .map_err(|e| row_error(row, cols::TURN_MODEL_TOKENS, e.to_string()))?;
+                let what = if turns[i].is_empty() {
+                    "completion tokens"
+                } else {
+                    "model tokens"
+                };
+                if logprobs.len() != model {
+                    return Err(row_error(
+                        row,
+                        cols::BEHAVIOUR_LOGPROBS,
+                        format!("has {} entries for {model} {what}", logprobs.len()),
+                    ));
+                }
+                if versions.len() != model {
+                    return Err(row_error(
+                        row,
+                        cols::POLICY_VERSIONS,
+                        format!("has {} entries for {model} {what}", versions.len()),
+                    ));
+                }
+                if let Some(lp) = logprobs.iter().find(|lp| !lp.is_finite() || **lp > 1e-3) {
+                    return Err(row_error(
+                        row,
+                        cols::BEHAVIOUR_LOGPROBS,
+                        format!("{lp} is not a log-probability"),
+                    ));
+                }
+                if let Some(v) = versions
+                    .iter()
+                    .find(|v| **v < 0 || **v > limits.max_version)
+                {
+                    return Err(row_error(
+                        row,
+                        cols::POLICY_VERSIONS,
+                        format!(
+                            "version {v} is outside [0, {}] (the learner's version)",
+                            limits.max_version
+                        ),
+                    ));
+                }
+                if !reward.is_null(i) && !reward.value(i).is_finite() {
+                    return Err(row_error(
+                        row,
+                        cols::REWARD,
+                        format!("{} is not finite", reward.value(i)),
+                    ));
+                }
+                Ok(())
             };
-            if logprobs.len() != model {
-                return Err(row_error(
-                    row,
-                    cols::BEHAVIOUR_LOGPROBS,
-                    format!("has {} entries for {model} {what}", logprobs.len()),
-                ));
+            if let Err(e) = checked() {
+                bad.push(e);
             }
-            if versions.len() != model {
-                return Err(row_error(
-                    row,
-                    cols::POLICY_VERSIONS,
-                    format!("has {} entries for {model} {what}", versions.len()),
-                ));
-            }
-            if let Some(lp) = logprobs.iter().find(|lp| !lp.is_finite() || **lp > 1e-3) {
-                return Err(row_error(
-                    row,
-                    cols::BEHAVIOUR_LOGPROBS,
-                    format!("{lp} is not a log-probability"),
-                ));
-            }
-            if let Some(v) = versions
-                .iter()
-                .find(|v| **v < 0 || **v > limits.max_version)
-            {
-                return Err(row_error(
-                    row,
-                    cols::POLICY_VERSIONS,
-                    format!(
-                        "version {v} is outside [0, {}] (the learner's version)",
-                        limits.max_version
-                    ),
-                ));
-            }
-            if !reward.is_null(i) && !reward.value(i).is_finite() {
-                return Err(row_error(
-                    row,
-                    cols::REWARD,
-                    format!("{} is not finite", reward.value(i)),
-                ));
-            }
-            any = true;
         }
         base += batch.num_rows();
     }
     if !any {
         return Err(BatchError::Empty);
     }
-    Ok(())
+    Ok(bad)
+}
+
+/// The group id of every row of `batches`, in row order.
+pub fn row_group_ids(batches: &[RecordBatch]) -> Result<Vec<String>, BatchError> {
+    let mut out = Vec::new();
+    for batch in batches {
+        let ids = batch
+            .column_by_name(cols::GROUP_ID)
+            .and_then(|c| c.as_string_opt::<i32>())
+            .ok_or(BatchError::Column(cols::GROUP_ID))?;
+        out.extend((0..ids.len()).map(|i| ids.value(i).to_owned()));
+    }
+    Ok(out)
+}
+
+/// The groups to refuse for `errors` (rows' problems, as [`check_rows`]
+/// gives them): each group once, with the first problem of its rows.
+pub fn refused_groups(
+    batches: &[RecordBatch],
+    errors: &[BatchError],
+) -> Result<Vec<(String, String)>, BatchError> {
+    let ids = row_group_ids(batches)?;
+    let mut out: Vec<(String, String)> = Vec::new();
+    for e in errors {
+        if let BatchError::Row { row, .. } = e
+            && let Some(id) = ids.get(*row)
+            && !out.iter().any(|(g, _)| g == id)
+        {
+            out.push((id.clone(), e.to_string()));
+        }
+    }
+    Ok(out)
 }
 
 /// A training batch on the host, ready to move to a device.

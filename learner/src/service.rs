@@ -33,6 +33,7 @@
 //! groups are trained twice. Only the optimizer moments are then those of the
 //! checkpoint.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,7 +43,7 @@ use arrow::array::RecordBatch;
 use asyncrl_config::Config;
 use asyncrl_control::{KnobError, seal_step};
 use asyncrl_protos::subjects::LEARNER_STATUS_KEY;
-use asyncrl_protos::v1::{BatchReply, BatchRequest, LearnerStatus};
+use asyncrl_protos::v1::{BatchReply, BatchRequest, LearnerStatus, RefusedGroup};
 use asyncrl_protos::{Message, subjects};
 use asyncrl_telemetry::Metrics;
 use asyncrl_transport::{Bus, KvBucket, ObjectStore};
@@ -61,6 +62,7 @@ use crate::outputs::{
     CsvLog, EvalRow, METRICS_CSV, MetricsRow, TRAINED_JSONL, TrainedLog, TrainedStep,
 };
 use crate::pending::PendingBatches;
+use crate::torch_engine::EngineError;
 use crate::trainer::{StepSettings, StepStats, TrainError, TrainerOptions};
 use asyncrl_common::{Backoff, unix_ms};
 
@@ -216,6 +218,7 @@ pub async fn run_with_progress(
             shutdown: shutdown.clone(),
             limits,
             pending: pending.clone(),
+            refused: Arc::default(),
         },
         publisher: Publisher {
             weights,
@@ -386,7 +389,7 @@ impl Ctx {
             let wait_start = Instant::now();
             let prepared = match prefetch.take() {
                 Some((n, task)) if n == s => task.join("batch prefetch").await??,
-                _ => self.fetcher.clone().prepare(s, version).await?,
+                _ => self.fetcher.clone().prepare(s, version, step).await?,
             };
             let Some(Prepared { knobs: k, batches }) = prepared else {
                 break;
@@ -398,10 +401,11 @@ impl Ctx {
             // Step s's batch is in the pending folder, so the buffer may
             // take the request for s + 1 as "s is trained".
             if max_steps == 0 || s < max_steps {
-                let task = tokio::spawn(self.fetcher.clone().prepare(s + 1, version + 1));
+                let task = tokio::spawn(self.fetcher.clone().prepare(s + 1, version + 1, step));
                 prefetch = Some((s + 1, AbortOnDrop(task)));
             }
             let (trajectories, min_token_version) = trained_ids(&batches);
+            let groups = crate::batch::row_group_ids(&batches).unwrap_or_default();
             let step_knobs = step_settings(&self.config, &k);
             let stats = match self
                 .actor
@@ -409,16 +413,33 @@ impl Ctx {
                 .await?
             {
                 Ok(stats) => stats,
-                Err(TrainError::Batch(e)) => {
-                    // Refused by the trainer though it passed the check: it
-                    // trained on none of it; the step asks the buffer again.
-                    self.fetcher.refuse_batch(s, &e);
+                Err(
+                    e @ (TrainError::Batch(_)
+                    | TrainError::NonFiniteLoss(_)
+                    | TrainError::NonFiniteGradient { .. }
+                    | TrainError::Engine(EngineError::Refused {
+                        call: "TrainStep", ..
+                    })),
+                ) => {
+                    // Trained on none of it (the trainer refused a row that
+                    // passed the check, or the loss or gradient is not
+                    // finite): every group of the batch is refused, so the
+                    // buffer quarantines them and serves the step anew.
+                    let field = match &e {
+                        TrainError::Batch(b) => b.field(),
+                        TrainError::NonFiniteLoss(_) => "loss",
+                        TrainError::NonFiniteGradient { .. } => "gradient",
+                        _ => "engine",
+                    };
+                    self.metrics.bad_batch(field);
+                    tracing::error!(step = s, field, error = %e, groups = groups.len(), "the step cannot be trained on this batch; its groups are quarantined and the step is asked for again");
+                    let mut unique = groups;
+                    unique.sort();
+                    unique.dedup();
+                    self.fetcher
+                        .refuse(s, unique.into_iter().map(|g| (g, e.to_string())).collect());
                     prefetch = None;
                     self.fetcher.pending.remove_through(s).await?;
-                    tokio::select! {
-                        () = self.shutdown.cancelled() => break,
-                        () = tokio::time::sleep(self.config.learner.batch_poll_interval) => {}
-                    }
                     continue;
                 }
                 Err(e) => return Err(e.into()),
@@ -569,6 +590,10 @@ struct Fetcher {
     /// The model's limits (`max_version` is set per request).
     limits: crate::batch::BatchLimits,
     pending: PendingBatches,
+    /// Per step, the groups of its last batch the learner will not train
+    /// on: sent with the step's next request until the buffer has taken
+    /// them (it quarantines them and serves the step anew).
+    refused: Arc<std::sync::Mutex<BTreeMap<u64, Vec<RefusedGroup>>>>,
 }
 
 impl Fetcher {
@@ -576,44 +601,116 @@ impl Fetcher {
     /// (`s − 1`): the copy in the pending folder if an earlier run of this
     /// learner fetched it, else the buffer's, which is stored there before
     /// this returns (so a request for `s + 1` may go out). None on shutdown.
-    async fn prepare(self, s: u64, version: i32) -> anyhow::Result<Option<Prepared>> {
+    /// `trained_through`: the last step the trainer has trained (`s − 1`,
+    /// or `s − 2` for a prefetch).
+    async fn prepare(
+        self,
+        s: u64,
+        version: i32,
+        trained_through: u64,
+    ) -> anyhow::Result<Option<Prepared>> {
         let Some(knobs) = self.seal(s).await? else {
             return Ok(None);
         };
         if let Some(bytes) = self.pending.load(s).await? {
             match self.check(bytes, version).await? {
-                Ok(batches) => {
+                Checked::Good(batches) => {
                     tracing::info!(step = s, "training a batch fetched before the restart");
                     return Ok(Some(Prepared { knobs, batches }));
                 }
-                Err(e) => {
+                Checked::Refuse { error, groups } => {
+                    // A restarted learner never trains a batch it refused.
+                    self.refuse_batch(s, &error);
+                    self.refuse(s, groups);
+                    self.pending.remove_through(s).await?;
+                }
+                Checked::Bad(e) => {
                     // Never stored unchecked; a copy damaged on disk is
                     // asked of the buffer again.
                     tracing::warn!(step = s, error = %e, "the kept batch of this step is unusable; asking the buffer");
                 }
             }
         }
-        let Some(batches) = self.fetch_batch(s, version, knobs.eta).await? else {
+        let Some(batches) = self
+            .fetch_batch(s, version, knobs.eta, trained_through)
+            .await?
+        else {
             return Ok(None);
         };
         Ok(Some(Prepared { knobs, batches }))
     }
 
+    /// Groups of step `s`'s batch the learner will not train on (group id,
+    /// reason): the step's next request hands them to the buffer.
+    fn refuse(&self, s: u64, groups: Vec<(String, String)>) {
+        if groups.is_empty() {
+            return;
+        }
+        let mut refused = self
+            .refused
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let list = refused.entry(s).or_default();
+        for (group_id, reason) in groups {
+            if !list.iter().any(|g| g.group_id == group_id) {
+                list.push(RefusedGroup { group_id, reason });
+            }
+        }
+    }
+
+    /// The refused groups to send with step `s`'s request.
+    fn refused_for(&self, s: u64) -> Vec<RefusedGroup> {
+        self.refused
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&s)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The buffer has taken step `s`'s refusals (and those of earlier steps).
+    fn refusals_taken(&self, s: u64) {
+        let mut refused = self
+            .refused
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *refused = refused.split_off(&(s + 1));
+    }
+
     /// Decodes IPC bytes and checks them as the trainer at `version` will
-    /// (off the runtime); the inner error is a batch to refuse.
-    async fn check(
-        &self,
-        bytes: Bytes,
-        version: i32,
-    ) -> anyhow::Result<Result<Vec<RecordBatch>, BatchError>> {
+    /// (off the runtime).
+    async fn check(&self, bytes: Bytes, version: i32) -> anyhow::Result<Checked> {
         let limits = crate::batch::BatchLimits {
             max_version: version,
             ..self.limits
         };
         tokio::task::spawn_blocking(move || {
-            let batches = crate::batch::decode_ipc(&bytes)?;
-            crate::batch::check(&batches, &limits)?;
-            Ok(batches)
+            let batches = match crate::batch::decode_ipc(&bytes) {
+                Ok(b) => b,
+                Err(e) => return Checked::Bad(e),
+            };
+            let rows = match crate::batch::check_rows(&batches, &limits) {
+                Ok(rows) => rows,
+                Err(e) => return Checked::Bad(e),
+            };
+            let Some(first) = rows.first() else {
+                return Checked::Good(batches);
+            };
+            match crate::batch::refused_groups(&batches, &rows) {
+                Ok(groups) if !groups.is_empty() => Checked::Refuse {
+                    error: crate::batch::BatchError::Row {
+                        row: match first {
+                            BatchError::Row { row, .. } => *row,
+                            _ => 0,
+                        },
+                        field: first.field(),
+                        reason: format!("{first} (and {} more rows)", rows.len() - 1),
+                    },
+                    groups,
+                },
+                Ok(_) => Checked::Bad(rows.into_iter().next().unwrap_or(BatchError::Empty)),
+                Err(e) => Checked::Bad(e),
+            }
         })
         .await
         .context("the batch decoder task failed")
@@ -647,6 +744,7 @@ impl Fetcher {
         s: u64,
         version: i32,
         eta: u32,
+        trained_through: u64,
     ) -> anyhow::Result<Option<Vec<RecordBatch>>> {
         let b = self.config.staleness.groups_per_step;
         let poll = self.config.learner.batch_poll_interval;
@@ -667,7 +765,10 @@ impl Fetcher {
                 zstd: false,
                 step: s,
                 wait_ms,
+                refused: self.refused_for(s),
+                trained_through: Some(trained_through),
             };
+            let sent_refusals = !req.refused.is_empty();
             let timeout =
                 Duration::from_millis(u64::from(wait_ms)) + self.config.bus.request_timeout;
             let reply = tokio::select! {
@@ -685,6 +786,9 @@ impl Fetcher {
                             BatchReply::default()
                         }
                     };
+                    if reply.error.is_empty() && sent_refusals {
+                        self.refusals_taken(s);
+                    }
                     if !reply.error.is_empty() {
                         match &refused_since {
                             Some((since, reason)) if *reason == reply.error => {
@@ -704,12 +808,19 @@ impl Fetcher {
                     } else if reply.num_groups > 0 {
                         let bytes = self.reply_bytes(&reply).await?;
                         match self.check(bytes.clone(), version).await? {
-                            Ok(batches) => {
+                            Checked::Good(batches) => {
                                 // Durable before the next step is asked for.
                                 self.pending.save(s, bytes).await?;
                                 return Ok(Some(batches));
                             }
-                            Err(e) => self.refuse_batch(s, &e),
+                            Checked::Refuse { error, groups } => {
+                                // Asked again at once, with the groups to
+                                // quarantine.
+                                self.refuse_batch(s, &error);
+                                self.refuse(s, groups);
+                                continue;
+                            }
+                            Checked::Bad(e) => self.refuse_batch(s, &e),
                         }
                     }
                 }
@@ -739,11 +850,25 @@ impl Fetcher {
     }
 
     /// A batch the learner will not train on: counted by its field, logged,
-    /// and asked for again after the poll interval.
+    /// and asked for again.
     fn refuse_batch(&self, step: u64, e: &BatchError) {
         self.metrics.bad_batch(e.field());
         tracing::warn!(step, field = e.field(), error = %e, "refusing a bad batch from the buffer; asking again");
     }
+}
+
+/// A batch, checked.
+enum Checked {
+    Good(Vec<RecordBatch>),
+    /// Rows the learner will not train on: their groups (id, reason) are
+    /// refused, for the buffer to quarantine; `error` sums them up.
+    Refuse {
+        error: BatchError,
+        groups: Vec<(String, String)>,
+    },
+    /// A problem of the batch as a whole (it does not decode, a column is
+    /// missing): asked for again as it is.
+    Bad(BatchError),
 }
 
 /// Uploads the weights of a version and then announces it; cheap to clone,

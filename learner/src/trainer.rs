@@ -53,6 +53,12 @@ pub enum TrainError {
     Torch(#[from] tch::TchError),
     #[error("the loss is not finite ({0}); the step was not applied")]
     NonFiniteLoss(f64),
+    /// The gradient norm of a mini-batch is not finite: its update was not
+    /// applied (nor any after it).
+    #[error(
+        "the gradient is not finite (norm {norm}) in mini-batch {minibatch}; it was not applied"
+    )]
+    NonFiniteGradient { norm: f64, minibatch: usize },
     /// The `torch` engine process group failed or refused a call.
     #[error(transparent)]
     Engine(#[from] crate::torch_engine::EngineError),
@@ -274,9 +280,12 @@ impl Trainer {
             if let Some(gap) = gap {
                 stats.logprob_gap = gap;
             }
-            stats.grad_norm = stats
-                .grad_norm
-                .max(AdamW::clip_grad_norm(&params, self.opts.grad_clip));
+            let norm = AdamW::clip_grad_norm(&params, self.opts.grad_clip);
+            if !norm.is_finite() {
+                AdamW::zero_grad(&params);
+                return Err(TrainError::NonFiniteGradient { norm, minibatch: i });
+            }
+            stats.grad_norm = stats.grad_norm.max(norm);
             self.opt.step(&params, lr);
             let w = mb.tokens as f64;
             total_tokens += w;

@@ -58,13 +58,16 @@ impl GroupDropReason {
             GroupDropReason::DuplicateAttempt => "duplicate_attempt",
             GroupDropReason::Stale => "stale",
             GroupDropReason::Expired => "expired",
+            GroupDropReason::Quarantined => "quarantined",
         }
     }
 
-    /// A group never served that became older than v − η: its task was not
-    /// trained, so the coordinator returns its capacity and issues it again.
-    pub fn is_stale(self) -> bool {
-        self == GroupDropReason::Stale
+    /// A group never trained on that the buffer gave up on: never served
+    /// and older than v − η (stale), or refused by the learner
+    /// (quarantined). Its task was not trained, so the coordinator returns
+    /// its capacity and issues it again.
+    pub fn reissues_task(self) -> bool {
+        matches!(self, GroupDropReason::Stale | GroupDropReason::Quarantined)
     }
 }
 

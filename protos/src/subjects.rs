@@ -9,6 +9,10 @@ pub const TRAJECTORY_SUBJECT_PREFIX: &str = "trajectories";
 /// Dead-letter stream for messages the buffer could not decode.
 pub const DEAD_LETTER_STREAM: &str = "TRAJECTORIES_DLQ";
 pub const DEAD_LETTER_SUBJECT: &str = "trajectories_dlq";
+/// The most payload bytes a dead letter carries (the rest is cut, and the
+/// letter says so): far below any server's `max_payload`, so a letter is
+/// always published.
+pub const DEAD_LETTER_PAYLOAD_MAX: usize = 64 * 1024;
 
 /// Coordinator request/reply subjects.
 pub const TASKS_ACQUIRE: &str = "asyncrl.tasks.acquire";

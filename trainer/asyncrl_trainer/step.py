@@ -340,6 +340,11 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opts.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if not math.isfinite(float(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise StepError(
+                f"the gradient is not finite (norm {float(grad_norm)}); the step was not applied"
+            )
         self.optimizer.step()
 
         gap_tokens = gap[0]

@@ -41,12 +41,7 @@ fn groups(first: u32, n: u32, g: u32, version: i32) -> Vec<Trajectory> {
 }
 
 fn ask(step: u64, version: i32, eta: u32, n: usize) -> Ask {
-    Ask {
-        step,
-        version,
-        eta,
-        num_groups: n,
-    }
+    Ask::next(step, version, eta, n)
 }
 
 /// plan + commit, as the server does (records are not persisted here).
@@ -561,6 +556,9 @@ enum Op {
     Serve { advance: bool, n: u8, eta: u8 },
     /// The learner repeats its last step.
     Repeat,
+    /// The learner refuses a group of its last step (and asks for the
+    /// step again).
+    Refuse(usize),
     /// The buffer restarts: a new core from the log and the segments.
     Restart,
 }
@@ -572,6 +570,7 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         1 => (0usize..1000).prop_map(Op::Again),
         2 => (any::<bool>(), 1u8..4, 0u8..3).prop_map(|(advance, n, eta)| Op::Serve { advance, n, eta }),
         1 => Just(Op::Repeat),
+        1 => (0usize..8).prop_map(Op::Refuse),
         1 => Just(Op::Restart),
     ]
 }
@@ -600,6 +599,9 @@ proptest::proptest! {
         let mut step = 0u64;
         let mut served_steps: HashMap<u64, Vec<String>> = HashMap::new();
         let mut serves: HashMap<String, u32> = HashMap::new();
+        let mut quarantined: HashSet<String> = HashSet::new();
+        // The last step was served (not refused since): a repeat replays it.
+        let mut repeatable = false;
         let mut n = 0u32;
         for op in ops {
             match op {
@@ -637,6 +639,10 @@ proptest::proptest! {
                     c.commit(plan);
                     if let Outcome::Serve(groups) = outcome {
                         step += 1;
+                        repeatable = true;
+                        for g in &groups {
+                            proptest::prop_assert!(!quarantined.contains(&g.to_string()), "quarantined group {} served", g);
+                        }
                         let (batches, idx) = c.gather(&groups).unwrap();
                         let refs: Vec<&RecordBatch> = batches.iter().collect();
                         let trajs = from_record_batch(
@@ -661,7 +667,27 @@ proptest::proptest! {
                         served_steps.insert(step, groups.iter().map(|g| g.to_string()).collect());
                     }
                 }
-                Op::Repeat if step > 0 => {
+                Op::Refuse(i) if repeatable => {
+                    let groups = served_steps[&step].clone();
+                    let refused = groups[i % groups.len()].clone();
+                    let refusal = c.plan_refusal(step, &[(refused.clone(), "bad".into())]);
+                    let refusal = refusal.expect("a group of the last step is refusable");
+                    log.push(c.refusal_record(&refusal));
+                    let dropped = c.commit_refusal(refusal);
+                    proptest::prop_assert_eq!(dropped.len(), 1);
+                    proptest::prop_assert_eq!(dropped[0].reason, GroupDropReason::Quarantined);
+                    quarantined.insert(refused.clone());
+                    for g in groups.iter().filter(|g| **g != refused) {
+                        if let Some(s) = serves.get_mut(g) {
+                            *s -= 1;
+                        }
+                    }
+                    served_steps.remove(&step);
+                    step -= 1;
+                    repeatable = false;
+                }
+                Op::Refuse(_) => {}
+                Op::Repeat if repeatable => {
                     let plan = c.plan(ask(step, version, 0, 1));
                     match plan.outcome {
                         Outcome::Replay(g) => {
@@ -723,4 +749,131 @@ fn copies_of_trained_trajectories_are_known_before_they_are_stored() {
     // ... a trajectory of another attempt of the task is not.
     let other = traj_of("task-0", "lease-9", 99, 0, 2, 0, 4);
     assert!(!c.is_known(&meta(&other)));
+}
+
+/// A refusal, planned, recorded and committed as the server does; the
+/// record is appended to `log`.
+fn refuse(c: &mut Core, log: &mut Vec<Record>, step: u64, groups: &[&str]) -> Vec<DroppedGroup> {
+    let refused: Vec<(String, String)> = groups
+        .iter()
+        .map(|g| {
+            (
+                g.to_string(),
+                "row 0: `completion_token_ids` holds token id 1000000".into(),
+            )
+        })
+        .collect();
+    let Some(refusal) = c.plan_refusal(step, &refused) else {
+        return Vec::new();
+    };
+    log.push(c.refusal_record(&refusal));
+    c.commit_refusal(refusal)
+}
+
+/// plan + records + commit, the records appended to `log`.
+fn serve_logged(c: &mut Core, log: &mut Vec<Record>, a: Ask) -> Outcome {
+    let plan = c.plan(a);
+    log.extend(c.records(&plan, 0));
+    let outcome = plan.outcome.clone();
+    c.commit(plan);
+    outcome
+}
+
+#[test]
+fn a_refused_group_is_quarantined_and_the_step_is_served_anew_from_other_groups() {
+    let mut live = core(SamplingPolicy::Fifo, 1);
+    let mut log: Vec<Record> = Vec::new();
+    let all = groups(0, 4, 2, 0); // lease-0..3 of task-0..3
+    feed(&mut live, &all, 1);
+    let first = serve_logged(&mut live, &mut log, ask(1, 0, 2, 2));
+    assert_eq!(served(&first), names(&[0, 1]));
+    // The learner refuses lease-1: it is quarantined (reported, so the
+    // coordinator issues task-1 again), lease-0 is servable again, and
+    // step 1 is served anew: lease-0 and the next ready group.
+    let dropped = refuse(&mut live, &mut log, 1, &["lease-1"]);
+    assert_eq!(dropped.len(), 1, "{dropped:?}");
+    assert_eq!(
+        (
+            dropped[0].group.as_str(),
+            dropped[0].reason,
+            dropped[0].trajectories
+        ),
+        ("lease-1", GroupDropReason::Quarantined, 2)
+    );
+    // A retried request carrying the same refusal changes nothing.
+    assert!(refuse(&mut live, &mut log, 1, &["lease-1"]).is_empty());
+    let again = serve_logged(&mut live, &mut log, ask(1, 0, 2, 2));
+    assert!(matches!(again, Outcome::Serve(_)), "{again:?}");
+    assert_eq!(served(&again), names(&[0, 2]));
+    // The task's new attempt is kept (not dropped as a duplicate of a done
+    // task), and a redelivered copy of the refused group is not stored.
+    let retry = [
+        traj_of("task-1", "retry", 90, 0, 2, 0, 4),
+        traj_of("task-1", "retry", 91, 1, 2, 0, 4),
+    ];
+    let a = feed(&mut live, &retry, 1);
+    assert_eq!((a.stored, a.newly_ready, a.superseded), (2, 1, 0), "{a:?}");
+    let copy = feed(&mut live, &all[2..4], 1);
+    assert_eq!((copy.stored, copy.duplicates), (0, 2), "{copy:?}");
+    // Recovered from the log, and from a snapshot, the buffer agrees: step
+    // 1 replays the new groups, and the next step gets the rest.
+    let segments = [all.clone(), retry.to_vec(), all[2..4].to_vec()];
+    for records in [log.clone(), live.snapshot()] {
+        let mut back = recover(SamplingPolicy::Fifo, 1, &records, &segments);
+        assert!(back.finish_recovery().is_empty());
+        let replay = back.plan(ask(1, 0, 2, 2)).outcome;
+        assert!(matches!(replay, Outcome::Replay(_)), "{replay:?}");
+        assert_eq!(served(&replay), names(&[0, 2]));
+        let (next, _) = serve(&mut back, ask(2, 1, 2, 2));
+        assert_eq!(served(&next), ["lease-3".to_string(), "retry".to_string()]);
+    }
+    let (next, _) = serve(&mut live, ask(2, 1, 2, 2));
+    assert_eq!(served(&next), ["lease-3".to_string(), "retry".to_string()]);
+}
+
+#[test]
+fn a_prefetched_step_keeps_the_step_before_it_refusable() {
+    let mut live = core(SamplingPolicy::Fifo, 1);
+    let mut log: Vec<Record> = Vec::new();
+    feed(&mut live, &groups(0, 6, 2, 0), 1);
+    serve_logged(&mut live, &mut log, ask(1, 0, 2, 2));
+    // Step 2 is asked for while step 1 trains: step 1 is not trained yet.
+    let prefetch = Ask {
+        trained_through: 0,
+        ..ask(2, 1, 2, 2)
+    };
+    assert_eq!(
+        served(&serve_logged(&mut live, &mut log, prefetch)),
+        names(&[2, 3])
+    );
+    assert_eq!(live.stats().done_through, 0);
+    // Step 1's loss is not finite: every group of it is refused.
+    let dropped = refuse(&mut live, &mut log, 1, &["lease-0", "lease-1"]);
+    assert_eq!(dropped.len(), 2);
+    let anew = serve_logged(&mut live, &mut log, ask(1, 0, 2, 2));
+    assert_eq!(served(&anew), names(&[4, 5]));
+    // A recovery keeps both steps, and step 2 still replays its groups.
+    for records in [log.clone(), live.snapshot()] {
+        let mut back = recover(SamplingPolicy::Fifo, 1, &records, &[groups(0, 6, 2, 0)]);
+        assert!(back.finish_recovery().is_empty());
+        assert_eq!(back.stats().done_through, 0);
+        assert_eq!(served(&back.plan(ask(1, 0, 2, 2)).outcome), names(&[4, 5]));
+        assert_eq!(served(&back.plan(ask(2, 1, 2, 2)).outcome), names(&[2, 3]));
+    }
+}
+
+#[test]
+fn with_reuse_a_refused_step_gives_its_other_groups_their_serve_back() {
+    let mut c = core(SamplingPolicy::Fifo, 2);
+    let mut log = Vec::new();
+    feed(&mut c, &groups(0, 2, 2, 0), 1);
+    serve_logged(&mut c, &mut log, ask(1, 0, 4, 2));
+    let (second, _) = serve(&mut c, ask(2, 1, 4, 2));
+    assert_eq!(served(&second), names(&[0, 1]));
+    // Refusing lease-1 at step 2 gives lease-0 its second serve back.
+    refuse(&mut c, &mut log, 2, &["lease-1"]);
+    assert_eq!(
+        c.plan(ask(2, 1, 4, 1)).outcome,
+        Outcome::Serve(vec![Arc::from("lease-0")])
+    );
 }

@@ -129,7 +129,17 @@ pub async fn ask(
         zstd: step.is_multiple_of(2),
         step,
         wait_ms,
+        ..Default::default()
     };
+    ask_request(bus, req).await
+}
+
+/// Sends `req` as the learner does; the reply and its trajectories.
+pub async fn ask_request(
+    bus: &dyn Bus,
+    req: BatchRequest,
+) -> Result<(BatchReply, Vec<Trajectory>), String> {
+    let wait_ms = req.wait_ms;
     let timeout = Duration::from_millis(u64::from(wait_ms) + 5_000);
     let bytes = bus
         .request(BUFFER_BATCH, Bytes::from(req.encode_to_vec()), timeout)

@@ -279,9 +279,9 @@ fn stale_drop_returns_capacity_and_reissues_the_task() {
         s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
     }
     assert_eq!(s.capacity(0), 0);
-    assert_eq!(s.on_group_dropped(&g[1].lease_id, false), None);
+    assert_eq!(s.on_group_dropped(&g[1].lease_id, false, false), None);
     assert_eq!(
-        s.on_group_dropped(&g[1].lease_id, true),
+        s.on_group_dropped(&g[1].lease_id, true, true),
         Some(TaskRef { index: 1, epoch: 0 })
     );
     assert_eq!(s.stale_dropped_total, 1);
@@ -290,8 +290,27 @@ fn stale_drop_returns_capacity_and_reissues_the_task() {
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].task.index, 1);
     // Unknown group: counted, nothing else.
-    assert_eq!(s.on_group_dropped("L0-77", true), None);
+    assert_eq!(s.on_group_dropped("L0-77", true, true), None);
     assert_eq!(s.stale_dropped_total, 2);
+}
+
+#[test]
+fn a_quarantined_group_returns_capacity_and_reissues_its_task_without_counting_as_stale() {
+    let mut s = sched(2, 100);
+    let g = s.acquire("w", 2, 0, 0);
+    for g in &g {
+        s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    assert_eq!(s.capacity(0), 0);
+    assert_eq!(
+        s.on_group_dropped(&g[0].lease_id, true, false),
+        Some(TaskRef { index: 0, epoch: 0 })
+    );
+    assert_eq!(s.stale_dropped_total, 0);
+    assert_eq!(s.capacity(0), 1);
+    let again = s.acquire("w", 5, 0, 0);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].task.index, 0);
 }
 
 #[test]
@@ -400,7 +419,7 @@ fn the_state_is_written_as_its_protobuf_message() {
         s.complete(w, &g.lease_id, Some(g.task.index), 4).unwrap();
     }
     s.expire_worker("w3", 1_700_000_000_100);
-    s.on_group_dropped(&held[0].1.lease_id, true);
+    s.on_group_dropped(&held[0].1.lease_id, true, true);
     s.on_version(2);
     s.on_version(-1);
     s.acquire("w4", 2, 4, 1_700_000_000_200);

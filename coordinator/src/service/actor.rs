@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use asyncrl_common::SharedClock;
 use asyncrl_config::Config;
+use asyncrl_protos::GroupDropReason;
 use asyncrl_protos::v1::StatusReply;
 use asyncrl_telemetry::Health;
 use asyncrl_transport::Bus;
@@ -339,9 +340,10 @@ impl Actor {
             }
             Event::GroupDropped(g) => {
                 CoordinatorMetrics::reason(&self.metrics.groups_dropped, g.kind().label());
-                let stale = g.kind().is_stale();
-                *dirty |= stale;
-                let requeued = self.sched.on_group_dropped(&g.group_id, stale);
+                let reissue = g.kind().reissues_task();
+                let stale = g.kind() == GroupDropReason::Stale;
+                *dirty |= reissue;
+                let requeued = self.sched.on_group_dropped(&g.group_id, reissue, stale);
                 // `asyncrl_stale_dropped_total` is shared with a buffer in the
                 // same process (which counts before it reports): raise it to
                 // the reported total, never count a drop twice.
@@ -354,12 +356,12 @@ impl Actor {
                 }
                 match requeued {
                     Some(task) => tracing::info!(
-                        task_id = %g.task_id, group_id = %g.group_id, index = task.index, epoch = task.epoch,
-                        "the buffer dropped a stale group; its capacity is returned and the task is issued again"
+                        task_id = %g.task_id, group_id = %g.group_id, index = task.index, epoch = task.epoch, reason = g.kind().label(),
+                        "the buffer dropped a group it never trained on; its capacity is returned and the task is issued again"
                     ),
-                    None if stale => tracing::warn!(
-                        task_id = %g.task_id, group_id = %g.group_id,
-                        "the buffer dropped a stale group the coordinator does not remember (coordinator.completed_memory); counted only"
+                    None if reissue => tracing::warn!(
+                        task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(),
+                        "the buffer dropped a group the coordinator does not remember (coordinator.completed_memory); counted only"
                     ),
                     None => {
                         tracing::debug!(task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(), "group dropped")

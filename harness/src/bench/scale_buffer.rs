@@ -104,12 +104,7 @@ pub(crate) fn measure(o: &Options) -> anyhow::Result<Curve> {
         for _ in 0..o.serves {
             step += 1;
             let t0 = Instant::now();
-            let plan = core.plan(Ask {
-                step,
-                version: 0,
-                eta: 1_000,
-                num_groups: SERVE_GROUPS,
-            });
+            let plan = core.plan(Ask::next(step, 0, 1_000, SERVE_GROUPS));
             let Outcome::Serve(groups) = plan.outcome.clone() else {
                 anyhow::bail!("step {step} was not served: {:?}", plan.outcome);
             };
