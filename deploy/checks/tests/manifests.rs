@@ -1918,3 +1918,231 @@ fn the_nats_cluster_authorizes_its_routes_over_mutual_tls() {
     }
     assert_eq!(clustered, 4, "the gpu overlays run a NATS cluster");
 }
+
+/// A pod that might send traffic: its labels and its namespace.
+struct Source {
+    name: String,
+    namespace: &'static str,
+    labels: Value,
+}
+
+/// Whether the NetworkPolicies of `r` admit TCP traffic from `src` to
+/// `port` of the pod template `target` (in namespace asyncrl), by the
+/// NetworkPolicy rules: a pod no Ingress policy selects takes everything; a
+/// selected pod takes what any rule of any policy selecting it allows.
+fn admits(r: &Rendered, target: &Value, port: &Value, src: &Source) -> bool {
+    let labels = &target["spec"]["template"]["metadata"]["labels"];
+    let number = port["containerPort"].as_u64().unwrap();
+    let policies: Vec<&Value> = r
+        .of_kind("NetworkPolicy")
+        .filter(|p| {
+            let types = &p["spec"]["policyTypes"];
+            (types.is_null() || types.as_array().unwrap().iter().any(|t| t == "Ingress"))
+                && selects(&p["spec"]["podSelector"], labels)
+        })
+        .collect();
+    if policies.is_empty() {
+        return true;
+    }
+    let ns_labels = serde_json::json!({ "kubernetes.io/metadata.name": src.namespace });
+    policies.iter().any(|p| {
+        p["spec"]["ingress"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|rule| {
+                let port_ok = match rule["ports"].as_array() {
+                    None => true,
+                    Some(ps) if ps.is_empty() => true,
+                    Some(ps) => ps.iter().any(|p| {
+                        p["protocol"].as_str().unwrap_or("TCP") == "TCP"
+                            && match &p["port"] {
+                                Value::Null => true,
+                                Value::Number(n) => {
+                                    let lo = n.as_u64().unwrap();
+                                    let hi = p["endPort"].as_u64().unwrap_or(lo);
+                                    (lo..=hi).contains(&number)
+                                }
+                                Value::String(s) => port["name"] == s.as_str(),
+                                _ => false,
+                            }
+                    }),
+                };
+                let from_ok = match rule["from"].as_array() {
+                    None => true,
+                    Some(peers) if peers.is_empty() => true,
+                    Some(peers) => peers.iter().any(|peer| {
+                        if !peer["ipBlock"].is_null() {
+                            return true;
+                        }
+                        let ns = &peer["namespaceSelector"];
+                        let pods = &peer["podSelector"];
+                        let ns_ok = if ns.is_null() {
+                            src.namespace == "asyncrl"
+                        } else {
+                            selects(ns, &ns_labels)
+                        };
+                        ns_ok && (pods.is_null() || selects(pods, &src.labels))
+                    }),
+                };
+                port_ok && from_ok
+            })
+    })
+}
+
+/// Ingress in namespace asyncrl is denied by default and admitted exactly
+/// where a pod needs it: the roles to NATS' client port, NATS to NATS on the
+/// route port, Prometheus (namespace monitoring) to the ports the
+/// PodMonitors scrape, pods labelled asyncrl.dev/admin-client to the
+/// coordinator's admin port, and in gpu-torch the gang's pods to each other.
+/// Every port of every pod is checked against every pod of the overlay and
+/// a few strangers; vLLM's loopback port has no containerPort and needs none.
+#[test]
+fn network_policies_admit_exactly_what_each_role_needs() {
+    let admin_port = 7461;
+    for r in rendered() {
+        let ctx = &r.name;
+        let policies: Vec<&Value> = r.of_kind("NetworkPolicy").collect();
+        assert!(
+            policies.iter().any(|p| {
+                p["spec"]["podSelector"]
+                    .as_object()
+                    .is_some_and(|s| s.is_empty())
+                    && p["spec"]["policyTypes"]
+                        .as_array()
+                        .is_some_and(|t| t.iter().any(|t| t == "Ingress"))
+                    && p["spec"]["ingress"].as_array().is_none_or(|i| i.is_empty())
+            }),
+            "overlay {ctx}: no default-deny ingress NetworkPolicy (podSelector {{}}, no rules)"
+        );
+        for p in &policies {
+            for rule in p["spec"]["ingress"].as_array().into_iter().flatten() {
+                assert!(
+                    rule["from"].as_array().is_some_and(|f| !f.is_empty()),
+                    "overlay {ctx}: NetworkPolicy {} admits every source",
+                    name(p)
+                );
+                for peer in rule["from"].as_array().unwrap() {
+                    assert!(
+                        peer["ipBlock"].is_null(),
+                        "overlay {ctx}: NetworkPolicy {}: an ipBlock",
+                        name(p)
+                    );
+                }
+            }
+        }
+        let workloads: Vec<&Value> = r.workloads().collect();
+        for w in &workloads {
+            let labels = &w["spec"]["template"]["metadata"]["labels"];
+            assert!(
+                policies
+                    .iter()
+                    .any(|p| selects(&p["spec"]["podSelector"], labels)
+                        && p["spec"]["policyTypes"]
+                            .as_array()
+                            .is_some_and(|t| t.iter().any(|t| t == "Ingress"))),
+                "overlay {ctx}: no ingress NetworkPolicy selects the pods of {}",
+                name(w)
+            );
+        }
+
+        // Who might knock: every pod of the overlay, and strangers.
+        let mut sources: Vec<Source> = workloads
+            .iter()
+            .map(|w| Source {
+                name: name(w).to_owned(),
+                namespace: "asyncrl",
+                labels: w["spec"]["template"]["metadata"]["labels"].clone(),
+            })
+            .collect();
+        let coordinator_labels =
+            r.get("Deployment", "coordinator")["spec"]["template"]["metadata"]["labels"].clone();
+        let admin_client = serde_json::json!({"asyncrl.dev/admin-client": "true"});
+        let prometheus = serde_json::json!({"app.kubernetes.io/name": "prometheus"});
+        for (n, ns, labels) in [
+            ("admin-client", "asyncrl", admin_client.clone()),
+            ("admin-client elsewhere", "other", admin_client),
+            ("prometheus", "monitoring", prometheus.clone()),
+            ("prometheus elsewhere", "other", prometheus),
+            (
+                "grafana",
+                "monitoring",
+                serde_json::json!({"app": "grafana"}),
+            ),
+            ("unlabelled pod", "asyncrl", serde_json::json!({})),
+            ("a coordinator elsewhere", "other", coordinator_labels),
+        ] {
+            sources.push(Source {
+                name: n.to_owned(),
+                namespace: ns,
+                labels,
+            });
+        }
+
+        // What Prometheus scrapes: the PodMonitors' ports.
+        let mut scraped: Vec<(String, String)> = Vec::new();
+        for m in r.of_kind("PodMonitor") {
+            for w in &workloads {
+                if selects(
+                    &m["spec"]["selector"],
+                    &w["spec"]["template"]["metadata"]["labels"],
+                ) {
+                    for e in m["spec"]["podMetricsEndpoints"].as_array().unwrap() {
+                        scraped.push((name(w).to_owned(), e["port"].as_str().unwrap().to_owned()));
+                    }
+                }
+            }
+        }
+        let gang: Vec<&str> = if r.of_kind("JobSet").count() > 0 {
+            vec!["learner", "trainer"]
+        } else {
+            vec![]
+        };
+        let roles = ["coordinator", "buffer", "learner", "rollout-worker"];
+
+        let mut checked_admin = false;
+        for w in &workloads {
+            let target = name(w);
+            for c in containers(w) {
+                for port in c["ports"].as_array().into_iter().flatten() {
+                    let number = port["containerPort"].as_u64().unwrap();
+                    let pname = port["name"].as_str().unwrap_or_default();
+                    let mut expected: Vec<&str> = match (target, number) {
+                        ("nats", 4222) => roles.to_vec(),
+                        ("nats", 6222) => vec!["nats"],
+                        ("coordinator", p) if p == admin_port => {
+                            checked_admin = true;
+                            vec!["admin-client"]
+                        }
+                        _ => vec![],
+                    };
+                    if scraped.contains(&(target.to_owned(), pname.to_owned())) {
+                        expected.push("prometheus");
+                    }
+                    if gang.contains(&target) {
+                        expected.extend(&gang);
+                    }
+                    let admitted: Vec<&str> = sources
+                        .iter()
+                        .filter(|s| admits(&r, w, port, s))
+                        .map(|s| s.name.as_str())
+                        .collect();
+                    let mut want: Vec<&str> = sources
+                        .iter()
+                        .map(|s| s.name.as_str())
+                        .filter(|s| expected.contains(s))
+                        .collect();
+                    want.dedup();
+                    assert_eq!(
+                        admitted, want,
+                        "overlay {ctx}: who reaches {target}:{number} ({pname})"
+                    );
+                }
+            }
+        }
+        assert!(
+            checked_admin,
+            "overlay {ctx}: the coordinator has no admin port {admin_port}"
+        );
+    }
+}
