@@ -42,8 +42,8 @@ fn every_deploy_config_parses() {
     for f in &files {
         let c = Config::load(f).unwrap_or_else(|e| panic!("{e}"));
         assert!(
-            c.bus.url.starts_with("nats://"),
-            "{}: a deployment runs over NATS",
+            c.bus.url.starts_with("tls://") && c.bus.tls.as_ref().is_some_and(|t| t.required),
+            "{}: a deployment runs over NATS with TLS required",
             f.display()
         );
     }

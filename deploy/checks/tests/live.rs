@@ -129,6 +129,26 @@ fn wait_for<T>(
     }
 }
 
+/// The bytes of a Secret's base64 `data` value (`base64 -d`).
+fn base64_decode(text: &str) -> Vec<u8> {
+    use std::io::Write;
+    let mut child = Command::new("base64")
+        .arg("-d")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("base64 (coreutils)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "base64 -d failed");
+    out.stdout
+}
+
 /// `GET /api/v1/query?query=...` on Prometheus; the `data` of a success.
 fn prom_query(addr: &str, query: &str) -> Result<Value, String> {
     let (status, body) = http_get(addr, &format!("/api/v1/query?query={}", url_encode(query)))
@@ -172,19 +192,36 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
     for (key, value) in keys {
         std::fs::write(secrets.join(key), value.as_str().unwrap()).unwrap();
     }
+    // The throwaway TLS Secret of the overlay: the server's certificate,
+    // key and CA where the NATS pod mounts them, the CA where the roles do.
+    let tls_dir = root.join("nats-tls");
+    let ca_dir = root.join("tls");
+    std::fs::create_dir_all(&tls_dir).unwrap();
+    std::fs::create_dir_all(&ca_dir).unwrap();
+    let tls_secret = dev.get("Secret", "asyncrl-nats-tls");
+    for (key, value) in tls_secret["data"].as_object().expect("the dev TLS Secret") {
+        let bytes = base64_decode(value.as_str().unwrap());
+        std::fs::write(tls_dir.join(key), &bytes).unwrap();
+        if key == "ca.crt" {
+            std::fs::write(ca_dir.join(key), &bytes).unwrap();
+        }
+    }
     // The NATS server of the overlay: its nats.conf and nats-auth.conf, its
-    // environment from the Secret (nats.yaml), the monitoring port moved
-    // and the store left to the test server's own directory.
+    // environment from the Secret (nats.yaml), TLS from the files above,
+    // the monitoring port moved and the store left to the test server's
+    // own directory.
     let sts = dev.get("StatefulSet", "nats");
     let nats_conf = dev.config_map_data("nats-config", "nats.conf");
     assert!(nats_conf.contains("store_dir: /data"), "{nats_conf}");
+    assert!(nats_conf.contains("/etc/nats-tls/"), "{nats_conf}");
     let mut server = ServerConfig::new(
         nats_conf
             .replace(
                 "0.0.0.0:8222",
                 &format!("127.0.0.1:{}", free_port().unwrap()),
             )
-            .replace("store_dir: /data", ""),
+            .replace("store_dir: /data", "")
+            .replace("/etc/nats-tls", &tls_dir.display().to_string()),
     )
     .file(
         "nats-auth.conf",
@@ -210,9 +247,16 @@ fn prometheus_scrapes_a_local_multi_process_run_of_the_dev_overlay() {
     let config_text = dev
         .config_map_data("asyncrl-config", "asyncrl.toml")
         .replace("/var/lib/asyncrl", &data.display().to_string())
-        .replace("/etc/asyncrl/secrets", &secrets.display().to_string());
+        .replace("/etc/asyncrl/secrets", &secrets.display().to_string())
+        .replace("/etc/asyncrl/tls", &ca_dir.display().to_string());
     let config = Config::parse(&config_text, Some(Path::new("asyncrl.toml")))
         .unwrap_or_else(|e| panic!("the ConfigMap's config: {e}"));
+    // Over TLS only: the roles refuse a plaintext server, the server
+    // refuses plaintext clients.
+    assert!(
+        config.bus.tls.as_ref().is_some_and(|t| t.required),
+        "the dev config does not require TLS"
+    );
     let mut procs = Procs(Vec::new());
 
     // The coordinator's init container writes the data set.

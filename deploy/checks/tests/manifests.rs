@@ -580,10 +580,13 @@ fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
             "overlay {ctx}: bus.replicas (stream replicas) must equal the NATS servers"
         );
         if replicas > 1 {
+            let routes = nats_routes(&r);
             for i in 0..replicas {
                 assert!(
-                    conf.contains(&format!("nats://nats-{i}.nats-headless:6222")),
-                    "overlay {ctx}: no route to nats-{i}"
+                    routes
+                        .iter()
+                        .any(|u| u.ends_with(&format!("@nats-{i}.nats-headless:6222"))),
+                    "overlay {ctx}: no route to nats-{i}: {routes:?}"
                 );
             }
         }
@@ -609,8 +612,8 @@ fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
         }
         let url = &cfg.bus.url;
         assert!(
-            url.starts_with("nats://nats:4222"),
-            "overlay {ctx}: bus.url {url} is not the nats Service"
+            url.starts_with("tls://nats:4222"),
+            "overlay {ctx}: bus.url {url} is not the nats Service over TLS"
         );
         r.get("Service", "nats");
     }
@@ -634,10 +637,27 @@ fn secrets_ship_only_in_dev() {
                     "dev Secret key {key}"
                 );
             }
+            // The throwaway TLS material, marked as such.
+            let tls = r.get("Secret", "asyncrl-nats-tls");
+            assert_eq!(tls["type"], "kubernetes.io/tls");
+            assert_eq!(
+                tls["metadata"]["labels"]["asyncrl.dev/throwaway"], "true",
+                "dev: the TLS Secret says it is throwaway"
+            );
+            for key in ["tls.crt", "tls.key", "ca.crt"] {
+                assert!(tls["data"][key].is_string(), "dev TLS Secret key {key}");
+            }
         } else {
             assert!(
                 secret.is_none(),
                 "overlay {}: ships placeholder tokens; the real Secret is created by hand",
+                r.name
+            );
+            // Nor a TLS key (asyncrl-nats-tls), nor any other Secret.
+            let shipped: Vec<&str> = r.of_kind("Secret").map(name).collect();
+            assert!(
+                shipped.is_empty(),
+                "overlay {}: ships Secrets {shipped:?}; the real ones are created by hand",
                 r.name
             );
         }
@@ -1606,6 +1626,523 @@ fn gpu_torch_runs_the_learner_as_one_gang_admitted_by_kueue() {
                 .any(|o| o["kind"] == "ResourceFlavor" && o["metadata"]["name"] == f["name"]),
             "gpu-torch: kueue-admin.yaml lacks the ResourceFlavor {}",
             f["name"]
+        );
+    }
+}
+
+/// The inside of block `name { ... }` (or `name: { ... }`) at the top level
+/// of `conf`, a nats.conf or the inside of one of its blocks; comments cut.
+fn nats_conf_block(conf: &str, name: &str) -> Option<String> {
+    let mut depth = 0usize;
+    let mut inside: Option<(usize, String)> = None;
+    for line in conf.lines() {
+        let l = line.split('#').next().unwrap_or_default().trim();
+        let opens = l.matches('{').count();
+        let closes = l.matches('}').count();
+        if let Some((d, text)) = inside.as_mut() {
+            let after = depth + opens - closes.min(depth + opens);
+            if after < *d {
+                return inside.map(|(_, t)| t);
+            }
+            text.push_str(l);
+            text.push('\n');
+        } else if depth == 0 {
+            let head = l.strip_prefix(name).map(str::trim_start);
+            let head = head.map(|h| h.strip_prefix(':').unwrap_or(h).trim_start());
+            if head == Some("{") {
+                inside = Some((1, String::new()));
+            }
+        }
+        depth = depth + opens - closes.min(depth + opens);
+    }
+    None
+}
+
+/// The entries of the list `key: [ ... ]` at the top level of `conf`, one
+/// per line or comma-separated.
+fn nats_conf_list(conf: &str, key: &str) -> Vec<String> {
+    let mut entries = Vec::new();
+    let mut open = false;
+    for line in conf.lines() {
+        let l = line.split('#').next().unwrap_or_default().trim();
+        let rest = if open {
+            l
+        } else if let Some(r) = l
+            .strip_prefix(key)
+            .map(|r| r.trim_start().strip_prefix(':').unwrap_or(r).trim_start())
+            .and_then(|r| r.strip_prefix('['))
+        {
+            open = true;
+            r
+        } else {
+            continue;
+        };
+        let (items, closed) = match rest.split_once(']') {
+            Some((items, _)) => (items, true),
+            None => (rest, false),
+        };
+        entries.extend(
+            items
+                .split([',', ' '])
+                .map(|e| e.trim().trim_matches('"'))
+                .filter(|e| !e.is_empty())
+                .map(str::to_owned),
+        );
+        if closed {
+            break;
+        }
+    }
+    entries
+}
+
+/// The value of the environment variable `var` of the NATS container.
+fn nats_env(r: &Rendered, var: &str) -> Option<Value> {
+    r.get("StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == var)
+        .cloned()
+}
+
+/// A nats.conf value: literal, or `$VAR` resolved through the NATS
+/// container's environment (literal values only; None for a Secret's).
+fn nats_conf_resolve(r: &Rendered, v: &str) -> Option<String> {
+    match v.strip_prefix('$') {
+        Some(var) => nats_env(r, var)?["value"].as_str().map(str::to_owned),
+        None => Some(v.to_owned()),
+    }
+}
+
+/// The route URLs of the overlay's nats.conf (cluster.routes), resolved.
+fn nats_routes(r: &Rendered) -> Vec<String> {
+    let conf = r.config_map_data("nats-config", "nats.conf");
+    let cluster = nats_conf_block(&conf, "cluster").unwrap_or_default();
+    nats_conf_list(&cluster, "routes")
+        .iter()
+        .map(|e| {
+            nats_conf_resolve(r, e)
+                .unwrap_or_else(|| panic!("overlay {}: route {e} is no literal", r.name))
+        })
+        .collect()
+}
+
+/// The Secret and key behind the file `path` in container `c` of pod spec
+/// `pod`: the Secret volume mounted above it and the item at that path.
+fn secret_file(pod: &Value, c: &Value, path: &Path) -> Option<(String, String)> {
+    let mount = mount_holding(c, path)?;
+    let volume = pod_volume(pod, &mount["name"])?;
+    let secret = volume["secret"]["secretName"].as_str()?;
+    let rel = path
+        .strip_prefix(mount["mountPath"].as_str()?)
+        .ok()?
+        .to_str()?;
+    let key = match volume["secret"]["items"].as_array() {
+        Some(items) => items.iter().find(|i| i["path"] == rel)?["key"]
+            .as_str()?
+            .to_owned(),
+        None => rel.to_owned(),
+    };
+    Some((secret.to_owned(), key))
+}
+
+/// The Secret holding the NATS server's certificate and key and the CA.
+const NATS_TLS_SECRET: &str = "asyncrl-nats-tls";
+
+/// TLS is the only way onto the bus: every overlay's NATS serves TLS on
+/// its client port with the certificate and key of the Secret
+/// asyncrl-nats-tls, and every role dials tls:// with TLS required and
+/// that Secret's CA, mounting the CA alone (never the key).
+#[test]
+fn nats_serves_tls_and_every_role_requires_it_with_the_ca() {
+    for r in rendered() {
+        let ctx = &r.name;
+        let conf = r.config_map_data("nats-config", "nats.conf");
+        let tls = nats_conf_block(&conf, "tls").unwrap_or_else(|| {
+            panic!("overlay {ctx}: nats.conf has no tls block on the client port")
+        });
+        assert!(
+            nats_conf_value(&conf, "allow_non_tls").is_none_or(|v| v == "false"),
+            "overlay {ctx}: nats.conf lets plaintext clients in (allow_non_tls)"
+        );
+        let sts = r.get("StatefulSet", "nats");
+        let pod = &sts["spec"]["template"]["spec"];
+        for (field, key) in [("cert_file", "tls.crt"), ("key_file", "tls.key")] {
+            let file = nats_conf_value(&tls, field)
+                .unwrap_or_else(|| panic!("overlay {ctx}: nats.conf tls.{field}"));
+            assert_eq!(
+                secret_file(pod, &pod["containers"][0], Path::new(&file)),
+                Some((NATS_TLS_SECRET.to_owned(), key.to_owned())),
+                "overlay {ctx}: nats.conf tls.{field} {file} is not {key} of the Secret {NATS_TLS_SECRET}"
+            );
+        }
+
+        let cfg = config(&r);
+        assert!(
+            cfg.bus.url.starts_with("tls://"),
+            "overlay {ctx}: bus.url {} is not tls://",
+            cfg.bus.url
+        );
+        for (role, workload) in NATS_USERS {
+            let rctx = format!("overlay {ctx} {role}");
+            let bus = cfg.bus.for_role(role);
+            let tls = bus
+                .tls
+                .unwrap_or_else(|| panic!("{rctx}: no [bus.tls] for the role"));
+            assert!(tls.required, "{rctx}: [bus.tls] required = false");
+            let ca = tls
+                .ca_file
+                .unwrap_or_else(|| panic!("{rctx}: [bus.tls] has no ca_file"));
+            let w = role_workload(&r, workload);
+            let pod = &w["spec"]["template"]["spec"];
+            let c = &pod["containers"][0];
+            assert_eq!(
+                secret_file(pod, c, &ca),
+                Some((NATS_TLS_SECRET.to_owned(), "ca.crt".to_owned())),
+                "{rctx}: ca_file {} is not ca.crt of the Secret {NATS_TLS_SECRET}",
+                ca.display()
+            );
+            for v in pod["volumes"].as_array().unwrap() {
+                if v["secret"]["secretName"] == NATS_TLS_SECRET {
+                    let keys: Vec<&Value> = v["secret"]["items"]
+                        .as_array()
+                        .unwrap_or_else(|| panic!("{rctx}: mounts the server's key"))
+                        .iter()
+                        .map(|i| &i["key"])
+                        .collect();
+                    assert_eq!(
+                        keys,
+                        ["ca.crt"],
+                        "{rctx}: of {NATS_TLS_SECRET}, the CA only"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The clustered NATS (3 servers) lets only its own servers route: a route
+/// user whose password is the Secret's, and mutual TLS on the routes with
+/// the Secret's certificate and CA.
+#[test]
+fn the_nats_cluster_authorizes_its_routes_over_mutual_tls() {
+    let mut clustered = 0;
+    for r in rendered() {
+        let ctx = &r.name;
+        let conf = r.config_map_data("nats-config", "nats.conf");
+        let replicas = r.get("StatefulSet", "nats")["spec"]["replicas"]
+            .as_u64()
+            .unwrap();
+        let Some(cluster) = nats_conf_block(&conf, "cluster") else {
+            assert_eq!(replicas, 1, "overlay {ctx}: {replicas} servers, no cluster");
+            continue;
+        };
+        clustered += 1;
+        // Route authorization: the user and the Secret's password.
+        let auth = nats_conf_block(&cluster, "authorization")
+            .unwrap_or_else(|| panic!("overlay {ctx}: cluster without authorization"));
+        let user = nats_conf_value(&auth, "user")
+            .unwrap_or_else(|| panic!("overlay {ctx}: cluster.authorization.user"));
+        let password = nats_conf_value(&auth, "password")
+            .unwrap_or_else(|| panic!("overlay {ctx}: cluster.authorization.password"));
+        let var = password
+            .strip_prefix('$')
+            .unwrap_or_else(|| panic!("overlay {ctx}: a route password in the ConfigMap"));
+        let env =
+            nats_env(&r, var).unwrap_or_else(|| panic!("overlay {ctx}: nats has no env {var}"));
+        assert_eq!(
+            env["valueFrom"]["secretKeyRef"]["name"], "asyncrl-secrets",
+            "overlay {ctx}: {var}"
+        );
+        assert_eq!(
+            env["valueFrom"]["secretKeyRef"]["key"], "nats-route-password",
+            "overlay {ctx}: {var}"
+        );
+        // Mutual TLS on the routes, from the Secret.
+        let tls = nats_conf_block(&cluster, "tls")
+            .unwrap_or_else(|| panic!("overlay {ctx}: routes without TLS"));
+        assert_eq!(
+            nats_conf_value(&tls, "verify").as_deref(),
+            Some("true"),
+            "overlay {ctx}: cluster.tls must verify the peer's certificate"
+        );
+        let sts = r.get("StatefulSet", "nats");
+        let pod = &sts["spec"]["template"]["spec"];
+        for (field, key) in [
+            ("cert_file", "tls.crt"),
+            ("key_file", "tls.key"),
+            ("ca_file", "ca.crt"),
+        ] {
+            let file = nats_conf_value(&tls, field)
+                .unwrap_or_else(|| panic!("overlay {ctx}: cluster.tls.{field}"));
+            assert_eq!(
+                secret_file(pod, &pod["containers"][0], Path::new(&file)),
+                Some((NATS_TLS_SECRET.to_owned(), key.to_owned())),
+                "overlay {ctx}: cluster.tls.{field} {file}"
+            );
+        }
+        // Every route dials with that user and password. Kubernetes expands
+        // $(VAR) only from variables defined before, so the password first.
+        let names: Vec<&str> = pod["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["name"].as_str())
+            .collect();
+        let at = |n: &str| names.iter().position(|x| *x == n);
+        let routes = nats_conf_list(&cluster, "routes");
+        assert_eq!(routes.len() as u64, replicas, "overlay {ctx}: the routes");
+        for (i, route) in routes.iter().enumerate() {
+            let url = nats_conf_resolve(&r, route).unwrap();
+            assert_eq!(
+                url,
+                format!("nats://{user}:$({var})@nats-{i}.nats-headless:6222"),
+                "overlay {ctx}: route {route}"
+            );
+            if let Some(rv) = route.strip_prefix('$') {
+                assert!(
+                    at(var) < at(rv),
+                    "overlay {ctx}: {rv} is defined before {var}"
+                );
+            }
+        }
+        // Peers and clients dial names on the certificate, not pod IPs.
+        assert_eq!(
+            nats_conf_value(&cluster, "no_advertise").as_deref(),
+            Some("true"),
+            "overlay {ctx}: clients would get the servers' IPs, which the certificate does not name"
+        );
+        let advertise = nats_conf_value(&cluster, "advertise")
+            .and_then(|a| nats_conf_resolve(&r, &a))
+            .unwrap_or_else(|| panic!("overlay {ctx}: cluster.advertise"));
+        assert_eq!(advertise, "$(POD_NAME).nats-headless:6222", "overlay {ctx}");
+    }
+    assert_eq!(clustered, 4, "the gpu overlays run a NATS cluster");
+}
+
+/// A pod that might send traffic: its labels and its namespace.
+struct Source {
+    name: String,
+    namespace: &'static str,
+    labels: Value,
+}
+
+/// Whether the NetworkPolicies of `r` admit TCP traffic from `src` to
+/// `port` of the pod template `target` (in namespace asyncrl), by the
+/// NetworkPolicy rules: a pod no Ingress policy selects takes everything; a
+/// selected pod takes what any rule of any policy selecting it allows.
+fn admits(r: &Rendered, target: &Value, port: &Value, src: &Source) -> bool {
+    let labels = &target["spec"]["template"]["metadata"]["labels"];
+    let number = port["containerPort"].as_u64().unwrap();
+    let policies: Vec<&Value> = r
+        .of_kind("NetworkPolicy")
+        .filter(|p| {
+            let types = &p["spec"]["policyTypes"];
+            (types.is_null() || types.as_array().unwrap().iter().any(|t| t == "Ingress"))
+                && selects(&p["spec"]["podSelector"], labels)
+        })
+        .collect();
+    if policies.is_empty() {
+        return true;
+    }
+    let ns_labels = serde_json::json!({ "kubernetes.io/metadata.name": src.namespace });
+    policies.iter().any(|p| {
+        p["spec"]["ingress"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|rule| {
+                let port_ok = match rule["ports"].as_array() {
+                    None => true,
+                    Some(ps) if ps.is_empty() => true,
+                    Some(ps) => ps.iter().any(|p| {
+                        p["protocol"].as_str().unwrap_or("TCP") == "TCP"
+                            && match &p["port"] {
+                                Value::Null => true,
+                                Value::Number(n) => {
+                                    let lo = n.as_u64().unwrap();
+                                    let hi = p["endPort"].as_u64().unwrap_or(lo);
+                                    (lo..=hi).contains(&number)
+                                }
+                                Value::String(s) => port["name"] == s.as_str(),
+                                _ => false,
+                            }
+                    }),
+                };
+                let from_ok = match rule["from"].as_array() {
+                    None => true,
+                    Some(peers) if peers.is_empty() => true,
+                    Some(peers) => peers.iter().any(|peer| {
+                        if !peer["ipBlock"].is_null() {
+                            return true;
+                        }
+                        let ns = &peer["namespaceSelector"];
+                        let pods = &peer["podSelector"];
+                        let ns_ok = if ns.is_null() {
+                            src.namespace == "asyncrl"
+                        } else {
+                            selects(ns, &ns_labels)
+                        };
+                        ns_ok && (pods.is_null() || selects(pods, &src.labels))
+                    }),
+                };
+                port_ok && from_ok
+            })
+    })
+}
+
+/// Ingress in namespace asyncrl is denied by default and admitted exactly
+/// where a pod needs it: the roles to NATS' client port, NATS to NATS on the
+/// route port, Prometheus (namespace monitoring) to the ports the
+/// PodMonitors scrape, pods labelled asyncrl.dev/admin-client to the
+/// coordinator's admin port, and in gpu-torch the gang's pods to each other.
+/// Every port of every pod is checked against every pod of the overlay and
+/// a few strangers; vLLM's loopback port has no containerPort and needs none.
+#[test]
+fn network_policies_admit_exactly_what_each_role_needs() {
+    let admin_port = 7461;
+    for r in rendered() {
+        let ctx = &r.name;
+        let policies: Vec<&Value> = r.of_kind("NetworkPolicy").collect();
+        assert!(
+            policies.iter().any(|p| {
+                p["spec"]["podSelector"]
+                    .as_object()
+                    .is_some_and(|s| s.is_empty())
+                    && p["spec"]["policyTypes"]
+                        .as_array()
+                        .is_some_and(|t| t.iter().any(|t| t == "Ingress"))
+                    && p["spec"]["ingress"].as_array().is_none_or(|i| i.is_empty())
+            }),
+            "overlay {ctx}: no default-deny ingress NetworkPolicy (podSelector {{}}, no rules)"
+        );
+        for p in &policies {
+            for rule in p["spec"]["ingress"].as_array().into_iter().flatten() {
+                assert!(
+                    rule["from"].as_array().is_some_and(|f| !f.is_empty()),
+                    "overlay {ctx}: NetworkPolicy {} admits every source",
+                    name(p)
+                );
+                for peer in rule["from"].as_array().unwrap() {
+                    assert!(
+                        peer["ipBlock"].is_null(),
+                        "overlay {ctx}: NetworkPolicy {}: an ipBlock",
+                        name(p)
+                    );
+                }
+            }
+        }
+        let workloads: Vec<&Value> = r.workloads().collect();
+        for w in &workloads {
+            let labels = &w["spec"]["template"]["metadata"]["labels"];
+            assert!(
+                policies
+                    .iter()
+                    .any(|p| selects(&p["spec"]["podSelector"], labels)
+                        && p["spec"]["policyTypes"]
+                            .as_array()
+                            .is_some_and(|t| t.iter().any(|t| t == "Ingress"))),
+                "overlay {ctx}: no ingress NetworkPolicy selects the pods of {}",
+                name(w)
+            );
+        }
+
+        // Who might knock: every pod of the overlay, and strangers.
+        let mut sources: Vec<Source> = workloads
+            .iter()
+            .map(|w| Source {
+                name: name(w).to_owned(),
+                namespace: "asyncrl",
+                labels: w["spec"]["template"]["metadata"]["labels"].clone(),
+            })
+            .collect();
+        let coordinator_labels =
+            r.get("Deployment", "coordinator")["spec"]["template"]["metadata"]["labels"].clone();
+        let admin_client = serde_json::json!({"asyncrl.dev/admin-client": "true"});
+        let prometheus = serde_json::json!({"app.kubernetes.io/name": "prometheus"});
+        for (n, ns, labels) in [
+            ("admin-client", "asyncrl", admin_client.clone()),
+            ("admin-client elsewhere", "other", admin_client),
+            ("prometheus", "monitoring", prometheus.clone()),
+            ("prometheus elsewhere", "other", prometheus),
+            (
+                "grafana",
+                "monitoring",
+                serde_json::json!({"app": "grafana"}),
+            ),
+            ("unlabelled pod", "asyncrl", serde_json::json!({})),
+            ("a coordinator elsewhere", "other", coordinator_labels),
+        ] {
+            sources.push(Source {
+                name: n.to_owned(),
+                namespace: ns,
+                labels,
+            });
+        }
+
+        // What Prometheus scrapes: the PodMonitors' ports.
+        let mut scraped: Vec<(String, String)> = Vec::new();
+        for m in r.of_kind("PodMonitor") {
+            for w in &workloads {
+                if selects(
+                    &m["spec"]["selector"],
+                    &w["spec"]["template"]["metadata"]["labels"],
+                ) {
+                    for e in m["spec"]["podMetricsEndpoints"].as_array().unwrap() {
+                        scraped.push((name(w).to_owned(), e["port"].as_str().unwrap().to_owned()));
+                    }
+                }
+            }
+        }
+        let gang: Vec<&str> = if r.of_kind("JobSet").count() > 0 {
+            vec!["learner", "trainer"]
+        } else {
+            vec![]
+        };
+        let roles = ["coordinator", "buffer", "learner", "rollout-worker"];
+
+        let mut checked_admin = false;
+        for w in &workloads {
+            let target = name(w);
+            for c in containers(w) {
+                for port in c["ports"].as_array().into_iter().flatten() {
+                    let number = port["containerPort"].as_u64().unwrap();
+                    let pname = port["name"].as_str().unwrap_or_default();
+                    let mut expected: Vec<&str> = match (target, number) {
+                        ("nats", 4222) => roles.to_vec(),
+                        ("nats", 6222) => vec!["nats"],
+                        ("coordinator", p) if p == admin_port => {
+                            checked_admin = true;
+                            vec!["admin-client"]
+                        }
+                        _ => vec![],
+                    };
+                    if scraped.contains(&(target.to_owned(), pname.to_owned())) {
+                        expected.push("prometheus");
+                    }
+                    if gang.contains(&target) {
+                        expected.extend(&gang);
+                    }
+                    let admitted: Vec<&str> = sources
+                        .iter()
+                        .filter(|s| admits(&r, w, port, s))
+                        .map(|s| s.name.as_str())
+                        .collect();
+                    let mut want: Vec<&str> = sources
+                        .iter()
+                        .map(|s| s.name.as_str())
+                        .filter(|s| expected.contains(s))
+                        .collect();
+                    want.dedup();
+                    assert_eq!(
+                        admitted, want,
+                        "overlay {ctx}: who reaches {target}:{number} ({pname})"
+                    );
+                }
+            }
+        }
+        assert!(
+            checked_admin,
+            "overlay {ctx}: the coordinator has no admin port {admin_port}"
         );
     }
 }
