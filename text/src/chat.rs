@@ -383,20 +383,31 @@ impl ChatTemplate {
         tools: Option<&[Json]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_counting(messages, tools, add_generation_prompt)
+            .map(|(text, _)| text)
+    }
+
+    /// [`Self::render_with_tools`], and the fuel (minijinja instructions)
+    /// the render took, which [`crate::limits::MAX_FUEL`] bounds.
+    pub fn render_counting(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<(String, u64)> {
         if messages.is_empty() {
             return Err(TextError::Invalid(
                 "cannot apply the chat template to an empty conversation: give at least one message"
                     .into(),
             ));
         }
-        let compiled =
-            crate::limits::compile(&self.origin, &self.source).map_err(|source| {
-                TextError::Template {
-                    template: self.origin.clone(),
-                    what: "cannot compile".into(),
-                    source,
-                }
-            })?;
+        let compiled = crate::limits::compile(&self.origin, &self.source).map_err(|source| {
+            TextError::Template {
+                template: self.origin.clone(),
+                what: "cannot compile".into(),
+                source,
+            }
+        })?;
         // Unset special tokens stay undefined (they render as ""), as in
         // transformers, which passes only the tokens the tokenizer has.
         let s = &self.special;

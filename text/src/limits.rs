@@ -146,12 +146,13 @@ thread_local! {
     static OUTPUT_LEFT: Cell<usize> = const { Cell::new(MAX_SIZE) };
 }
 
-/// Renders `compiled` (rewritten by [`checked`]) under the limits.
+/// Renders `compiled` (rewritten by [`checked`]) under the limits: the
+/// text, and the fuel it took.
 pub(crate) fn render(
     env: &Environment<'_>,
     compiled: &CompiledTemplate<'_>,
     root: Value,
-) -> Result<String, Error> {
+) -> Result<(String, u64), Error> {
     let instructions = checked(&compiled.instructions);
     let blocks: BTreeMap<_, _> = compiled
         .blocks
@@ -168,9 +169,9 @@ pub(crate) fn render(
             &mut minijinja::machinery::make_string_output(&mut out),
             compiled.initial_auto_escape,
         )
-        .map(|_| ());
+        .map(|(_, state)| state.fuel_levels().map_or(0, |(used, _)| used));
     OUTPUT_LEFT.with(|left| left.set(previous));
-    result.map(|()| out)
+    result.map(|fuel| (out, fuel))
 }
 
 /// `instructions` with `~`, `+` and `*` replaced by calls of the checked
@@ -197,7 +198,10 @@ fn checked<'s>(instructions: &Instructions<'s>) -> Instructions<'s> {
         };
         let new: Vec<Instruction<'s>> = match instr {
             Instruction::EmitRaw(text) => {
-                vec![Instruction::LoadConst(Value::from(*text)), Instruction::Emit]
+                vec![
+                    Instruction::LoadConst(Value::from(*text)),
+                    Instruction::Emit,
+                ]
             }
             Instruction::StringConcat => vec![Instruction::CallFunction(CONCAT, Some(2))],
             Instruction::Add => vec![Instruction::CallFunction(ADD, Some(2))],
@@ -236,11 +240,7 @@ fn counting_formatter(out: &mut Output, state: &State, value: &Value) -> Result<
             left.set(rest);
             Ok(())
         }
-        None => Err(too_large(
-            "output",
-            MAX_SIZE - left.get() + len,
-            MAX_SIZE,
-        )),
+        None => Err(too_large("output", MAX_SIZE - left.get() + len, MAX_SIZE)),
     })?;
     minijinja::escape_formatter(out, state, value)
 }
@@ -337,7 +337,8 @@ fn replaced_size(s: &str, old: &str, new: &str, count: Option<usize>) -> usize {
         s.matches(old).count()
     };
     let hits = count.map_or(hits, |c| hits.min(c));
-    s.len().saturating_add(hits.saturating_mul(new.len() - old.len()))
+    s.len()
+        .saturating_add(hits.saturating_mul(new.len() - old.len()))
 }
 
 /// The `replace` filter, after a size check.
@@ -347,7 +348,12 @@ fn replace_filter(
     from: StringInput<'_>,
     to: StringInput<'_>,
 ) -> Result<Value, Error> {
-    check_size(replaced_size(value.as_str(), from.as_str(), to.as_str(), None))?;
+    check_size(replaced_size(
+        value.as_str(),
+        from.as_str(),
+        to.as_str(),
+        None,
+    ))?;
     minijinja::filters::replace(state, value, from, to)
 }
 

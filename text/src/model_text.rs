@@ -184,7 +184,10 @@ impl ModelText {
         // transformers.
         let source = match files.get("chat_template.jinja") {
             Some(bytes) => Some((
-                Path::new(&name).join("chat_template.jinja").display().to_string(),
+                Path::new(&name)
+                    .join("chat_template.jinja")
+                    .display()
+                    .to_string(),
                 String::from_utf8_lossy(bytes).into_owned(),
             )),
             None => tokenizer_config
