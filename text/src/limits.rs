@@ -21,7 +21,7 @@
 //!   formatter that counts the output, and the filters and Python methods
 //!   that can grow a string (`replace`, `join`, `indent`) check first.
 //!
-//! The defaults leave room: the Qwen3, Llama-3.1 and Gemma 3 templates render
+//! The defaults leave room: the Qwen3, Qwen2.5 and Llama-3.x templates render
 //! a conversation of 1,000 messages with tools in well under a tenth of
 //! [`MAX_FUEL`] (see the test `limits_leave_room_for_long_conversations`).
 //! A prompt is at most `model.max_seq_len` tokens, a few bytes each, far
