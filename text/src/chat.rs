@@ -253,16 +253,21 @@ impl SpecialTokens {
     }
 }
 
-/// A compiled chat template.
+/// A chat template, checked to compile. Every render runs under the
+/// limits of [`crate::limits`]; going past one is a
+/// [`TextError::TemplateLimit`] naming the template's file.
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     special: SpecialTokens,
     source: String,
+    /// Where the template comes from (its file), for errors.
+    origin: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
             .field("special", &self.special)
             .finish_non_exhaustive()
     }
@@ -274,11 +279,10 @@ impl Clone for ChatTemplate {
             env: self.env.clone(),
             special: self.special.clone(),
             source: self.source.clone(),
+            origin: self.origin.clone(),
         }
     }
 }
-
-const NAME: &str = "chat_template";
 
 fn raise_exception(message: String) -> std::result::Result<String, minijinja::Error> {
     Err(minijinja::Error::new(
@@ -300,26 +304,56 @@ fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error>
 }
 
 impl ChatTemplate {
-    /// Compiles a template's Jinja source.
+    /// Compiles a template's Jinja source (errors call it "chat template").
     pub fn new(source: &str, special: SpecialTokens) -> Result<Self> {
+        Self::from_file("chat template", source, special)
+    }
+
+    /// Compiles the Jinja source of a template that comes from `origin` (a
+    /// file, named in errors).
+    pub fn from_file(
+        origin: impl Into<String>,
+        source: &str,
+        special: SpecialTokens,
+    ) -> Result<Self> {
+        let origin = origin.into();
         let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(crate::jinja_py::unknown_method);
         env.add_filter("tojson", crate::jinja_py::tojson);
         env.add_filter("trim", crate::jinja_py::trim);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(NAME, source.to_owned())
-            .map_err(|source| TextError::Template {
+        crate::limits::install(&mut env);
+        if let Err(source) = crate::limits::compile(&origin, source) {
+            return Err(TextError::Template {
+                template: origin,
                 what: "cannot compile".into(),
                 source,
-            })?;
+            });
+        }
         Ok(Self {
             env,
             special,
             source: source.to_owned(),
+            origin,
         })
+    }
+
+    /// Where the template comes from (its file).
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// Renders a short conversation (one user message, with the generation
+    /// prompt) and fails only when that goes past a limit: what a model
+    /// folder's template does without end is found when the model loads,
+    /// not at the first prompt. Other errors (a template that wants another
+    /// conversation) are left to the real prompts.
+    pub fn check_limits(&self) -> Result<()> {
+        match self.render(&[Message::new("user", "Hello")], true) {
+            Err(e @ TextError::TemplateLimit { .. }) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// The template's Jinja source.
@@ -349,19 +383,31 @@ impl ChatTemplate {
         tools: Option<&[Json]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_counting(messages, tools, add_generation_prompt)
+            .map(|(text, _)| text)
+    }
+
+    /// [`Self::render_with_tools`], and the fuel (minijinja instructions)
+    /// the render took, which [`crate::limits::MAX_FUEL`] bounds.
+    pub fn render_counting(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<(String, u64)> {
         if messages.is_empty() {
             return Err(TextError::Invalid(
                 "cannot apply the chat template to an empty conversation: give at least one message"
                     .into(),
             ));
         }
-        let template = self
-            .env
-            .get_template(NAME)
-            .map_err(|source| TextError::Template {
-                what: "missing".into(),
+        let compiled = crate::limits::compile(&self.origin, &self.source).map_err(|source| {
+            TextError::Template {
+                template: self.origin.clone(),
+                what: "cannot compile".into(),
                 source,
-            })?;
+            }
+        })?;
         // Unset special tokens stay undefined (they render as ""), as in
         // transformers, which passes only the tokens the tokenizer has.
         let s = &self.special;
@@ -390,9 +436,19 @@ impl ChatTemplate {
         for (name, value) in s.named() {
             ctx.insert(name, minijinja::Value::from(value));
         }
-        template.render(ctx).map_err(|source| TextError::Template {
-            what: "cannot render the messages".into(),
-            source,
+        crate::limits::render(&self.env, &compiled, minijinja::Value::from(ctx)).map_err(|source| {
+            match crate::limits::exceeded(&source) {
+                Some(limit) => TextError::TemplateLimit {
+                    template: self.origin.clone(),
+                    limit,
+                    source,
+                },
+                None => TextError::Template {
+                    template: self.origin.clone(),
+                    what: "cannot render the messages".into(),
+                    source,
+                },
+            }
         })
     }
 }

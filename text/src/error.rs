@@ -43,9 +43,22 @@ pub enum TextError {
     )]
     NoChatTemplate { model: String },
     /// The chat template does not compile or failed on a message list.
-    #[error("chat template: {what}: {source}")]
+    #[error("chat template {template}: {what}: {source}")]
     Template {
+        /// Where the template comes from (its file).
+        template: String,
         what: String,
+        #[source]
+        source: minijinja::Error,
+    },
+    /// The chat template went past one of the limits every render runs
+    /// under ([`crate::limits`]): a loop that does not end, a recursion
+    /// without end, a string or output too large.
+    #[error("chat template {template}: exceeds the {limit}: {source}")]
+    TemplateLimit {
+        /// Where the template comes from (its file).
+        template: String,
+        limit: crate::limits::TemplateLimit,
         #[source]
         source: minijinja::Error,
     },

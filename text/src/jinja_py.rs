@@ -68,6 +68,7 @@ pub(crate) fn unknown_method(
             _ => s.trim_end_matches(is_py_space),
         }));
     }
+    crate::limits::check_method(value, method, args)?;
     minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 

@@ -17,12 +17,14 @@
 pub mod chat;
 pub mod error;
 mod jinja_py;
+pub mod limits;
 pub mod model_text;
 pub mod tokenizer;
 pub mod tool_calls;
 
 pub use chat::{ChatTemplate, FunctionCall, Message, Prompt, ROLES, SpecialTokens, ToolCall};
 pub use error::{Result, TextError};
+pub use limits::TemplateLimit;
 pub use model_text::{
     BUILTIN_CHAT_TEMPLATE, ModelFacts, ModelText, TEXT_FILES, builtin_tokenizer_config,
     eos_token_ids, text_before_stop_string,

@@ -183,21 +183,35 @@ impl ModelText {
         // chat_template.jinja wins over tokenizer_config.json's, as in
         // transformers.
         let source = match files.get("chat_template.jinja") {
-            Some(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+            Some(bytes) => Some((
+                Path::new(&name)
+                    .join("chat_template.jinja")
+                    .display()
+                    .to_string(),
+                String::from_utf8_lossy(bytes).into_owned(),
+            )),
             None => tokenizer_config
                 .as_ref()
                 .and_then(|c| c.get("chat_template"))
-                .and_then(template_source),
+                .and_then(template_source)
+                .map(|src| {
+                    let path = Path::new(&name).join("tokenizer_config.json");
+                    (format!("{} (`chat_template`)", path.display()), src)
+                }),
         };
         let chat_template = source
-            .map(|src| {
+            .map(|(origin, src)| {
                 let mut special = SpecialTokens::default();
                 if let Some(c) = &tokenizer_config {
                     for name in SpecialTokens::NAMES {
                         special.set(name, special_token(c, name));
                     }
                 }
-                ChatTemplate::new(&src, special)
+                let template = ChatTemplate::from_file(origin, &src, special)?;
+                // A template that runs away does so on any conversation:
+                // say so when the model loads.
+                template.check_limits()?;
+                Ok::<_, TextError>(template)
             })
             .transpose()?;
         Ok(Self {
