@@ -58,7 +58,11 @@ pub fn check_tasks(config: &Config) -> anyhow::Result<CheckReport> {
     let architecture = architecture(config)?;
     let text = asyncrl_tasks::model_text(&config.model)
         .with_context(|| format!("cannot read the text side of model.path ({model})"))?;
-    let loaded = asyncrl_tasks::load_datasets(&config.coordinator.datasets, Some(&text))?;
+    let loaded = asyncrl_tasks::load_datasets_within(
+        &config.coordinator.datasets,
+        Some(&text),
+        Some(config.model.max_seq_len),
+    )?;
     let mut datasets = Vec::new();
     for (d, l) in config.coordinator.datasets.iter().zip(&loaded) {
         let mut longest = 0usize;

@@ -26,7 +26,19 @@ impl TaskSet {
     /// the data sets with `max_prompt_tokens`. Blocking file I/O: call it
     /// from `spawn_blocking` in async code.
     pub fn load(datasets: &[DatasetConfig], text: Option<&ModelText>) -> Result<Self, TaskError> {
-        let loaded = asyncrl_tasks::load_datasets(datasets, text)?;
+        Self::load_within(datasets, text, None)
+    }
+
+    /// [`TaskSet::load`], and every prompt that leaves no room for a
+    /// completion in `context` tokens (the model's `max_seq_len`) is
+    /// refused or left out as `long_prompts` says
+    /// ([`asyncrl_tasks::load_datasets_within`]).
+    pub fn load_within(
+        datasets: &[DatasetConfig],
+        text: Option<&ModelText>,
+        context: Option<usize>,
+    ) -> Result<Self, TaskError> {
+        let loaded = asyncrl_tasks::load_datasets_within(datasets, text, context)?;
         let summary = datasets
             .iter()
             .zip(&loaded)

@@ -22,7 +22,10 @@ pub use generate::{
     BuiltinTask, GenerateOptions, REVERSE_MAX_LEN, SplitMix64, arith_all, generate, generate_with,
     hidden_sum_all,
 };
-pub use load::{LoadedDataset, load_dataset, load_datasets, load_eval_problems, valid_task_id};
+pub use load::{
+    LoadedDataset, load_dataset, load_dataset_within, load_datasets, load_datasets_within,
+    load_eval_problems, valid_task_id,
+};
 pub use math::{MathAnswer, extract_final_answer, math_reward};
 pub use verify::{Verdict, score};
 

@@ -15,7 +15,10 @@
 //! - A bad row is an error naming the file, the row (JSONL: line) and the
 //!   field. Ids are unique across all data sets.
 //! - A prompt over `max_prompt_tokens` is refused (`long_prompts = "error"`)
-//!   or counted and left out (`"skip"`), never truncated.
+//!   or counted and left out (`"skip"`), never truncated. With the model's
+//!   context length ([`load_datasets_within`]), so is a prompt that leaves
+//!   no room for a completion (`model.max_seq_len` tokens or more), whether
+//!   or not `max_prompt_tokens` is set: no worker could ever answer it.
 
 use std::collections::HashMap;
 use std::io::BufRead;
@@ -127,13 +130,25 @@ pub fn load_datasets(
     datasets: &[DatasetConfig],
     text: Option<&ModelText>,
 ) -> Result<Vec<LoadedDataset>, TaskError> {
+    load_datasets_within(datasets, text, None)
+}
+
+/// [`load_datasets`], and with `context` (the model's `max_seq_len`) every
+/// prompt is measured by `text` and one that leaves no room for a
+/// completion (`context` tokens or more) is handled as `long_prompts`
+/// says, like a prompt over `max_prompt_tokens`.
+pub fn load_datasets_within(
+    datasets: &[DatasetConfig],
+    text: Option<&ModelText>,
+    context: Option<usize>,
+) -> Result<Vec<LoadedDataset>, TaskError> {
     if datasets.is_empty() {
         return Err(TaskError::NoDatasets);
     }
     let mut seen: HashMap<String, String> = HashMap::new();
     let mut out = Vec::with_capacity(datasets.len());
     for d in datasets {
-        let loaded = load_dataset(d, text)?;
+        let loaded = load_dataset_within(d, text, context)?;
         for item in &loaded.items {
             let here = format!("{} (data set `{}`)", d.path.display(), d.name);
             if let Some(first) = seen.insert(item.id.clone(), here.clone()) {
@@ -154,6 +169,36 @@ pub fn load_dataset(
     d: &DatasetConfig,
     text: Option<&ModelText>,
 ) -> Result<LoadedDataset, TaskError> {
+    load_dataset_within(d, text, None)
+}
+
+/// Which bound a prompt is measured against.
+#[derive(Debug, Clone, Copy)]
+enum Bound {
+    /// `max_prompt_tokens`.
+    MaxPromptTokens(usize),
+    /// The model's context (`model.max_seq_len`): a prompt must leave room
+    /// for one completion token.
+    Context(usize),
+}
+
+impl Bound {
+    /// The most tokens a prompt may have.
+    fn max(self) -> usize {
+        match self {
+            Bound::MaxPromptTokens(n) => n,
+            Bound::Context(n) => n.saturating_sub(1),
+        }
+    }
+}
+
+/// [`load_dataset`] with the model's context length (see
+/// [`load_datasets_within`]).
+pub fn load_dataset_within(
+    d: &DatasetConfig,
+    text: Option<&ModelText>,
+    context: Option<usize>,
+) -> Result<LoadedDataset, TaskError> {
     let format = match d.format {
         DatasetFormat::Auto
             if d.path
@@ -165,8 +210,14 @@ pub fn load_dataset(
         DatasetFormat::Auto => DatasetFormat::Jsonl,
         f => f,
     };
-    let limit = match (d.max_prompt_tokens, text) {
-        (Some(n), Some(t)) => Some((n, t)),
+    let bound = match (d.max_prompt_tokens, context) {
+        (Some(n), Some(c)) if c.saturating_sub(1) < n => Some(Bound::Context(c)),
+        (Some(n), _) => Some(Bound::MaxPromptTokens(n)),
+        (None, Some(c)) => Some(Bound::Context(c)),
+        (None, None) => None,
+    };
+    let limit = match (bound, text) {
+        (Some(b), Some(t)) => Some((b, t)),
         (Some(_), None) => {
             return Err(TaskError::NoTokenizer {
                 dataset: d.name.clone(),
@@ -199,8 +250,8 @@ pub fn load_dataset(
             dataset = %d.name,
             path = %d.path.display(),
             skipped = rows.skipped_long,
-            max_prompt_tokens = d.max_prompt_tokens,
-            "left out prompts over max_prompt_tokens"
+            max_prompt_tokens = bound.map(Bound::max),
+            "left out prompts over max_prompt_tokens or the model's context"
         );
     }
     Ok(LoadedDataset {
@@ -213,7 +264,7 @@ pub fn load_dataset(
 /// Turns rows (as JSON objects of the mapped fields) into tasks.
 struct RowMapper<'a> {
     d: &'a DatasetConfig,
-    limit: Option<(usize, &'a ModelText)>,
+    limit: Option<(Bound, &'a ModelText)>,
     items: Vec<TaskItem>,
     /// The next row's index (from 0).
     index: usize,
@@ -331,7 +382,8 @@ impl RowMapper<'_> {
                 ));
             }
         };
-        if let Some((max, text)) = self.limit {
+        if let Some((bound, text)) = self.limit {
+            let max = bound.max();
             let n = text
                 .encode(&prompt)
                 .map_err(|e| self.bad(at, Some(pf), format!("cannot tokenize the prompt: {e}")))?
@@ -346,9 +398,14 @@ impl RowMapper<'_> {
                         return Err(self.bad(
                             at,
                             Some(pf),
-                            format!(
-                                "the prompt is {n} tokens, over max_prompt_tokens = {max} (set long_prompts = \"skip\" to leave such rows out)"
-                            ),
+                            match bound {
+                                Bound::MaxPromptTokens(_) => format!(
+                                    "the prompt is {n} tokens, over max_prompt_tokens = {max} (set long_prompts = \"skip\" to leave such rows out)"
+                                ),
+                                Bound::Context(c) => format!(
+                                    "the prompt is {n} tokens, which leaves no room for a completion in model.max_seq_len = {c} (set long_prompts = \"skip\" to leave such rows out)"
+                                ),
+                            },
                         ));
                     }
                 }

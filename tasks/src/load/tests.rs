@@ -437,3 +437,42 @@ fn generated_tasks_round_trip_through_jsonl() {
     let loaded = load_dataset(&d, Some(&ModelText::builtin())).unwrap().items;
     assert_eq!(loaded, items);
 }
+
+#[test]
+fn a_prompt_that_leaves_no_room_for_a_completion_is_refused_without_a_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    // 13 tokens and 5 tokens (BOS included); no max_prompt_tokens.
+    let mut d = jsonl(
+        &dir,
+        "{\"prompt\":\"1+1=\",\"answer\":\"2\"}\n{\"prompt\":\"123456789+1=\",\"answer\":\"123456790\"}\n",
+    );
+    let text = ModelText::builtin();
+    // A context of 13 leaves the 13-token prompt no room for one token.
+    let err = load_dataset_within(&d, Some(&text), Some(13))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("line 2")
+            && err.contains("13 tokens")
+            && err.contains("no room for a completion in model.max_seq_len = 13"),
+        "{err}"
+    );
+    assert_eq!(
+        load_dataset_within(&d, Some(&text), Some(14))
+            .unwrap()
+            .items
+            .len(),
+        2
+    );
+    // The tighter of the two bounds applies, and `skip` leaves it out.
+    d.max_prompt_tokens = Some(100);
+    let err = load_dataset_within(&d, Some(&text), Some(13))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.max_seq_len = 13"), "{err}");
+    d.long_prompts = LongPrompts::Skip;
+    let kept = load_dataset_within(&d, Some(&text), Some(13)).unwrap();
+    assert_eq!((kept.items.len(), kept.skipped_long), (1, 1));
+    // Without a tokenizer the context cannot be checked: refused.
+    assert!(load_dataset_within(&d, None, Some(13)).is_err());
+}
