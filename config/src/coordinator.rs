@@ -50,6 +50,12 @@ pub struct CoordinatorConfig {
     /// group the buffer drops as stale returns its capacity and is re-issued.
     /// Keep it above (η + 1) · B.
     pub completed_memory: usize,
+    /// Failed attempts after which a task is quarantined: never issued
+    /// again (counted in `asyncrl_tasks_quarantined_total`, logged). A
+    /// failed attempt is a task a worker returns as failed (its prompt
+    /// cannot be rendered or fit, its episode's environment failed) or a
+    /// group of it the learner refused. 0: never quarantine.
+    pub max_task_attempts: u32,
     /// Upper bound of `asyncrl_rollout_workers_recommended`.
     pub max_recommended_workers: u32,
     /// The live knobs a new run starts with (η comes from `[staleness]`).
@@ -72,6 +78,7 @@ impl Default for CoordinatorConfig {
             admin_tls: None,
             journal_path: None,
             completed_memory: 1024,
+            max_task_attempts: 5,
             max_recommended_workers: 1024,
             initial_knobs: InitialKnobs::default(),
         }
@@ -492,6 +499,12 @@ impl CoordinatorConfig {
             self.completed_memory,
             0,
             65_536,
+        )?;
+        check_range(
+            "coordinator.max_task_attempts",
+            self.max_task_attempts,
+            0,
+            1_000,
         )?;
         check_range(
             "coordinator.max_recommended_workers",

@@ -61,6 +61,11 @@ pub struct CoordinatorMetrics {
     pub tasks_completed: Counter,
     pub tasks_expired: Counter,
     pub tasks_returned: Counter,
+    /// Tasks quarantined after `coordinator.max_task_attempts` failed
+    /// attempts, by the kind of the last one (`returned`, `refused`).
+    pub tasks_quarantined: Family<ReasonLabel, Counter>,
+    /// Tasks quarantined so far (persisted with the state).
+    pub tasks_quarantined_now: Gauge,
     pub completions_refused: Family<ReasonLabel, Counter>,
     /// Worker requests refused before they touched any state (payload
     /// does not decode, bad worker id, impossible field), by subject.
@@ -131,8 +136,18 @@ impl CoordinatorMetrics {
             )?,
             tasks_returned: m.register(
                 "tasks_returned",
-                "Leases handed back by draining workers",
+                "Leases handed back by workers (draining, or the task failed)",
                 Counter::default(),
+            )?,
+            tasks_quarantined: m.register(
+                "tasks_quarantined",
+                "Tasks quarantined after coordinator.max_task_attempts failed attempts (never issued again), by the kind of the last attempt",
+                Family::default(),
+            )?,
+            tasks_quarantined_now: m.register(
+                "tasks_quarantined_current",
+                "Tasks of the data set that are quarantined (never issued again)",
+                Gauge::default(),
             )?,
             dataset_tasks: m.register(
                 "dataset_tasks",
@@ -227,6 +242,11 @@ impl CoordinatorMetrics {
                 Gauge::default(),
             )?,
         })
+    }
+
+    /// Counts a task quarantined after a failed attempt of kind `reason`.
+    pub fn quarantined(&self, reason: &str) {
+        Self::reason(&self.tasks_quarantined, reason);
     }
 
     pub fn reason(family: &Family<ReasonLabel, Counter>, reason: &str) {

@@ -46,6 +46,9 @@ pub struct SchedulerParams {
     pub lease_timeout_ms: i64,
     /// How many recent completions are remembered (persisted).
     pub completed_memory: usize,
+    /// Failed attempts after which a task is quarantined (never issued
+    /// again); 0: never.
+    pub max_task_attempts: u32,
 }
 
 /// One attempt at a task.
@@ -186,6 +189,24 @@ pub enum Completion {
 pub struct Ended {
     pub lease_id: String,
     pub lease: Lease,
+    /// Its task failed once too often and is quarantined, not issued again.
+    pub quarantined: bool,
+}
+
+/// What became of a group the buffer dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    /// Not a group the coordinator acts on (superseded, a duplicate,
+    /// expired after it was trained).
+    Ignored,
+    /// Its completion is not remembered (`coordinator.completed_memory`):
+    /// counted only.
+    Unknown,
+    /// Its capacity is returned and its task is issued again.
+    Requeued(TaskRef),
+    /// Its capacity is returned; the task failed once too often and is
+    /// quarantined.
+    Quarantined(TaskRef),
 }
 
 /// What a new learner version or session did to the accounting.
@@ -263,6 +284,11 @@ pub struct Scheduler {
     pub admitted_total: u64,
     pub completed_total: u64,
     pub expired_total: u64,
+    /// Tasks (data set indices) never issued again.
+    quarantined: std::collections::BTreeSet<u64>,
+    /// Failed attempts per task (data set index) since the cursor last
+    /// issued it.
+    failures: BTreeMap<u64, u32>,
 }
 
 impl Scheduler {
@@ -296,7 +322,32 @@ impl Scheduler {
             admitted_total: 0,
             completed_total: 0,
             expired_total: 0,
+            quarantined: std::collections::BTreeSet::new(),
+            failures: BTreeMap::new(),
         }
+    }
+
+    /// Tasks quarantined (data set indices).
+    pub fn quarantined(&self) -> &std::collections::BTreeSet<u64> {
+        &self.quarantined
+    }
+
+    /// Counts a failed attempt of `task`; true when that quarantines it
+    /// (false when it was quarantined before).
+    fn task_failed(&mut self, task: TaskRef) -> bool {
+        if self.quarantined.contains(&task.index) {
+            return false;
+        }
+        let max = self.params.max_task_attempts;
+        let n = self.failures.entry(task.index).or_insert(0);
+        *n += 1;
+        if max > 0 && *n >= max {
+            self.failures.remove(&task.index);
+            self.quarantined.insert(task.index);
+            self.queue.retain(|t| t.index != task.index);
+            return true;
+        }
+        false
     }
 
     pub fn params(&self) -> &SchedulerParams {
@@ -375,20 +426,33 @@ impl Scheduler {
 
     // ------------------------------------------------------------ operations
 
-    fn next_task(&mut self) -> TaskRef {
+    /// The next task to issue: a re-issued one, else the cursor's (past
+    /// quarantined tasks). None when every task is quarantined.
+    fn next_task(&mut self) -> Option<TaskRef> {
         if let Some(t) = self.queue.pop_front() {
-            return t;
+            return Some(t);
         }
-        let t = TaskRef {
-            index: self.cursor,
-            epoch: self.epoch,
-        };
-        self.cursor += 1;
-        if self.cursor >= self.dataset_len {
-            self.cursor = 0;
-            self.epoch += 1;
+        if self.quarantined.len() as u64 >= self.dataset_len {
+            return None;
         }
-        t
+        loop {
+            let t = TaskRef {
+                index: self.cursor,
+                epoch: self.epoch,
+            };
+            self.cursor += 1;
+            if self.cursor >= self.dataset_len {
+                self.cursor = 0;
+                self.epoch += 1;
+            }
+            if !self.quarantined.contains(&t.index) {
+                // A new epoch's issue: the failures of earlier ones are
+                // history (a completed attempt may still be refused, so a
+                // completion does not clear them).
+                self.failures.remove(&t.index);
+                return Some(t);
+            }
+        }
     }
 
     /// Admits up to `n` tasks for `worker`, as far as the staleness bound
@@ -399,7 +463,9 @@ impl Scheduler {
         let worker = self.worker_id(worker);
         let mut grants = Vec::with_capacity(k as usize);
         for _ in 0..k {
-            let task = self.next_task();
+            let Some(task) = self.next_task() else {
+                break;
+            };
             let seq = self.next_seq;
             self.next_seq += 1;
             let lease = Lease::new(
@@ -511,24 +577,31 @@ impl Scheduler {
     /// capacity back and its task is issued again (front of the queue);
     /// returns the task when that happened. `stale` counts it in
     /// `stale_dropped_total`.
-    pub fn on_group_dropped(
-        &mut self,
-        group_id: &str,
-        reissue: bool,
-        stale: bool,
-    ) -> Option<TaskRef> {
+    /// A quarantined group (`stale` false) is a failed attempt of its task.
+    pub fn on_group_dropped(&mut self, group_id: &str, reissue: bool, stale: bool) -> Dropped {
         if !reissue {
-            return None;
+            return Dropped::Ignored;
         }
         if stale {
             self.stale_dropped_total += 1;
         }
-        let seq = self.parse_lease(group_id)?;
-        let k = self.completed_seqs.remove(&seq)?;
-        let c = self.completed.remove(&k)?;
+        let Some(c) = self
+            .parse_lease(group_id)
+            .and_then(|seq| self.completed_seqs.remove(&seq))
+            .and_then(|k| self.completed.remove(&k))
+        else {
+            return Dropped::Unknown;
+        };
         let floor = self.consumed_floor();
         self.accepted = self.accepted.saturating_sub(1).max(floor);
+        if !stale && self.task_failed(c.task) {
+            return Dropped::Quarantined(c.task);
+        }
+        if self.quarantined.contains(&c.task.index) {
+            // An attempt granted before its task was quarantined.
+            return Dropped::Ignored;
+        }
         self.queue.push_front(c.task);
-        Some(c.task)
+        Dropped::Requeued(c.task)
     }
 }

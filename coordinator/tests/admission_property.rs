@@ -71,6 +71,7 @@ impl Model {
             group_size: G,
             lease_timeout_ms: TIMEOUT,
             completed_memory: 64,
+            max_task_attempts: 0,
         };
         Self {
             s: Scheduler::new(params, n_tasks, "fp", "L7"),
@@ -147,9 +148,12 @@ impl Model {
             }
             Op::Return { pick } if !self.live.is_empty() => {
                 let l = self.live.remove(pick % self.live.len());
-                let ended =
-                    self.s
-                        .return_leases(&l.worker, std::slice::from_ref(&l.lease_id), self.now);
+                let ended = self.s.return_leases(
+                    &l.worker,
+                    std::slice::from_ref(&l.lease_id),
+                    self.now,
+                    false,
+                );
                 prop_assert_eq!(ended.len(), 1);
                 self.remove_from_fifo(&l.lease_id);
                 self.dead.push(l);

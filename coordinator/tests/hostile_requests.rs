@@ -132,6 +132,7 @@ fn valid(subject: &str) -> Vec<u8> {
             worker_id: id,
             lease_ids: vec!["l1".into(), "l2".into()],
             reason: "test".into(),
+            task_failed: true,
         }
         .encode_to_vec(),
         WORKERS_REGISTER => RegisterWorker {
@@ -189,6 +190,7 @@ fn absurd(subject: &str) -> Vec<Vec<u8>> {
                 worker_id: id,
                 lease_ids: vec![String::new(); 10_000],
                 reason: "x".repeat(10_000),
+                task_failed: true,
             }
             .encode_to_vec(),
             WORKERS_REGISTER => RegisterWorker {

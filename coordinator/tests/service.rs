@@ -599,3 +599,120 @@ async fn the_coordinator_rides_out_a_nats_server_restart() {
     c.shutdown();
     c.join().await.unwrap();
 }
+
+/// A task the workers return as failed (a prompt they cannot render or
+/// fit) comes back first until its `max_task_attempts`-th failure; then it
+/// is quarantined (counted, never issued again) and the run goes on with
+/// the others instead of spinning on it.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_keeps_failing_is_quarantined_and_never_issued_again() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 6);
+    let mut cfg = config(dir.path(), &tasks, 2, 60);
+    cfg.coordinator.max_task_attempts = 3;
+    let (c, metrics, _, _) = start_paused(cfg, &bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(8).await;
+    let bad = w.acquire(1).await.tasks.remove(0);
+    let mut attempts = vec![bad.clone()];
+    for _ in 0..2 {
+        w.return_failed(&[attempts.last().unwrap()], "the prompt does not fit")
+            .await;
+        let again = w.acquire(1).await.tasks.remove(0);
+        assert_eq!(again.task_id, bad.task_id, "a failed task comes back first");
+        attempts.push(again);
+    }
+    let r = w
+        .return_failed(&[attempts.last().unwrap()], "the prompt does not fit")
+        .await;
+    assert_eq!(r.returned, 1);
+    let text = metrics.encode_prometheus_text().unwrap();
+    assert!(
+        text.contains("asyncrl_tasks_quarantined_total{reason=\"returned\"} 1"),
+        "{text}"
+    );
+    // Three epochs of the other five tasks: the quarantined one never again.
+    for _ in 0..15 {
+        let t = w.acquire(1).await.tasks.remove(0);
+        let id = |t: &asyncrl_protos::v1::Task| {
+            asyncrl_protos::subjects::split_wire_task_id(&t.task_id)
+                .unwrap()
+                .0
+                .to_owned()
+        };
+        assert_ne!(id(&t), id(&bad), "{} was issued again", t.task_id);
+        assert!(w.complete(&t).await.accepted);
+    }
+    let text = metrics.encode_prometheus_text().unwrap();
+    assert!(
+        text.contains("asyncrl_tasks_quarantined_current 1"),
+        "{text}"
+    );
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+/// Over NATS a grant reply is kept below the server's max_payload: tasks
+/// with long prompts are granted only as many as fit (the rest issued
+/// again), and a task that alone does not fit is returned as failed and
+/// quarantined, never granted into a reply that could not be delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grant_replies_fit_the_servers_max_payload() {
+    let server = NatsServer::start_with_config(&asyncrl_testkit::ServerConfig {
+        text: "max_payload: 65536\n".into(),
+        files: Vec::new(),
+        env: Vec::new(),
+    })
+    .unwrap();
+    let bus = nats_bus(&server.url()).await;
+    let max = bus.max_payload().expect("nats reports max_payload");
+    assert_eq!(max, 65536);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("long.jsonl");
+    let mut lines = String::new();
+    for i in 0..12 {
+        // Task 0 alone is over the limit; the others fit about 4 to a reply.
+        let len = if i == 0 { max + 1024 } else { max / 5 };
+        let prompt = format!("{}{i}=", "1+".repeat(len / 2));
+        lines.push_str(&serde_json::json!({"prompt": prompt, "answer": "1"}).to_string());
+        lines.push('\n');
+    }
+    std::fs::write(&path, lines).unwrap();
+    let mut cfg = config(dir.path(), &path, 16, 4);
+    cfg.coordinator.max_task_attempts = 2;
+    cfg.coordinator.datasets[0].name = "long".into();
+    // Every prompt fits the model's context: only the reply is too large.
+    cfg.model.max_seq_len = 1 << 17;
+    let (c, metrics, _) = start(cfg, &bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(64).await;
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..6 {
+        let got = w.acquire(64).await.tasks;
+        let size: usize = got.iter().map(|t| t.encoded_len()).sum();
+        assert!(size < max, "a reply of {size} bytes (max_payload {max})");
+        assert!(got.len() <= 5, "{} tasks in one reply", got.len());
+        for t in &got {
+            assert!(t.prompt.len() < max);
+            let (id, _) = asyncrl_protos::subjects::split_wire_task_id(&t.task_id).unwrap();
+            seen.insert(id.to_owned());
+            assert!(w.complete(t).await.accepted);
+        }
+    }
+    assert_eq!(seen.len(), 11, "every task that fits was granted: {seen:?}");
+    eventually(
+        "the oversized task quarantined",
+        Duration::from_secs(10),
+        || {
+            let text = metrics.encode_prometheus_text().unwrap();
+            async move {
+                text.contains("asyncrl_tasks_quarantined_total{reason=\"too_large\"} 1")
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    c.shutdown();
+    c.join().await.unwrap();
+}

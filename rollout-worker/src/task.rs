@@ -40,6 +40,13 @@ pub(crate) enum TaskEnd {
     /// Not every completion was published (drain deadline, a failure): the
     /// task goes back to the coordinator.
     Unfinished(String),
+    /// The task itself cannot be done (its prompt cannot be rendered,
+    /// encoded or fit in the context, a trajectory of it breaks the
+    /// contract): it goes back to the coordinator as failed, which counts
+    /// toward its quarantine (`coordinator.max_task_attempts`). Environment
+    /// failures are not counted: an outage must not quarantine the data
+    /// set.
+    Failed(String),
 }
 
 /// Tokens that stop a task's work.
@@ -103,7 +110,7 @@ pub(crate) async fn run_task(
     // A revocation that arrives after the completion was accepted (or
     // refused) does not change what happened.
     let end = match end {
-        TaskEnd::Unfinished(_) if revoked => TaskEnd::Revoked,
+        TaskEnd::Unfinished(_) | TaskEnd::Failed(_) if revoked => TaskEnd::Revoked,
         end => end,
     };
     match &end {
@@ -124,6 +131,9 @@ pub(crate) async fn run_task(
         }
         TaskEnd::Unfinished(why) => {
             tracing::info!(task_id = %task.task_id, lease_id = %lease_id, reason = %why, "task unfinished");
+        }
+        TaskEnd::Failed(why) => {
+            tracing::warn!(task_id = %task.task_id, lease_id = %lease_id, reason = %why, "task failed; returned as failed");
         }
     }
     end
@@ -155,7 +165,7 @@ async fn run_task_inner(
         Some(_) => None,
         None => match single_turn_request(shared, task) {
             Ok(both) => Some(both),
-            Err(why) => return TaskEnd::Unfinished(why),
+            Err(why) => return TaskEnd::Failed(why),
         },
     };
     let mut completions: FuturesUnordered<_> = guards
@@ -184,6 +194,7 @@ async fn run_task_inner(
         .collect();
     let mut published = 0usize;
     let mut first_error: Option<String> = None;
+    let mut invalid = false;
     while let Some(result) = completions.next().await {
         match result {
             Ok(()) => published += 1,
@@ -207,14 +218,20 @@ async fn run_task_inner(
                 {
                     first_error = Some(e.describe());
                 }
+                invalid |= matches!(e, CompletionError::Invalid(_));
             }
         }
     }
     if published < g {
-        return TaskEnd::Unfinished(format!(
+        let why = format!(
             "{published} of {g} completions published; {}",
             first_error.unwrap_or_default()
-        ));
+        );
+        return if invalid {
+            TaskEnd::Failed(why)
+        } else {
+            TaskEnd::Unfinished(why)
+        };
     }
     if stops.abort.is_cancelled() {
         return TaskEnd::Unfinished("aborted".into());

@@ -396,8 +396,8 @@ pub(crate) fn tasks_wanted(
 struct Running {
     tasks: JoinSet<(String, TaskEnd)>,
     stops: Stops,
-    /// Leases to hand back, with the reason.
-    to_return: Vec<(String, String)>,
+    /// Leases to hand back, with the reason and whether the task failed.
+    to_return: Vec<(String, String, bool)>,
 }
 
 impl Running {
@@ -409,6 +409,7 @@ impl Running {
                 self.to_return.push((
                     task.lease_id,
                     "malformed task (group_size 0 or no id)".into(),
+                    true,
                 ));
             }
             return;
@@ -445,7 +446,8 @@ impl Running {
         r: Result<(String, TaskEnd), tokio::task::JoinError>,
     ) {
         match r {
-            Ok((lease, TaskEnd::Unfinished(why))) => self.to_return.push((lease, why)),
+            Ok((lease, TaskEnd::Unfinished(why))) => self.to_return.push((lease, why, false)),
+            Ok((lease, TaskEnd::Failed(why))) => self.to_return.push((lease, why, true)),
             Ok(_) => {}
             Err(e) => {
                 // A task future panicked: its lease is still in the map.
@@ -456,14 +458,25 @@ impl Running {
     }
 }
 
+/// Hands leases back to the coordinator: the failed tasks and the others
+/// in one request each.
+async fn return_tasks(shared: &Arc<Shared>, leases: Vec<(String, String, bool)>) {
+    let (failed, other): (Vec<_>, Vec<_>) = leases.into_iter().partition(|(_, _, f)| *f);
+    for (leases, task_failed) in [(failed, true), (other, false)] {
+        let leases: Vec<(String, String)> = leases.into_iter().map(|(l, w, _)| (l, w)).collect();
+        return_some(shared, leases, task_failed).await;
+    }
+}
+
 /// Hands leases back to the coordinator (a few attempts).
-async fn return_tasks(shared: &Arc<Shared>, leases: Vec<(String, String)>) {
+async fn return_some(shared: &Arc<Shared>, leases: Vec<(String, String)>, task_failed: bool) {
     if leases.is_empty() {
         return;
     }
     let ids: Vec<String> = leases.iter().map(|(l, _)| l.clone()).collect();
     let why = leases.first().map(|(_, w)| w.clone()).unwrap_or_default();
     let req = ReturnTasks {
+        task_failed,
         worker_id: shared.settings.worker_id.clone(),
         lease_ids: ids.clone(),
         reason: if shared.draining.load(Ordering::SeqCst) {
@@ -592,6 +605,7 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
                         run.to_return.push((
                             task.lease_id,
                             "granted while the worker was shutting down".into(),
+                            false,
                         ));
                     } else {
                         run.start(shared, task, granted_at);

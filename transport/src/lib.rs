@@ -537,6 +537,13 @@ pub trait Bus: Send + Sync {
     /// Waits until everything published so far has reached the server.
     async fn flush(&self) -> Result<()>;
 
+    /// The largest message the server takes (NATS `max_payload`); `None`:
+    /// no limit (the in-process bus). A reply larger than this is never
+    /// delivered.
+    fn max_payload(&self) -> Option<usize> {
+        None
+    }
+
     /// Since when (Unix ms) this process has been connected without a
     /// break; `None` while it is disconnected. Whoever judges others by
     /// silence (the coordinator's heartbeat sweep) must not count the time

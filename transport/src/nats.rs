@@ -407,6 +407,10 @@ impl Bus for NatsBus {
         "nats"
     }
 
+    fn max_payload(&self) -> Option<usize> {
+        Some(self.client.server_info().max_payload)
+    }
+
     async fn publish(&self, subject: &str, payload: Bytes) -> Result<()> {
         validate_publish_subject(subject)?;
         self.client

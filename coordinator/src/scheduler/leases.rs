@@ -87,21 +87,35 @@ impl Scheduler {
     }
 
     /// Ends leases: their tasks go back to the front of the queue, the
-    /// oldest lease first.
-    fn end_leases(&mut self, mut seqs: Vec<u64>, now_ms: i64, reason: &'static str) -> Vec<Ended> {
+    /// oldest lease first. With `failed`, each is a failed attempt of its
+    /// task, and a task that failed `max_task_attempts` times is
+    /// quarantined instead.
+    fn end_leases(
+        &mut self,
+        mut seqs: Vec<u64>,
+        now_ms: i64,
+        reason: &'static str,
+        failed: bool,
+    ) -> Vec<Ended> {
         seqs.sort_unstable();
         let mut ended = Vec::with_capacity(seqs.len());
         for seq in seqs {
             if let Some(lease) = self.leases.remove(&seq) {
                 self.remember_ended(seq, now_ms, reason);
+                let quarantined = failed && self.task_failed(lease.task);
                 ended.push(Ended {
                     lease_id: self.lease_id(seq),
                     lease,
+                    quarantined,
                 });
             }
         }
+        // A task quarantined now, or before this attempt ended, is not
+        // issued again.
         for e in ended.iter().rev() {
-            self.queue.push_front(e.lease.task);
+            if !self.quarantined.contains(&e.lease.task.index) {
+                self.queue.push_front(e.lease.task);
+            }
         }
         ended
     }
@@ -114,7 +128,7 @@ impl Scheduler {
             .filter(|l| l.deadline_ms <= now_ms)
             .map(|l| l.seq)
             .collect();
-        let ended = self.end_leases(due, now_ms, "expired");
+        let ended = self.end_leases(due, now_ms, "expired", false);
         self.expired_total += ended.len() as u64;
         ended
     }
@@ -127,19 +141,28 @@ impl Scheduler {
             .filter(|l| &*l.worker == worker)
             .map(|l| l.seq)
             .collect();
-        let ended = self.end_leases(seqs, now_ms, "expired (worker dead)");
+        let ended = self.end_leases(seqs, now_ms, "expired (worker dead)", false);
         self.expired_total += ended.len() as u64;
         ended
     }
 
-    /// A draining worker hands back leases; returns those that were its own.
-    pub fn return_leases(&mut self, worker: &str, lease_ids: &[String], now_ms: i64) -> Vec<Ended> {
+    /// A worker hands back leases (draining, or it could not do them);
+    /// returns those that were its own. `task_failed`: the worker says the
+    /// tasks themselves failed (a prompt it cannot render or fit, an
+    /// episode its environment failed), which counts toward quarantine.
+    pub fn return_leases(
+        &mut self,
+        worker: &str,
+        lease_ids: &[String],
+        now_ms: i64,
+        task_failed: bool,
+    ) -> Vec<Ended> {
         let seqs: Vec<u64> = lease_ids
             .iter()
             .filter_map(|id| self.parse_lease(id))
             .filter(|s| self.leases.get(s).is_some_and(|l| &*l.worker == worker))
             .collect();
-        self.end_leases(seqs, now_ms, "was returned")
+        self.end_leases(seqs, now_ms, "was returned", task_failed)
     }
 
     /// Extends the leases a worker still holds; returns the ids it listed

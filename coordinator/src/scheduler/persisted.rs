@@ -9,7 +9,7 @@ use std::sync::Arc;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, string};
 
 use asyncrl_protos::v1::{
-    CompletedLease, CoordinatorState, PersistedLease, TaskRef as TaskRefProto,
+    CompletedLease, CoordinatorState, PersistedLease, TaskFailures, TaskRef as TaskRefProto,
 };
 
 use super::{Completed, Lease, STATE_FORMAT, Scheduler, SchedulerParams, StateError, TaskRef};
@@ -66,6 +66,12 @@ impl Scheduler {
             admitted_total: self.admitted_total,
             completed_total: self.completed_total,
             expired_total: self.expired_total,
+            quarantined: self.quarantined.iter().copied().collect(),
+            failures: self
+                .failures
+                .iter()
+                .map(|(&index, &count)| TaskFailures { index, count })
+                .collect(),
         }
     }
 
@@ -111,6 +117,25 @@ impl Scheduler {
         put(&mut buf, 16, self.admitted_total);
         put(&mut buf, 17, self.completed_total);
         put(&mut buf, 18, self.expired_total);
+        if !self.quarantined.is_empty() {
+            let len: usize = self
+                .quarantined
+                .iter()
+                .map(|i| encoded_len_varint(*i))
+                .sum();
+            encode_key(19, WireType::LengthDelimited, &mut buf);
+            encode_varint(len as u64, &mut buf);
+            for i in &self.quarantined {
+                encode_varint(*i, &mut buf);
+            }
+        }
+        for (&index, &count) in &self.failures {
+            let len = field_len(index) + field_len(u64::from(count));
+            encode_key(20, WireType::LengthDelimited, &mut buf);
+            encode_varint(len as u64, &mut buf);
+            put(&mut buf, 1, index);
+            put(&mut buf, 2, u64::from(count));
+        }
         buf
     }
 
@@ -200,6 +225,14 @@ impl Scheduler {
         s.admitted_total = state.admitted_total;
         s.completed_total = state.completed_total;
         s.expired_total = state.expired_total;
+        for &index in &state.quarantined {
+            task(index, 0)?;
+            s.quarantined.insert(index);
+        }
+        for f in &state.failures {
+            task(f.index, 0)?;
+            s.failures.insert(f.index, f.count);
+        }
         Ok(s)
     }
 

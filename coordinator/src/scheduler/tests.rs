@@ -9,6 +9,7 @@ fn params(b: u32) -> SchedulerParams {
         group_size: 4,
         lease_timeout_ms: 1_000,
         completed_memory: 64,
+        max_task_attempts: 3,
     }
 }
 
@@ -187,7 +188,12 @@ fn returned_and_dead_worker_leases_are_reissued_first() {
     let a = s.acquire("a", 2, 4, 0);
     let b = s.acquire("b", 2, 4, 0);
     // Only its own leases can be returned.
-    let r = s.return_leases("a", &[a[1].lease_id.clone(), b[0].lease_id.clone()], 5);
+    let r = s.return_leases(
+        "a",
+        &[a[1].lease_id.clone(), b[0].lease_id.clone()],
+        5,
+        false,
+    );
     assert_eq!(r.len(), 1);
     let dead = s.expire_worker("b", 6);
     assert_eq!(dead.len(), 2);
@@ -279,10 +285,13 @@ fn stale_drop_returns_capacity_and_reissues_the_task() {
         s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
     }
     assert_eq!(s.capacity(0), 0);
-    assert_eq!(s.on_group_dropped(&g[1].lease_id, false, false), None);
+    assert_eq!(
+        s.on_group_dropped(&g[1].lease_id, false, false),
+        Dropped::Ignored
+    );
     assert_eq!(
         s.on_group_dropped(&g[1].lease_id, true, true),
-        Some(TaskRef { index: 1, epoch: 0 })
+        Dropped::Requeued(TaskRef { index: 1, epoch: 0 })
     );
     assert_eq!(s.stale_dropped_total, 1);
     assert_eq!(s.capacity(0), 1);
@@ -290,7 +299,7 @@ fn stale_drop_returns_capacity_and_reissues_the_task() {
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].task.index, 1);
     // Unknown group: counted, nothing else.
-    assert_eq!(s.on_group_dropped("L0-77", true, true), None);
+    assert_eq!(s.on_group_dropped("L0-77", true, true), Dropped::Unknown);
     assert_eq!(s.stale_dropped_total, 2);
 }
 
@@ -304,7 +313,7 @@ fn a_quarantined_group_returns_capacity_and_reissues_its_task_without_counting_a
     assert_eq!(s.capacity(0), 0);
     assert_eq!(
         s.on_group_dropped(&g[0].lease_id, true, false),
-        Some(TaskRef { index: 0, epoch: 0 })
+        Dropped::Requeued(TaskRef { index: 0, epoch: 0 })
     );
     assert_eq!(s.stale_dropped_total, 0);
     assert_eq!(s.capacity(0), 1);
@@ -430,4 +439,81 @@ fn the_state_is_written_as_its_protobuf_message() {
     // A restored state writes the same.
     let back = Scheduler::from_proto(params(1000), &proto, 50, "fp", 0).unwrap();
     assert_eq!(written(&back), proto);
+}
+
+#[test]
+fn a_task_that_fails_max_task_attempts_times_is_quarantined_and_never_issued_again() {
+    // Three tasks, max_task_attempts = 3.
+    let mut s = sched(4, 3);
+    let mut fails = 0;
+    loop {
+        let g = s.acquire("w", 1, 8, 0);
+        assert_eq!(g.len(), 1);
+        if g[0].task.index != 1 {
+            s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4)
+                .unwrap();
+            continue;
+        }
+        // Task 1 cannot be done: the worker returns it as failed. It comes
+        // back first (front of the queue) until its third failure.
+        let ended = s.return_leases("w", std::slice::from_ref(&g[0].lease_id), 0, true);
+        fails += 1;
+        assert_eq!(ended.len(), 1);
+        assert_eq!(ended[0].quarantined, fails == 3, "failure {fails}");
+        if fails == 3 {
+            break;
+        }
+        assert_eq!(s.queue_len(), 1);
+    }
+    assert_eq!(s.queue_len(), 0);
+    assert!(s.quarantined().contains(&1));
+    // Later epochs skip it; the others go on.
+    let issued: Vec<u64> = (0..6)
+        .map(|_| {
+            let g = s.acquire("w", 1, 100, 0);
+            s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4)
+                .unwrap();
+            g[0].task.index
+        })
+        .collect();
+    assert!(!issued.contains(&1), "{issued:?}");
+    // A draining worker's return is no failure: nothing is quarantined.
+    let g = s.acquire("w", 1, 100, 0);
+    for _ in 0..5 {
+        let e = s.return_leases("w", std::slice::from_ref(&g[0].lease_id), 0, false);
+        assert!(e.iter().all(|e| !e.quarantined));
+    }
+    // The quarantine and the failure counts survive a restart.
+    let back = Scheduler::from_proto(params(4), &s.to_proto(), 3, "fp", 0).unwrap();
+    assert!(back.same_state(&s));
+    assert!(back.quarantined().contains(&1));
+    let decoded = <asyncrl_protos::v1::CoordinatorState as asyncrl_protos::Message>::decode(
+        s.encode_state().as_slice(),
+    )
+    .unwrap();
+    assert_eq!(decoded, s.to_proto());
+}
+
+#[test]
+fn a_task_whose_groups_the_learner_refuses_is_quarantined_after_max_task_attempts() {
+    let mut s = sched(1, 2);
+    let mut last = Dropped::Ignored;
+    for _ in 0..3 {
+        let g = s.acquire("w", 1, 8, 0);
+        assert_eq!(g[0].task.index, 0, "the refused task comes back first");
+        s.complete("w", &g[0].lease_id, Some(0), 4).unwrap();
+        let before = s.capacity(8);
+        last = s.on_group_dropped(&g[0].lease_id, true, false);
+        assert_eq!(s.capacity(8), before + 1, "capacity returned");
+    }
+    assert_eq!(last, Dropped::Quarantined(TaskRef { index: 0, epoch: 0 }));
+    // Every task quarantined: nothing is issued, nothing loops.
+    for _ in 0..3 {
+        let g = s.acquire("w", 1, 8, 0);
+        assert_eq!(g[0].task.index, 1);
+        s.complete("w", &g[0].lease_id, Some(1), 4).unwrap();
+        s.on_group_dropped(&g[0].lease_id, true, false);
+    }
+    assert_eq!(s.quarantined().len(), 2);
+    assert!(s.acquire("w", 4, 8, 0).is_empty());
 }

@@ -26,7 +26,7 @@ use super::settings::Settings;
 use crate::dataset::TaskSet;
 use crate::error::CoordinatorError;
 use crate::metrics::CoordinatorMetrics;
-use crate::scheduler::{Scheduler, VersionChange};
+use crate::scheduler::{Dropped, Scheduler, VersionChange};
 
 /// The learner as the persisted state records it; a learner-status event
 /// that changes it is written.
@@ -77,14 +77,16 @@ async fn load_tasks(
 ) -> Result<TaskSet, CoordinatorError> {
     let datasets = config.coordinator.datasets.clone();
     let model = config.model.clone();
-    let needs_text = datasets.iter().any(|d| d.max_prompt_tokens.is_some());
+    // Every prompt is measured: one that leaves no room for a completion
+    // in the model's context could never be answered (a worker would
+    // return it for ever).
     let tasks = tokio::task::spawn_blocking(move || {
-        let text = if needs_text {
-            Some(asyncrl_tasks::model_text(&model)?)
-        } else {
-            None
-        };
-        Ok::<_, CoordinatorError>(TaskSet::load(&datasets, text.as_ref())?)
+        let text = asyncrl_tasks::model_text(&model)?;
+        Ok::<_, CoordinatorError>(TaskSet::load_within(
+            &datasets,
+            Some(&text),
+            Some(model.max_seq_len),
+        )?)
     })
     .await
     .map_err(CoordinatorError::Join)??;
@@ -343,7 +345,7 @@ impl Actor {
                 let reissue = g.kind().reissues_task();
                 let stale = g.kind() == GroupDropReason::Stale;
                 *dirty |= reissue;
-                let requeued = self.sched.on_group_dropped(&g.group_id, reissue, stale);
+                let outcome = self.sched.on_group_dropped(&g.group_id, reissue, stale);
                 // `asyncrl_stale_dropped_total` is shared with a buffer in the
                 // same process (which counts before it reports): raise it to
                 // the reported total, never count a drop twice.
@@ -354,16 +356,24 @@ impl Actor {
                 if reported > counted {
                     self.metrics.stale_dropped.inc_by(reported - counted);
                 }
-                match requeued {
-                    Some(task) => tracing::info!(
+                match outcome {
+                    Dropped::Requeued(task) => tracing::info!(
                         task_id = %g.task_id, group_id = %g.group_id, index = task.index, epoch = task.epoch, reason = g.kind().label(),
                         "the buffer dropped a group it never trained on; its capacity is returned and the task is issued again"
                     ),
-                    None if reissue => tracing::warn!(
+                    Dropped::Quarantined(task) => {
+                        self.metrics.quarantined("refused");
+                        tracing::warn!(
+                            task_id = %g.task_id, group_id = %g.group_id, index = task.index, epoch = task.epoch,
+                            attempts = self.sched.params().max_task_attempts,
+                            "a task failed too often (the learner refused its groups) and is quarantined: it is not issued again (coordinator.max_task_attempts)"
+                        );
+                    }
+                    Dropped::Unknown => tracing::warn!(
                         task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(),
                         "the buffer dropped a group the coordinator does not remember (coordinator.completed_memory); counted only"
                     ),
-                    None => {
+                    Dropped::Ignored => {
                         tracing::debug!(task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(), "group dropped")
                     }
                 }
@@ -448,6 +458,7 @@ impl Actor {
             fleet: &mut self.fleet,
             knobs: &self.knobs,
             metrics: &self.metrics,
+            max_reply_bytes: self.bus.max_payload(),
         }
     }
 
@@ -514,6 +525,8 @@ impl Actor {
         let eta = self.knobs.admission(self.sched.version()).eta;
         m.policy_version.set(i64::from(self.sched.version()));
         m.capacity_left.set(self.sched.capacity(eta));
+        m.tasks_quarantined_now
+            .set(i64::try_from(self.sched.quarantined().len()).unwrap_or(i64::MAX));
         m.accepted_groups.set(self.sched.accepted() as i64);
         m.running_groups.set(self.sched.running() as i64);
         m.requeued_tasks.set(self.sched.queue_len() as i64);

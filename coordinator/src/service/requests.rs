@@ -64,6 +64,8 @@ pub(super) struct WorkerRequests<'a> {
     pub(super) fleet: &'a mut Fleet,
     pub(super) knobs: &'a KnobAdmin,
     pub(super) metrics: &'a CoordinatorMetrics,
+    /// The server's `max_payload`: a grant reply is kept below it.
+    pub(super) max_reply_bytes: Option<usize>,
 }
 
 impl WorkerRequests<'_> {
@@ -287,8 +289,18 @@ impl WorkerRequests<'_> {
                     return Handled::Reply(enc(&ReturnTasksReply { returned: 0 }));
                 }
                 self.fleet.registry.touch(&r.worker_id, now);
-                let ended = self.sched.return_leases(&r.worker_id, &r.lease_ids, now);
+                let ended =
+                    self.sched
+                        .return_leases(&r.worker_id, &r.lease_ids, now, r.task_failed);
                 self.metrics.tasks_returned.inc_by(ended.len() as u64);
+                for e in ended.iter().filter(|e| e.quarantined) {
+                    self.metrics.quarantined("returned");
+                    tracing::warn!(
+                        worker = %r.worker_id, index = e.lease.task.index, epoch = e.lease.task.epoch,
+                        attempts = self.sched.params().max_task_attempts, reason = %r.reason,
+                        "a task failed too often and is quarantined: it is not issued again (coordinator.max_task_attempts)"
+                    );
+                }
                 tracing::info!(worker = %r.worker_id, returned = ended.len(), asked = r.lease_ids.len(), reason = %r.reason, "tasks returned");
                 let ok = enc(&ReturnTasksReply {
                     returned: ended.len() as u32,
@@ -388,7 +400,60 @@ impl WorkerRequests<'_> {
                 })
             })
             .collect();
-        Acquired::Granted(tasks)
+        Acquired::Granted(self.fit_reply(&a.worker_id, tasks, now))
+    }
+
+    /// Keeps a grant reply below the server's `max_payload`: the tasks that
+    /// do not fit are handed back at once (issued again, to this or another
+    /// worker), and a task that alone exceeds it is returned as failed
+    /// (quarantined after `coordinator.max_task_attempts`), with an error
+    /// naming it. A reply over the limit would never reach the worker, and
+    /// its leases would wait for their timeout.
+    fn fit_reply(&mut self, worker: &str, tasks: Vec<Task>, now: i64) -> Vec<Task> {
+        let Some(max) = self.max_reply_bytes else {
+            return tasks;
+        };
+        // Room for the reply's other fields and the message headers.
+        let budget = max.saturating_sub(4096);
+        let mut used = 0usize;
+        let mut kept = Vec::with_capacity(tasks.len());
+        let mut back: Vec<String> = Vec::new();
+        let mut too_large: Vec<String> = Vec::new();
+        for t in tasks {
+            let size = t.encoded_len() + 8;
+            if size > budget {
+                tracing::error!(
+                    task_id = %t.task_id, bytes = size, max_payload = max,
+                    "a task does not fit in a reply within the NATS server's max_payload; it is returned as failed (shorten the prompt, or raise max_payload)"
+                );
+                too_large.push(t.lease_id);
+            } else if used + size > budget {
+                back.push(t.lease_id);
+            } else {
+                used += size;
+                kept.push(t);
+            }
+        }
+        if !back.is_empty() {
+            tracing::debug!(
+                worker,
+                handed_back = back.len(),
+                "a grant was cut to fit max_payload"
+            );
+            self.sched.return_leases(worker, &back, now, false);
+        }
+        if !too_large.is_empty() {
+            for e in self.sched.return_leases(worker, &too_large, now, true) {
+                if e.quarantined {
+                    self.metrics.quarantined("too_large");
+                    tracing::warn!(
+                        index = e.lease.task.index,
+                        "a task failed too often (it never fits a reply) and is quarantined"
+                    );
+                }
+            }
+        }
+        kept
     }
 }
 

@@ -19,6 +19,8 @@ pub(super) struct Settings {
     pub(super) max_recommended_workers: u32,
     /// `coordinator.completed_memory`, for the scheduler.
     completed_memory: usize,
+    /// `coordinator.max_task_attempts`, for the scheduler.
+    max_task_attempts: u32,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -39,6 +41,7 @@ impl Settings {
             max_per_acquire: c.max_tasks_per_acquire,
             max_recommended_workers: c.max_recommended_workers,
             completed_memory: c.completed_memory,
+            max_task_attempts: c.max_task_attempts,
         }
     }
 
@@ -49,6 +52,7 @@ impl Settings {
             group_size: self.group_size,
             lease_timeout_ms: self.lease_timeout_ms,
             completed_memory: self.completed_memory,
+            max_task_attempts: self.max_task_attempts,
         }
     }
 

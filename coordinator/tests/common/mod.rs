@@ -162,6 +162,21 @@ impl Worker {
                 worker_id: self.id.clone(),
                 lease_ids: tasks.iter().map(|t| t.lease_id.clone()).collect(),
                 reason: "draining".into(),
+                task_failed: false,
+            },
+        )
+        .await
+    }
+
+    /// Returns tasks the worker could not do (they failed).
+    pub async fn return_failed(&self, tasks: &[&Task], why: &str) -> ReturnTasksReply {
+        self.call(
+            TASKS_RETURN,
+            ReturnTasks {
+                worker_id: self.id.clone(),
+                lease_ids: tasks.iter().map(|t| t.lease_id.clone()).collect(),
+                reason: why.into(),
+                task_failed: true,
             },
         )
         .await
