@@ -423,3 +423,63 @@ fn a_trainer_node_names_the_key_or_flag_that_leaves_it_nothing_to_join() {
         assert_one_error_line(&args, &out, names);
     }
 }
+
+/// A model folder whose chat template runs away (a loop without end, a
+/// string doubled 40 times, one that runs away only on some prompts):
+/// `--check-config` and `train` stop with one line naming the template
+/// file and the limit, instead of hanging or taking the machine's memory.
+#[test]
+fn a_runaway_chat_template_is_one_error_naming_the_file_and_the_limit() {
+    let dir = tempdir();
+    let model = dir.path().join("model");
+    asyncrl_policy::Policy::builtin_tiny(
+        &asyncrl_policy::TinyModelSpec {
+            hidden_size: 16,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            intermediate_size: 32,
+            ..Default::default()
+        },
+        1,
+        asyncrl_policy::DeviceOptions::cpu(),
+    )
+    .unwrap()
+    .save_pretrained(&model, None)
+    .unwrap();
+    let tasks = tasks_file(dir.path());
+    let mut config = configs::tiny_run(dir.path().join("out"), "local", &tasks);
+    config.model.path = Some(model.clone());
+    config.coordinator.datasets[0].apply_chat_template = true;
+    let cfg = configs::write(&config, dir.path().join("asyncrl.toml"));
+    let cfg = cfg.to_str().unwrap();
+    let end = "{% for m in messages %}{{ m.content }}{% endfor %}";
+    for (template, limit) in [
+        (
+            format!(
+                "{{% for a in range(100000) %}}{{% for b in range(100000) %}}{{% endfor %}}{{% endfor %}}{end}"
+            ),
+            "fuel limit",
+        ),
+        (
+            format!(
+                "{{% set ns = namespace(s='x') %}}{{% for i in range(40) %}}{{% set ns.s = ns.s ~ ns.s %}}{{% endfor %}}{{{{ ns.s|length }}}}{end}"
+            ),
+            "size limit",
+        ),
+        (
+            // Only prompts with a `7` run away: found when the data set is
+            // measured at load.
+            format!(
+                "{{% if '7' in messages[-1].content %}}{{% for a in range(100000) %}}{{% for b in range(100000) %}}{{% endfor %}}{{% endfor %}}{{% endif %}}{end}"
+            ),
+            "fuel limit",
+        ),
+    ] {
+        std::fs::write(model.join("chat_template.jinja"), template).unwrap();
+        for args in [vec!["train", cfg, "--check-config"], vec!["train", cfg]] {
+            let out = asyncrl(&args);
+            assert_one_error_line(&args, &out, &["chat_template.jinja", limit]);
+        }
+    }
+}

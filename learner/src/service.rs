@@ -204,7 +204,11 @@ pub async fn run_with_progress(
     let metrics = LearnerMetrics::register(&metrics)?;
     let (weights, kv) = asyncrl_control::weights::open(bus.as_ref()).await?;
     let pending = PendingBatches::new(&ckpt_dir);
-    let limits = actor.call(|t| t.batch_limits()).await?;
+    // The model's limits, and the run's context: no honest worker makes a
+    // row longer than model.max_seq_len, so a longer one is refused (and
+    // its group quarantined) even where the model could take it.
+    let mut limits = actor.call(|t| t.batch_limits()).await?;
+    limits.max_seq_len = limits.max_seq_len.min(config.model.max_seq_len);
     let config = Arc::new(config);
     let mut ctx = Ctx {
         session: uuid::Uuid::new_v4().to_string(),
