@@ -153,7 +153,7 @@ fn hostile_trajectories_and_tasks_are_quarantined_and_training_reaches_its_targe
             eprintln!("published the {kind} group");
         }
         // A malformed message near the server's 1 MiB max_payload.
-        let junk = Bytes::from(vec![0xffu8; 1024 * 1024 - 4096]);
+        let junk = Bytes::from(vec![0xffu8; 1024 * 1024 - 1024]);
         publish(&bus, &trajectory_subject("hostile-junk"), "junk", junk).await;
         bus
     });
@@ -228,7 +228,7 @@ fn hostile_trajectories_and_tasks_are_quarantined_and_training_reaches_its_targe
         .expect("the junk message's letter");
     assert!(junk.truncated);
     assert_eq!(junk.payload.len(), DEAD_LETTER_PAYLOAD_MAX);
-    assert_eq!(junk.payload_size, 1024 * 1024 - 4096);
+    assert_eq!(junk.payload_size, 1024 * 1024 - 1024);
     // The long prompts were left out at load, counted; the quarantines
     // were logged.
     assert!(

@@ -302,7 +302,7 @@ impl Buffer {
         let spec = ConsumerSpec {
             filter_subject: Some(format!("{TRAJECTORY_SUBJECT_PREFIX}.>")),
             ack_wait: config.buffer.ack_wait,
-            max_deliver: None,
+            max_deliver: Some(MAX_DELIVER),
             max_ack_pending: config.buffer.max_ack_pending,
             deliver_from: DeliverFrom::All,
             ..ConsumerSpec::new(config.buffer.consumer_name.clone())
@@ -495,12 +495,25 @@ struct Ingest {
     writer: Option<SegmentWriter>,
 }
 
-/// A dead letter's payload: the message's bytes, or their first
-/// [`DEAD_LETTER_PAYLOAD_MAX`] bytes, so that the letter always fits the
-/// server's `max_payload` (a malformed message near the limit would
-/// otherwise be redelivered forever).
-fn dead_letter_payload(payload: &[u8]) -> DeadLetter {
-    let keep = payload.len().min(DEAD_LETTER_PAYLOAD_MAX);
+/// JetStream delivers a trajectory message at most this many times (a
+/// message is never redelivered for ever). A message on its last delivery
+/// that still cannot be stored is dead-lettered instead of naked, so that
+/// it is kept (the letter holds it whole when it fits) and counted
+/// (`buffer_dead_lettered_total{reason="max_deliver"}`).
+pub const MAX_DELIVER: u32 = 25;
+
+/// A dead letter's payload: the message's bytes when the letter then fits
+/// the server's `max_payload` (with room for its other fields), else their
+/// first [`DEAD_LETTER_PAYLOAD_MAX`] bytes, so that the letter always fits
+/// (a malformed message near the limit would otherwise be redelivered
+/// forever).
+fn dead_letter_payload(payload: &[u8], max_payload: Option<usize>) -> DeadLetter {
+    let fits = max_payload.is_none_or(|max| payload.len() + 4096 <= max);
+    let keep = if fits {
+        payload.len()
+    } else {
+        payload.len().min(DEAD_LETTER_PAYLOAD_MAX)
+    };
     DeadLetter {
         payload: payload[..keep].to_vec(),
         payload_size: payload.len() as u64,
@@ -740,9 +753,41 @@ impl Ingest {
                             Ok(Taken::DiskBlocked(deliveries))
                         }
                         WriteError::Other(e) => {
-                            // Nothing of this batch is acked: ask for it again soon.
+                            // Nothing of this batch is acked: ask for it
+                            // again soon; a message on its last delivery is
+                            // dead-lettered instead.
+                            let last: Vec<(usize, &'static str, String)> = deliveries
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, d)| d.delivered >= u64::from(MAX_DELIVER))
+                                .map(|(i, d)| {
+                                    (
+                                        i,
+                                        "max_deliver",
+                                        format!(
+                                            "delivered {} times (max_deliver) and still not stored: {e}",
+                                            d.delivered
+                                        ),
+                                    )
+                                })
+                                .collect();
+                            let failed = self.dead_letter(&deliveries, &last).await;
+                            let done: HashSet<usize> = last
+                                .iter()
+                                .map(|(i, _, _)| *i)
+                                .filter(|i| !failed.contains(i))
+                                .collect();
+                            let acks: Vec<&Delivery> =
+                                done.iter().map(|i| &deliveries[*i]).collect();
+                            if let Err(e) = Delivery::ack_all(&acks).await {
+                                tracing::warn!(error = %e, "acking dead-lettered messages failed");
+                            }
                             futures::future::join_all(
-                                deliveries.iter().map(|d| d.nak(Duration::from_secs(1))),
+                                deliveries
+                                    .iter()
+                                    .enumerate()
+                                    .filter(|(i, _)| !done.contains(i))
+                                    .map(|(_, d)| d.nak(Duration::from_secs(1))),
                             )
                             .await;
                             Err(e)
@@ -784,42 +829,7 @@ impl Ingest {
         // Dead letters first: a message is acked only once its dead letter
         // is stored (the msg id makes a republish after a crash a no-op).
         let dead_idx: HashSet<usize> = dead.iter().map(|(i, _, _)| *i).collect();
-        let dlq_results = futures::future::join_all(dead.iter().map(|(i, kind, reason)| {
-            let d = &deliveries[*i];
-            let letter = DeadLetter {
-                reason: reason.clone(),
-                subject: d.subject.clone(),
-                stream_sequence: d.stream_sequence,
-                msg_id: d.msg_id.clone().unwrap_or_default(),
-                ..dead_letter_payload(&d.payload)
-            };
-            let bus = self.shared.bus.clone();
-            let id = format!("dlq-{}", d.stream_sequence);
-            async move {
-                tracing::warn!(subject = %d.subject, seq = d.stream_sequence, kind, reason = %reason, "dead-lettering a trajectory message");
-                let r = bus
-                    .publish_durable(DEAD_LETTER_SUBJECT, &id, Bytes::from(letter.encode_to_vec()))
-                    .await;
-                (*i, *kind, r)
-            }
-        }))
-        .await;
-        let mut failed_dlq = HashSet::new();
-        for (i, kind, r) in dlq_results {
-            match r {
-                Ok(_) => {
-                    self.shared
-                        .metrics
-                        .dead_lettered
-                        .get_or_create(&BufferMetrics::reason(kind))
-                        .inc();
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, seq = deliveries[i].stream_sequence, "cannot dead-letter; will retry on redelivery");
-                    failed_dlq.insert(i);
-                }
-            }
-        }
+        let failed_dlq = self.dead_letter(&deliveries, &dead).await;
         // One confirmation for the batch's acks, not one per message.
         let (nak, ack): (Vec<_>, Vec<_>) = deliveries
             .iter()
@@ -859,6 +869,56 @@ impl Ingest {
         }
         self.shared.retire_segments().await?;
         Ok(Taken::Done)
+    }
+}
+
+impl Ingest {
+    /// Publishes the dead letters of `dead` (delivery index, kind, reason)
+    /// and counts them by kind; returns the indices whose letter could not
+    /// be published (to be naked: they come again).
+    async fn dead_letter(
+        &self,
+        deliveries: &[Delivery],
+        dead: &[(usize, &'static str, String)],
+    ) -> HashSet<usize> {
+        let max_payload = self.shared.bus.max_payload();
+        let results = futures::future::join_all(dead.iter().map(|(i, kind, reason)| {
+            let d = &deliveries[*i];
+            let letter = DeadLetter {
+                reason: reason.clone(),
+                subject: d.subject.clone(),
+                stream_sequence: d.stream_sequence,
+                msg_id: d.msg_id.clone().unwrap_or_default(),
+                ..dead_letter_payload(&d.payload, max_payload)
+            };
+            let bus = self.shared.bus.clone();
+            let id = format!("dlq-{}", d.stream_sequence);
+            async move {
+                tracing::warn!(subject = %d.subject, seq = d.stream_sequence, kind, reason = %reason, "dead-lettering a trajectory message");
+                let r = bus
+                    .publish_durable(DEAD_LETTER_SUBJECT, &id, Bytes::from(letter.encode_to_vec()))
+                    .await;
+                (*i, *kind, r)
+            }
+        }))
+        .await;
+        let mut failed = HashSet::new();
+        for (i, kind, r) in results {
+            match r {
+                Ok(_) => {
+                    self.shared
+                        .metrics
+                        .dead_lettered
+                        .get_or_create(&BufferMetrics::reason(kind))
+                        .inc();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, seq = deliveries[i].stream_sequence, "cannot dead-letter; will retry on redelivery");
+                    failed.insert(i);
+                }
+            }
+        }
+        failed
     }
 }
 
@@ -1131,7 +1191,7 @@ impl Server {
             task_id: task.unwrap_or_default(),
             group_id: group.to_string(),
             step,
-            ..dead_letter_payload(&encoded.ipc)
+            ..dead_letter_payload(&encoded.ipc, self.shared.bus.max_payload())
         };
         self.shared
             .bus

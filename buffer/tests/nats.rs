@@ -433,7 +433,7 @@ async fn a_malformed_message_near_the_payload_limit_is_dead_lettered_truncated()
     let bus = nats(&server.url()).await;
     let buffer = Running::start(&config, bus.clone()).await;
     // 1 MiB is the server's max_payload; leave room for the headers.
-    let size = 1024 * 1024 - 4096;
+    let size = 1024 * 1024 - 1024;
     let junk = Bytes::from(vec![0xffu8; size]);
     bus.publish_durable(&trajectory_subject("junk"), "junk-big", junk)
         .await
