@@ -17,12 +17,17 @@ use asyncrl_config::LongPrompts;
 use asyncrl_harness::configs;
 use asyncrl_harness::invariants::check_trained_file;
 use asyncrl_learner::outputs::TRAINED_JSONL;
-use asyncrl_protos::subjects::{DEAD_LETTER_PAYLOAD_MAX, DEAD_LETTER_STREAM, trajectory_subject};
+use asyncrl_protos::WeightAnnouncement;
+use asyncrl_protos::subjects::{
+    CONTROL_BUCKET, DEAD_LETTER_PAYLOAD_MAX, DEAD_LETTER_STREAM, POLICY_VERSION_KEY,
+    trajectory_subject,
+};
 use asyncrl_protos::v1::DeadLetter;
 use asyncrl_protos::{FinishReason, Message, RewardStatus, Trajectory};
 use asyncrl_testkit::NatsServer;
 use asyncrl_transport::{Bus, ConsumerSpec, NatsBus, TransportMetrics};
 use bytes::Bytes;
+use futures::StreamExt as _;
 
 const STEPS: u64 = 24;
 const G: u32 = 4;
@@ -236,4 +241,91 @@ fn hostile_trajectories_and_tasks_are_quarantined_and_training_reaches_its_targe
         "{stderr}"
     );
     assert!(stderr.contains("quarantined"), "{stderr}");
+}
+
+/// A second learner started on a running run refuses to start, with one
+/// line naming the live one, and announces nothing: every version of the
+/// run is announced once, in order, by the first learner's session.
+#[test]
+fn a_second_learner_refuses_to_start_and_nothing_is_announced_twice() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = configs::write_arith(dir.path().join("tasks.jsonl"), 400, 20, 5);
+    let mut config = configs::tiny_run(dir.path().join("out"), &server.url(), &tasks);
+    // Trains until stopped: the first learner is live whenever the second
+    // one looks, however slow the machine.
+    config.run.max_steps = 0;
+    config.staleness.groups_per_step = 4;
+    config.staleness.group_size = G;
+    config.model.max_new_tokens = 8;
+    config.model.max_seq_len = 64;
+    config.learner.lease_ttl = Duration::from_millis(500);
+    let cfg = configs::write(&config, dir.path().join("asyncrl.toml"));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Every write of policy.version, from the first.
+    let (kv, mut history) = rt.block_on(async {
+        let bus = NatsBus::connect(&config.bus, TransportMetrics::new())
+            .await
+            .unwrap();
+        let kv = bus.kv(CONTROL_BUCKET).await.unwrap();
+        let watch = kv.watch(POLICY_VERSION_KEY).await.unwrap();
+        (kv, watch)
+    });
+    let mut train = Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+        .args(["train", cfg.to_str().unwrap()])
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("train.stderr")).unwrap())
+        .spawn()
+        .unwrap();
+    // Once the first learner has announced a version, a second one.
+    rt.block_on(async {
+        for _ in 0..600 {
+            if kv.get(POLICY_VERSION_KEY).await.unwrap().is_some() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("no version was announced");
+    });
+    let second = Command::new(env!("CARGO_BIN_EXE_asyncrl"))
+        .args(["learner", "--config", cfg.to_str().unwrap()])
+        .env("NO_COLOR", "1")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(
+        errors[0].contains("another learner holds this run's lease: session"),
+        "{stderr}"
+    );
+    // SIGTERM: the run stops cleanly.
+    // SAFETY: kill only sends a signal to our own child.
+    unsafe { libc::kill(train.id() as i32, libc::SIGTERM) };
+    let status = train.wait().unwrap();
+    let train_err = std::fs::read_to_string(dir.path().join("train.stderr")).unwrap();
+    assert!(status.success(), "{train_err}");
+    // Every version from 0 once, in order, all from the first learner's
+    // session.
+    let announced = rt.block_on(async {
+        let mut seen = Vec::new();
+        while let Ok(Some(Ok(event))) =
+            tokio::time::timeout(Duration::from_secs(2), history.next()).await
+        {
+            if let Some(value) = event.value {
+                let a = WeightAnnouncement::decode(value.as_ref()).unwrap();
+                seen.push((a.version, a.learner_session, a.lease_epoch));
+            }
+        }
+        seen
+    });
+    let versions: Vec<i32> = announced.iter().map(|(v, _, _)| *v).collect();
+    let last = *versions.last().expect("versions announced");
+    assert_eq!(versions, (0..=last).collect::<Vec<_>>(), "{announced:?}");
+    let sessions: HashSet<&String> = announced.iter().map(|(_, s, _)| s).collect();
+    assert_eq!(sessions.len(), 1, "{announced:?}");
+    assert!(announced.iter().all(|(_, s, e)| !s.is_empty() && *e == 1));
 }

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use asyncrl_config::{BusConfig, RoleAuth, Secret};
 use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
 use asyncrl_protos::subjects::{
-    CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, LEARNER_STATUS_KEY,
-    POLICY_VERSION_KEY, TASKS_ACQUIRE, WEIGHTS_BUCKET, weights_object_name,
+    CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, LEARNER_LEASE_KEY,
+    LEARNER_STATUS_KEY, POLICY_VERSION_KEY, TASKS_ACQUIRE, WEIGHTS_BUCKET, weights_object_name,
 };
 use asyncrl_testkit::{NatsServer, ServerConfig, workspace_root};
 use asyncrl_transport::{Bus, NatsBus, TransportError, TransportMetrics};
@@ -226,6 +226,12 @@ async fn worker_credentials_cannot_write_what_other_roles_own() {
         &format!("$KV.{CONTROL_BUCKET}.{KNOBS_KEY}"),
     );
     assert_refused(
+        "worker takes the learner lease (which would fence the learner)",
+        kv.put(LEARNER_LEASE_KEY, Bytes::from_static(b"mallory"))
+            .await,
+        &format!("$KV.{CONTROL_BUCKET}.{LEARNER_LEASE_KEY}"),
+    );
+    assert_refused(
         "worker overwrites the coordinator's state",
         kv.update(
             COORDINATOR_STATE_KEY,
@@ -251,7 +257,7 @@ async fn worker_credentials_cannot_write_what_other_roles_own() {
         &format!("$O.{WEIGHTS_BUCKET}.>"),
     );
     eprintln!(
-        "5 refusals reported in {:?} (request timeout 30 s)",
+        "6 refusals reported in {:?} (request timeout 30 s)",
         started.elapsed()
     );
     assert!(
@@ -259,8 +265,8 @@ async fn worker_credentials_cannot_write_what_other_roles_own() {
         "refusals took {:?}: they waited for the 30 s request timeout",
         started.elapsed()
     );
-    assert_eq!(metrics.permission_violation_count("publish"), 5);
-    assert_eq!(metrics.error_count("kv_put"), 2);
+    assert_eq!(metrics.permission_violation_count("publish"), 6);
+    assert_eq!(metrics.error_count("kv_put"), 3);
 
     // Nothing changed.
     assert_eq!(

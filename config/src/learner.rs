@@ -191,6 +191,12 @@ pub struct LearnerConfig {
     /// How long to wait between batch requests when the buffer has too few groups.
     #[serde(with = "humantime_serde")]
     pub batch_poll_interval: Duration,
+    /// How long the run's learner lease lasts without a renewal (renewed
+    /// every quarter of it). A second learner waits twice this long for a
+    /// live lease and then refuses to start; a restarted one waits at most
+    /// this long for its crashed predecessor's lease to lapse.
+    #[serde(with = "humantime_serde")]
+    pub lease_ttl: Duration,
     /// Pin the trainer thread (and the libtorch threads it starts) to these
     /// CPU cores (empty: no pinning). `asyncrl-bench speedup` uses it to give
     /// the learner and the worker a core each.
@@ -221,6 +227,7 @@ impl Default for LearnerConfig {
             keep_checkpoints: 2,
             keep_weight_versions: 8,
             batch_poll_interval: Duration::from_millis(50),
+            lease_ttl: Duration::from_secs(10),
             cpu_affinity: Vec::new(),
         }
     }
@@ -315,6 +322,13 @@ impl LearnerConfig {
             return Err(ConfigError::invalid(
                 "learner.batch_poll_interval",
                 "must be longer than 0s",
+            ));
+        }
+        if self.lease_ttl < Duration::from_millis(100) || self.lease_ttl > Duration::from_secs(3600)
+        {
+            return Err(ConfigError::invalid(
+                "learner.lease_ttl",
+                format!("= {:?} must be in [100ms, 1h]", self.lease_ttl),
             ));
         }
         Ok(())

@@ -615,7 +615,7 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
             1..=i64::MAX as u64,
             1usize..=1000,
             1usize..=1000,
-            dur_ms(1, 60_000),
+            (dur_ms(1, 60_000), dur_ms(100, 3_599_999)),
             proptest::collection::vec(0usize..1024, 0..4),
         ),
         (
@@ -635,7 +635,7 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
             |(
                 (proximal, norm, agg, m2po, minibatches, max_tokens, warmup),
                 (wd, beta1, beta2, eps, clip),
-                (ckpt_dir, ckpt_every, keep_ckpt, keep_versions, poll, cores),
+                (ckpt_dir, ckpt_every, keep_ckpt, keep_versions, (poll, lease_ttl), cores),
                 (world_size, python, mixed_precision, checkpointing, offload, start_timeout),
             )| LearnerConfig {
                 // The torch engine's world size must divide the batch (a
@@ -672,6 +672,7 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
                 keep_checkpoints: keep_ckpt,
                 keep_weight_versions: keep_versions,
                 batch_poll_interval: poll,
+                lease_ttl,
                 cpu_affinity: cores,
             },
         )

@@ -6,6 +6,8 @@
 //! - [`weights`]: publishing a version's weights (object + `policy.version`
 //!   announcement) and fetching the announced ones, sha256-checked;
 //! - [`streams`]: the full JetStream specs of the contract's streams;
+//! - [`lease`]: the run's learner lease (one learner seals and announces;
+//!   a second refuses to start, a frozen one is fenced);
 //! - [`kv`]: one compare-and-set edit of a KV key and one reconnecting
 //!   watch, which every read-modify-write and every follower of a key use.
 //!
@@ -14,6 +16,7 @@
 
 pub mod knobs;
 pub mod kv;
+pub mod lease;
 pub mod streams;
 pub mod weights;
 

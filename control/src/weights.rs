@@ -72,6 +72,47 @@ pub async fn open(
     ))
 }
 
+/// Who announces: the learner session and the epoch of its lease
+/// ([`crate::lease`]). The default (no session, epoch 0) is a writer
+/// outside any lease (tests, benches), which any leased learner fences.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fence {
+    pub session: String,
+    pub epoch: u64,
+}
+
+/// Why an announcement was not written.
+#[derive(Debug, thiserror::Error)]
+pub enum AnnounceError {
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The current announcement comes from a later lease epoch: this
+    /// writer was fenced by another learner.
+    #[error(
+        "version {version} was not announced: learner session {session} (lease epoch {epoch}) announced version {their_version} after this learner was fenced (lease epoch {ours})"
+    )]
+    Fenced {
+        version: i32,
+        session: String,
+        epoch: u64,
+        their_version: i32,
+        ours: u64,
+    },
+    #[error("KV key `{POLICY_VERSION_KEY}` kept changing under compare-and-set")]
+    Contended,
+}
+
+impl AnnounceError {
+    /// Worth retrying (the server, not a fence).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            AnnounceError::Transport(e) => e.is_transient(),
+            AnnounceError::Contended => true,
+            _ => false,
+        }
+    }
+}
+
 /// Stores `weights` as the object of `version` and then announces it in
 /// `policy.version` (trained `step`). Returns the announcement written.
 pub async fn publish(
@@ -80,7 +121,8 @@ pub async fn publish(
     version: i32,
     step: u64,
     weights: Bytes,
-) -> Result<WeightAnnouncement, TransportError> {
+    fence: &Fence,
+) -> Result<WeightAnnouncement, AnnounceError> {
     let name = weights_object_name(version);
     let info = store.put(&name, weights).await?;
     let announcement = WeightAnnouncement {
@@ -91,6 +133,8 @@ pub async fn publish(
         format: WEIGHTS_FORMAT.into(),
         published_at_unix_ms: unix_ms(),
         step,
+        learner_session: fence.session.clone(),
+        lease_epoch: fence.epoch,
         ..Default::default()
     };
     announce(kv, &announcement).await?;
@@ -148,6 +192,7 @@ pub async fn publish_folder(
     version: i32,
     step: u64,
     dir: &std::path::Path,
+    fence: &Fence,
 ) -> Result<WeightAnnouncement, PublishFolderError> {
     let owned = dir.to_owned();
     let files = tokio::task::spawn_blocking(move || folder_files(&owned))
@@ -166,6 +211,8 @@ pub async fn publish_folder(
         step,
         folder: dir.display().to_string(),
         files,
+        learner_session: fence.session.clone(),
+        lease_epoch: fence.epoch,
     };
     announce(kv, &announcement).await?;
     Ok(announcement)
@@ -176,7 +223,7 @@ pub enum PublishFolderError {
     #[error(transparent)]
     Folder(#[from] FolderError),
     #[error(transparent)]
-    Transport(#[from] TransportError),
+    Announce(#[from] AnnounceError),
 }
 
 /// The path of every file an announcement lists (none may leave its
@@ -295,17 +342,49 @@ pub fn prune_folders(
     Ok(deleted)
 }
 
-/// Writes an announcement as it is.
+/// Writes an announcement: a compare-and-set on the current one, refused
+/// when that comes from a later lease epoch (this writer is fenced), and
+/// no write when the same version with the same bytes is announced already
+/// (a retry whose first write landed).
 pub async fn announce(
     kv: &dyn KvBucket,
     announcement: &WeightAnnouncement,
-) -> Result<(), TransportError> {
-    kv.put(
-        POLICY_VERSION_KEY,
-        Bytes::from(announcement.encode_to_vec()),
-    )
-    .await?;
-    Ok(())
+) -> Result<(), AnnounceError> {
+    let value = Bytes::from(announcement.encode_to_vec());
+    let edited = crate::kv::edit(kv, POLICY_VERSION_KEY, 8, |entry| {
+        let Some(entry) = entry else {
+            return Ok(crate::kv::Change::Write(value.clone(), ()));
+        };
+        let Ok(current) = decode_announcement(&entry.value) else {
+            // Not an announcement (garbage in the key): replaced.
+            return Ok(crate::kv::Change::Write(value.clone(), ()));
+        };
+        if current.lease_epoch > announcement.lease_epoch {
+            return Err(AnnounceError::Fenced {
+                version: announcement.version,
+                session: current.learner_session,
+                epoch: current.lease_epoch,
+                their_version: current.version,
+                ours: announcement.lease_epoch,
+            });
+        }
+        let same = current.version == announcement.version
+            && current.sha256 == announcement.sha256
+            && current.files == announcement.files
+            && current.learner_session == announcement.learner_session;
+        Ok(if same {
+            crate::kv::Change::Keep(())
+        } else {
+            crate::kv::Change::Write(value.clone(), ())
+        })
+    })
+    .await;
+    match edited {
+        Ok(_) => Ok(()),
+        Err(crate::kv::EditError::Refused(e)) => Err(e),
+        Err(crate::kv::EditError::Transport { source, .. }) => Err(source.into()),
+        Err(crate::kv::EditError::Contended { .. }) => Err(AnnounceError::Contended),
+    }
 }
 
 /// The current announcement (None before the first publication).
@@ -372,9 +451,16 @@ mod tests {
         let (store, kv) = (store.as_ref(), kv.as_ref());
         assert_eq!(announced(kv).await.unwrap(), None);
         for v in 0..4 {
-            publish(store, kv, v, v as u64, Bytes::from(vec![v as u8; 10]))
-                .await
-                .unwrap();
+            publish(
+                store,
+                kv,
+                v,
+                v as u64,
+                Bytes::from(vec![v as u8; 10]),
+                &Fence::default(),
+            )
+            .await
+            .unwrap();
         }
         let ann = announced(kv).await.unwrap().unwrap();
         assert_eq!((ann.version, ann.step, ann.byte_size), (3, 3, 10));
@@ -438,7 +524,9 @@ mod tests {
                 ("model-00002-of-00002.safetensors", b"second!"),
             ],
         );
-        let ann = publish_folder(kv.as_ref(), 3, 3, &dir).await.unwrap();
+        let ann = publish_folder(kv.as_ref(), 3, 3, &dir, &Fence::default())
+            .await
+            .unwrap();
         assert_eq!(announced(kv.as_ref()).await.unwrap().as_ref(), Some(&ann));
         assert_eq!((ann.version, ann.byte_size), (3, 12));
         assert_eq!(ann.format, WEIGHTS_FORMAT_FOLDER);
@@ -492,7 +580,9 @@ mod tests {
             .join(asyncrl_protos::subjects::weights_folder_name(1));
         std::fs::create_dir_all(&half).unwrap();
         std::fs::write(half.join("model.safetensors"), b"partial").unwrap();
-        let err = publish_folder(kv.as_ref(), 1, 1, &half).await.unwrap_err();
+        let err = publish_folder(kv.as_ref(), 1, 1, &half, &Fence::default())
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains(FOLDER_SHA256_FILE), "{err}");
         assert_eq!(announced(kv.as_ref()).await.unwrap(), None);
     }
@@ -517,6 +607,65 @@ mod tests {
         left.sort();
         let name = asyncrl_protos::subjects::weights_folder_name;
         assert_eq!(left, [name(4), name(5), "unrelated".to_owned()]);
+    }
+
+    #[tokio::test]
+    async fn an_announcement_of_an_older_lease_epoch_is_refused_and_a_repeat_is_no_write() {
+        let bus = LocalBus::new();
+        let (store, kv) = open(&bus).await.unwrap();
+        let old = Fence {
+            session: "A".into(),
+            epoch: 1,
+        };
+        let new = Fence {
+            session: "B".into(),
+            epoch: 2,
+        };
+        let a3 = publish(
+            store.as_ref(),
+            kv.as_ref(),
+            3,
+            3,
+            Bytes::from_static(b"a3"),
+            &old,
+        )
+        .await
+        .unwrap();
+        let rev = kv.get(POLICY_VERSION_KEY).await.unwrap().unwrap().revision;
+        // The same announcement again (a retry whose write landed): no write.
+        announce(kv.as_ref(), &a3).await.unwrap();
+        assert_eq!(
+            kv.get(POLICY_VERSION_KEY).await.unwrap().unwrap().revision,
+            rev
+        );
+        // B took the lease over and announced; A, fenced, cannot announce.
+        publish(
+            store.as_ref(),
+            kv.as_ref(),
+            3,
+            3,
+            Bytes::from_static(b"b3"),
+            &new,
+        )
+        .await
+        .unwrap();
+        let err = publish(
+            store.as_ref(),
+            kv.as_ref(),
+            4,
+            4,
+            Bytes::from_static(b"a4"),
+            &old,
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(err, AnnounceError::Fenced { epoch: 2, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("learner session B"), "{err}");
+        let now = announced(kv.as_ref()).await.unwrap().unwrap();
+        assert_eq!((now.version, now.learner_session.as_str()), (3, "B"));
     }
 
     #[tokio::test]

@@ -77,6 +77,9 @@ pub fn cluster_role(output_dir: impl Into<PathBuf>, bus_url: &str, tasks: &Path)
     c.buffer.fetch_wait = Duration::from_millis(100);
     c.learner.checkpoint_every = 1;
     c.learner.keep_checkpoints = 2;
+    // A learner killed with SIGKILL leaves its lease behind: its restart
+    // waits at most this long for it to lapse.
+    c.learner.lease_ttl = Duration::from_secs(2);
     c.worker.max_sequences = 16;
     c.worker.heartbeat_interval = Duration::from_millis(250);
     c.worker.acquire_backoff_max = Duration::from_millis(300);

@@ -179,6 +179,54 @@ pub async fn run_with_progress(
     progress: Option<tokio::sync::mpsc::UnboundedSender<LearnerEvent>>,
 ) -> anyhow::Result<LearnerSummary> {
     let ckpt_dir = checkpoint_dir(&config);
+    // The run's lease first: nothing is sealed, trained or announced by a
+    // second learner (it waits for a crashed predecessor's lease to lapse,
+    // and refuses to start beside a live one).
+    let session = uuid::Uuid::new_v4().to_string();
+    let control = bus
+        .kv(subjects::CONTROL_BUCKET)
+        .await
+        .context("cannot open the control KV bucket")?;
+    let holder = format!(
+        "{}:{}",
+        std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
+        std::process::id()
+    );
+    let ttl = config.learner.lease_ttl;
+    let clock = asyncrl_common::SystemClock::shared();
+    let lease = match asyncrl_control::lease::acquire(
+        control.as_ref(),
+        clock.as_ref(),
+        &session,
+        &holder,
+        ttl,
+        &shutdown,
+    )
+    .await
+    {
+        Ok(lease) => lease,
+        Err(asyncrl_control::lease::LeaseError::Cancelled) => {
+            return Ok(LearnerSummary::default());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let fence = asyncrl_control::weights::Fence {
+        session: session.clone(),
+        epoch: lease.epoch(),
+    };
+    let fenced = CancellationToken::new();
+    let fence_error: Arc<std::sync::Mutex<Option<asyncrl_control::lease::LeaseError>>> =
+        Arc::default();
+    let renew_stop = CancellationToken::new();
+    let renewer = AbortOnDrop(tokio::spawn(renew_lease(
+        lease,
+        control.clone(),
+        clock,
+        ttl,
+        fenced.clone(),
+        fence_error.clone(),
+        renew_stop.clone(),
+    )));
     let affinity = config.learner.cpu_affinity.clone();
     let engine_config = config.clone();
     let engine_ckpt_dir = ckpt_dir.clone();
@@ -211,7 +259,7 @@ pub async fn run_with_progress(
     limits.max_seq_len = limits.max_seq_len.min(config.model.max_seq_len);
     let config = Arc::new(config);
     let mut ctx = Ctx {
-        session: uuid::Uuid::new_v4().to_string(),
+        session,
         started_at: unix_ms(),
         start_version: 0,
         fetcher: Fetcher {
@@ -235,6 +283,7 @@ pub async fn run_with_progress(
             keep: config.learner.keep_weight_versions,
             shutdown: shutdown.clone(),
             pending,
+            fence,
         },
         config: Config::clone(&config),
         kv,
@@ -245,11 +294,67 @@ pub async fn run_with_progress(
         progress,
         evaluator,
     };
-    ctx.reconcile_with_published().await?;
-    ctx.start_version = ctx.actor.call(|t| t.version()).await?;
-    ctx.write_status(0.0, 0.0).await;
-    ctx.metrics.version.set(i64::from(ctx.start_version));
-    ctx.train_loop().await
+    let trained = async {
+        ctx.reconcile_with_published().await?;
+        ctx.start_version = ctx.actor.call(|t| t.version()).await?;
+        ctx.write_status(0.0, 0.0).await;
+        ctx.metrics.version.set(i64::from(ctx.start_version));
+        ctx.train_loop().await
+    };
+    let summary = tokio::select! {
+        r = trained => r,
+        () = fenced.cancelled() => Err(anyhow::anyhow!("the learner stopped")),
+    };
+    // Fenced: that is the one line to print, whatever the train loop saw.
+    let taken = fence_error
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(e) = taken {
+        return Err(e.into());
+    }
+    let summary = summary?;
+    // A clean stop hands the lease back at once.
+    renew_stop.cancel();
+    if let Some(lease) = renewer.join("learner lease renewal").await? {
+        lease.release(control.as_ref()).await;
+    }
+    Ok(summary)
+}
+
+/// Renews the run's learner lease every quarter of its ttl until the
+/// learner stops (returns the lease) or another learner takes it over:
+/// then `fenced` is cancelled and the error kept for the learner to
+/// report. A renewal the server cannot take is retried: the lease lapses
+/// only if that lasts a whole ttl, and then the next renewal is fenced.
+async fn renew_lease(
+    mut lease: asyncrl_control::lease::Lease,
+    kv: Arc<dyn KvBucket>,
+    clock: asyncrl_common::SharedClock,
+    ttl: Duration,
+    fenced: CancellationToken,
+    error: Arc<std::sync::Mutex<Option<asyncrl_control::lease::LeaseError>>>,
+    stop: CancellationToken,
+) -> Option<asyncrl_control::lease::Lease> {
+    use asyncrl_control::lease::LeaseError;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return Some(lease),
+            () = tokio::time::sleep(asyncrl_control::lease::renew_every(ttl)) => {}
+        }
+        match lease.renew(kv.as_ref(), clock.as_ref()).await {
+            Ok(()) => {}
+            Err(e @ LeaseError::Fenced { .. }) => {
+                tracing::error!(error = %e, "fenced: another learner holds the run's lease");
+                *error
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+                fenced.cancel();
+                return None;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot renew the learner lease; retrying"),
+        }
+    }
 }
 
 impl Ctx {
@@ -888,6 +993,9 @@ struct Publisher {
     keep: usize,
     shutdown: CancellationToken,
     pending: PendingBatches,
+    /// This learner's session and lease epoch, carried by every
+    /// announcement.
+    fence: asyncrl_control::weights::Fence,
 }
 
 impl Publisher {
@@ -906,6 +1014,7 @@ impl Publisher {
                     version,
                     step,
                     bytes.clone(),
+                    &self.fence,
                 )
                 .await
                 .map(drop),
@@ -915,11 +1024,12 @@ impl Publisher {
                         version,
                         step,
                         dir,
+                        &self.fence,
                     )
                     .await
                     {
                         Ok(_) => Ok(()),
-                        Err(asyncrl_control::weights::PublishFolderError::Transport(e)) => Err(e),
+                        Err(asyncrl_control::weights::PublishFolderError::Announce(e)) => Err(e),
                         Err(e) => {
                             return Err(anyhow::Error::new(e).context(format!(
                                 "cannot publish the weights of version {version}"

@@ -408,6 +408,35 @@ struct CheckedKv {
     inner: Arc<dyn asyncrl_transport::KvBucket>,
 }
 
+impl CheckedKv {
+    /// An announcement written: its version, and whether its object was
+    /// complete in the store by then.
+    async fn record(
+        &self,
+        key: &str,
+        value: &Bytes,
+    ) -> Result<(), asyncrl_transport::TransportError> {
+        if key == subjects::POLICY_VERSION_KEY {
+            let a = WeightAnnouncement::decode(value.as_ref()).unwrap();
+            let store = self
+                .bus
+                .inner
+                .object_store(subjects::WEIGHTS_BUCKET)
+                .await?;
+            let complete = store
+                .get_expecting(&a.object_name, &a.sha256)
+                .await
+                .is_ok_and(|b| b.len() as u64 == a.byte_size);
+            self.bus
+                .announcements
+                .lock()
+                .unwrap()
+                .push((a.version, complete));
+        }
+        Ok(())
+    }
+}
+
 mod gated {
     use super::*;
     use asyncrl_transport::{
@@ -447,30 +476,18 @@ mod gated {
             self.inner.get(key).await
         }
         async fn put(&self, key: &str, value: Bytes) -> Result<u64> {
-            if key == subjects::POLICY_VERSION_KEY {
-                let a = WeightAnnouncement::decode(value.as_ref()).unwrap();
-                let store = self
-                    .bus
-                    .inner
-                    .object_store(subjects::WEIGHTS_BUCKET)
-                    .await?;
-                let complete = store
-                    .get_expecting(&a.object_name, &a.sha256)
-                    .await
-                    .is_ok_and(|b| b.len() as u64 == a.byte_size);
-                self.bus
-                    .announcements
-                    .lock()
-                    .unwrap()
-                    .push((a.version, complete));
-            }
+            self.record(key, &value).await?;
             self.inner.put(key, value).await
         }
         async fn create(&self, key: &str, value: Bytes) -> Result<u64> {
-            self.inner.create(key, value).await
+            let revision = self.inner.create(key, value.clone()).await?;
+            self.record(key, &value).await?;
+            Ok(revision)
         }
         async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64> {
-            self.inner.update(key, value, revision).await
+            let revision = self.inner.update(key, value.clone(), revision).await?;
+            self.record(key, &value).await?;
+            Ok(revision)
         }
         async fn delete(&self, key: &str) -> Result<()> {
             self.inner.delete(key).await

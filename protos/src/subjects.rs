@@ -37,6 +37,9 @@ pub const WEIGHTS_BUCKET: &str = "WEIGHTS";
 pub const COORDINATOR_STATE_KEY: &str = "coordinator.state";
 /// KV key the learner writes its `asyncrl.v1.LearnerStatus` to.
 pub const LEARNER_STATUS_KEY: &str = "learner.status";
+/// The run's learner lease (`LearnerLease`): the learner that may seal steps
+/// and announce versions.
+pub const LEARNER_LEASE_KEY: &str = "learner.lease";
 /// KV key of the knob schedule (`asyncrl.v1.KnobSchedule`).
 pub const KNOBS_KEY: &str = "knobs";
 /// Queue group of the coordinator's request subjects.

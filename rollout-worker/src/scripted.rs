@@ -379,13 +379,15 @@ pub async fn ensure_trajectory_stream(bus: &dyn Bus) -> Result<(), TransportErro
     bus.ensure_stream(&spec).await
 }
 
+pub use asyncrl_control::weights::AnnounceError;
+
 /// Publishes `weights` as version `version` (trained step = version), the
 /// way the learner does.
 pub async fn publish_weights(
     bus: &dyn Bus,
     version: i32,
     weights: Bytes,
-) -> Result<WeightAnnouncement, TransportError> {
+) -> Result<WeightAnnouncement, AnnounceError> {
     let (store, kv) = asyncrl_control::weights::open(bus).await?;
     asyncrl_control::weights::publish(
         store.as_ref(),
@@ -393,6 +395,7 @@ pub async fn publish_weights(
         version,
         version.max(0) as u64,
         weights,
+        &asyncrl_control::weights::Fence::default(),
     )
     .await
 }
@@ -400,7 +403,12 @@ pub async fn publish_weights(
 /// Writes an announcement as is (to script broken ones).
 pub async fn announce(bus: &dyn Bus, ann: &WeightAnnouncement) -> Result<(), TransportError> {
     let kv = bus.kv(asyncrl_protos::subjects::CONTROL_BUCKET).await?;
-    asyncrl_control::weights::announce(kv.as_ref(), ann).await
+    kv.put(
+        asyncrl_protos::subjects::POLICY_VERSION_KEY,
+        Bytes::from(asyncrl_protos::Message::encode_to_vec(ann)),
+    )
+    .await?;
+    Ok(())
 }
 
 /// A trajectory read back from the stream.

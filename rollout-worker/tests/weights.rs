@@ -452,9 +452,15 @@ async fn a_shared_folder_loads_only_intact_and_its_shards_as_one_model() {
     let last = altered.len() - 1;
     altered[last] ^= 0xff;
     std::fs::write(&shards[0], &altered).unwrap();
-    let ann = asyncrl_control::weights::publish_folder(kv.as_ref(), 6, 6, &dir)
-        .await
-        .unwrap();
+    let ann = asyncrl_control::weights::publish_folder(
+        kv.as_ref(),
+        6,
+        6,
+        &dir,
+        &asyncrl_control::weights::Fence::default(),
+    )
+    .await
+    .unwrap();
     assert_eq!(ann.files.len(), shards.len());
     assert!(
         eventually(Duration::from_secs(10), || failures(

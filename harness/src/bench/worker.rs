@@ -29,7 +29,8 @@ use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
 use asyncrl_rollout_worker::scripted::{
-    ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream, publish_weights,
+    AnnounceError, ScriptOptions, ScriptedCoordinator, ScriptedTask, ensure_trajectory_stream,
+    publish_weights,
 };
 use asyncrl_rollout_worker::{CompletionLengths, Worker, WorkerError};
 
@@ -240,7 +241,15 @@ async fn run_once(
     )
     .await?;
     let weights = model.weights_bytes(WeightDtype::F32).await?;
-    publish_weights(bus.as_ref(), 0, Bytes::from(weights)).await?;
+    publish_weights(bus.as_ref(), 0, Bytes::from(weights))
+        .await
+        .map_err(|e| match e {
+            AnnounceError::Transport(t) => WorkerError::from(t),
+            other => WorkerError::Settings {
+                key: asyncrl_protos::subjects::POLICY_VERSION_KEY.into(),
+                reason: format!("cannot announce the weights: {other}"),
+            },
+        })?;
     let coordinator = ScriptedCoordinator::start(
         bus.clone(),
         tasks,
