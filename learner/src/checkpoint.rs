@@ -8,6 +8,13 @@
 //! crash mid-write never leaves a half checkpoint that a restart could pick
 //! up. Loading takes the newest directory whose meta parses and whose files
 //! match their recorded sha256; anything else is skipped with a warning.
+//!
+//! A write that fails (a full volume, any I/O error) removes what it had
+//! written and returns the error; the learner counts it
+//! ([`failure_reason`]) and trains on, and its last good checkpoint stays
+//! the resume point. What a crash cut off (`*.tmp-*` folders, the optimizer
+//! state's temporary file, the torch engine's `.step-*.tmp`) is removed at
+//! start by [`remove_interrupted`].
 
 use std::fs;
 use std::io::Write;
@@ -102,24 +109,93 @@ pub fn write(
         fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     fs::create_dir(&tmp).map_err(io(&tmp))?;
-    meta.model_sha256 = sha256_hex(model);
-    meta.optimizer_sha256 = sha256_hex(optimizer);
-    write_synced(&tmp.join(MODEL_FILE), model)?;
-    write_synced(&tmp.join(OPTIMIZER_FILE), optimizer)?;
-    let meta_json = serde_json::to_vec_pretty(meta).map_err(|e| CheckpointError::Invalid {
-        path: tmp.clone(),
-        reason: e.to_string(),
-    })?;
-    write_synced(&tmp.join(META_FILE), &meta_json)?;
-    sync_dir(&tmp)?;
     let dest = root.join(&name);
-    if dest.exists() {
-        // A checkpoint of the same step (written before a crash): replace it.
-        fs::remove_dir_all(&dest).map_err(io(&dest))?;
+    let written = (|| {
+        meta.model_sha256 = sha256_hex(model);
+        meta.optimizer_sha256 = sha256_hex(optimizer);
+        write_synced(&tmp.join(MODEL_FILE), model)?;
+        write_synced(&tmp.join(OPTIMIZER_FILE), optimizer)?;
+        let meta_json = serde_json::to_vec_pretty(meta).map_err(|e| CheckpointError::Invalid {
+            path: tmp.clone(),
+            reason: e.to_string(),
+        })?;
+        write_synced(&tmp.join(META_FILE), &meta_json)?;
+        sync_dir(&tmp)?;
+        if dest.exists() {
+            // A checkpoint of the same step (written before a crash): replace it.
+            fs::remove_dir_all(&dest).map_err(io(&dest))?;
+        }
+        fs::rename(&tmp, &dest).map_err(io(&dest))
+    })();
+    if let Err(e) = written {
+        // Give the space back (a full volume is the likely cause).
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    fs::rename(&tmp, &dest).map_err(io(&dest))?;
     sync_dir(root)?;
     Ok(dest)
+}
+
+/// Whether `name` is something a checkpoint write leaves only while it
+/// runs: `step-NNNNNNNN.tmp-PID` (this module), `.step-NNNNNNNN.tmp` (the
+/// torch engine), `.optimizer-PID-MS.safetensors.tmp` (the optimizer
+/// state on its way into a checkpoint).
+fn interrupted_write(name: &str) -> bool {
+    (name.starts_with("step-") && name.contains(".tmp-"))
+        || (name.starts_with(".step-") && name.ends_with(".tmp"))
+        || (name.starts_with(".optimizer-") && name.ends_with(".safetensors.tmp"))
+}
+
+/// Removes the checkpoint writes a crash cut off under `root` (see
+/// [`interrupted_write`]); run at start, before anything writes there.
+/// Returns what it removed (each also logged); what it cannot remove is
+/// logged and left.
+pub fn remove_interrupted(root: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for e in entries.filter_map(|e| e.ok()) {
+        if !e.file_name().to_str().is_some_and(interrupted_write) {
+            continue;
+        }
+        let path = e.path();
+        let result = if e.file_type().is_ok_and(|t| t.is_dir()) {
+            fs::remove_dir_all(&path)
+        } else {
+            fs::remove_file(&path)
+        };
+        match result {
+            Ok(()) => {
+                tracing::info!(path = %path.display(), "removed a checkpoint write that a crash cut off");
+                removed.push(path);
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a checkpoint write that a crash cut off")
+            }
+        }
+    }
+    removed.sort();
+    removed
+}
+
+/// The `reason` label of a failed checkpoint write: the OS error found in
+/// `err`'s causes (`no_space`: ENOSPC or EDQUOT; `read_only`: EROFS;
+/// `permission`: EACCES or EPERM; `io`: any other), or `other`.
+pub fn failure_reason(err: &(dyn std::error::Error + 'static)) -> &'static str {
+    let mut cause = Some(err);
+    while let Some(e) = cause {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return match io.raw_os_error() {
+                Some(libc::ENOSPC | libc::EDQUOT) => "no_space",
+                Some(libc::EROFS) => "read_only",
+                Some(libc::EACCES | libc::EPERM) => "permission",
+                _ => "io",
+            };
+        }
+        cause = e.source();
+    }
+    "other"
 }
 
 /// Reads a checkpoint directory and checks its sha256s; without
@@ -288,6 +364,94 @@ mod tests {
         assert_eq!(latest.model, b"good");
         prune(dir.path(), 5).unwrap();
         assert!(!tmp.exists(), "a crashed write's temp dir is cleaned up");
+    }
+
+    #[test]
+    fn interrupted_writes_are_removed_at_start_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        write(root, &mut meta(4), b"good", b"opt").unwrap();
+        let cut_off = [
+            "step-00000005.tmp-999999",
+            ".step-00000006.tmp",
+            ".optimizer-999999-1700000000000.safetensors.tmp",
+        ];
+        fs::create_dir(root.join(cut_off[0])).unwrap();
+        fs::write(root.join(cut_off[0]).join(MODEL_FILE), b"half").unwrap();
+        fs::create_dir_all(root.join(cut_off[1]).join("shards")).unwrap();
+        fs::write(root.join(cut_off[2]), b"half").unwrap();
+        let kept = ["step-00000004", "pending-batches", "notes.txt", ".step-x"];
+        fs::create_dir(root.join("pending-batches")).unwrap();
+        fs::write(root.join("pending-batches/batch-step-00000005.arrow"), b"b").unwrap();
+        fs::write(root.join("notes.txt"), b"n").unwrap();
+        fs::write(root.join(".step-x"), b"n").unwrap();
+        let removed = remove_interrupted(root);
+        let mut want: Vec<PathBuf> = cut_off.iter().map(|n| root.join(n)).collect();
+        want.sort();
+        assert_eq!(removed, want);
+        for n in cut_off {
+            assert!(!root.join(n).exists(), "{n} is left");
+        }
+        for n in kept {
+            assert!(root.join(n).exists(), "{n} was removed");
+        }
+        assert_eq!(load_latest(root).unwrap().unwrap().meta.step, 4);
+        // A missing folder has nothing to remove.
+        assert!(remove_interrupted(&root.join("absent")).is_empty());
+    }
+
+    #[test]
+    fn a_failed_write_leaves_nothing_and_names_the_path_and_the_os_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        write(root, &mut meta(1), b"good", b"opt").unwrap();
+        // Step 2's folder is taken by a file (root ignores permissions, so
+        // this is how a test makes a write fail).
+        fs::write(root.join("step-00000002"), b"in the way").unwrap();
+        let err = write(root, &mut meta(2), b"new", b"opt").expect_err("the write fails");
+        let line = err.to_string();
+        assert!(
+            line.contains(&root.join("step-00000002").display().to_string()),
+            "{line}"
+        );
+        assert!(line.contains("os error"), "{line}");
+        assert_eq!(failure_reason(&err), "io");
+        let left: Vec<String> = fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "the failed write left {left:?}");
+        assert_eq!(load_latest(root).unwrap().unwrap().meta.step, 1);
+    }
+
+    #[test]
+    fn failure_reasons_come_from_the_os_error() {
+        let reason = |errno: i32| {
+            let e = CheckpointError::Io {
+                path: PathBuf::from("/ckpt/step-00000002.tmp-1/model.safetensors"),
+                source: std::io::Error::from_raw_os_error(errno),
+            };
+            failure_reason(&e)
+        };
+        assert_eq!(reason(libc::ENOSPC), "no_space");
+        assert_eq!(reason(libc::EDQUOT), "no_space");
+        assert_eq!(reason(libc::EROFS), "read_only");
+        assert_eq!(reason(libc::EACCES), "permission");
+        assert_eq!(reason(libc::EIO), "io");
+        let e = CheckpointError::Io {
+            path: PathBuf::from("/ckpt/x"),
+            source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+        };
+        assert_eq!(
+            e.to_string(),
+            "checkpoint I/O on /ckpt/x: No space left on device (os error 28)"
+        );
+        let invalid = CheckpointError::Invalid {
+            path: PathBuf::from("/ckpt/x"),
+            reason: "r".into(),
+        };
+        assert_eq!(failure_reason(&invalid), "other");
     }
 
     #[test]

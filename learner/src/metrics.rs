@@ -54,6 +54,12 @@ pub struct LearnerMetrics {
     pub weight_publications: Counter,
     pub weight_publish_failures: Counter,
     pub checkpoints: Counter,
+    /// Checkpoint writes that failed (the learner trains on), by
+    /// [`crate::checkpoint::failure_reason`].
+    pub checkpoint_failures: Family<ReasonLabel, Counter>,
+    /// The step of the newest checkpoint the learner wrote or resumed from
+    /// (0: none): where a restart would resume.
+    pub checkpoint_last_step: Gauge,
     /// Batches the learner refused and asked for again, by the field at
     /// fault (`BatchError::field`): nothing of them was trained.
     pub bad_batches: Family<FieldLabel, Counter>,
@@ -170,6 +176,16 @@ impl LearnerMetrics {
                 "learner_checkpoints",
                 "Checkpoints written",
                 Counter::default(),
+            )?,
+            checkpoint_failures: m.register(
+                "learner_checkpoint_failures",
+                "Checkpoint writes that failed (training goes on; the last good checkpoint stays the resume point), by reason",
+                Family::default(),
+            )?,
+            checkpoint_last_step: m.register(
+                "learner_checkpoint_last_step",
+                "Step of the newest good checkpoint (0: none)",
+                Gauge::default(),
             )?,
             bad_batches: m.register(
                 "learner_bad_batches",

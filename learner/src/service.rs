@@ -26,6 +26,14 @@
 //!   run ends (also on SIGTERM). An upload's error fails the role after its
 //!   transient errors were retried, as before.
 //!
+//! A checkpoint that cannot be written (a full volume, any write error) is
+//! logged with its path and OS error and counted
+//! (`asyncrl_learner_checkpoint_failures_total{reason}`); the learner
+//! trains on, the last good checkpoint (`asyncrl_learner_checkpoint_last_step`)
+//! stays the resume point, and the next checkpoint tries again. Only a
+//! torch engine that died fails the role there. Writes a crash cut off are
+//! removed at start ([`checkpoint::remove_interrupted`]).
+//!
 //! Resume: the newest complete checkpoint; if `policy.version` announces a
 //! newer version (trained and published before a crash, after the last
 //! checkpoint), its weights are taken from the object store and the step
@@ -133,6 +141,18 @@ pub fn step_settings(config: &Config, k: &asyncrl_control::StepKnobs) -> StepSet
     }
 }
 
+/// Whether a failed checkpoint means the torch engine's group is gone (the
+/// role fails, as at any other call); any other failure is a write error the
+/// learner trains on.
+fn engine_died(e: &TrainError) -> bool {
+    matches!(
+        e,
+        TrainError::Engine(
+            EngineError::Exited { .. } | EngineError::Rpc { .. } | EngineError::StartTimeout(_)
+        )
+    )
+}
+
 pub fn checkpoint_dir(config: &Config) -> PathBuf {
     config
         .learner
@@ -227,6 +247,9 @@ pub async fn run_with_progress(
         fence_error.clone(),
         renew_stop.clone(),
     )));
+    // Before the engine reads or writes there (and only with the lease: a
+    // refused second learner touches nothing).
+    checkpoint::remove_interrupted(&ckpt_dir);
     let affinity = config.learner.cpu_affinity.clone();
     let engine_config = config.clone();
     let engine_ckpt_dir = ckpt_dir.clone();
@@ -295,6 +318,11 @@ pub async fn run_with_progress(
         evaluator,
     };
     let trained = async {
+        // The step the engine resumed from (0: no checkpoint).
+        let resumed = ctx.actor.call(|t| t.step()).await?;
+        ctx.metrics
+            .checkpoint_last_step
+            .set(i64::try_from(resumed).unwrap_or(i64::MAX));
         ctx.reconcile_with_published().await?;
         ctx.start_version = ctx.actor.call(|t| t.version()).await?;
         ctx.write_status(0.0, 0.0).await;
@@ -446,19 +474,48 @@ impl Ctx {
         }
     }
 
+    /// Writes a checkpoint and prunes old ones. A write that fails is
+    /// logged and counted and the learner trains on (see the module docs);
+    /// only a torch engine that died fails the role.
     async fn checkpoint(&self) -> anyhow::Result<()> {
         let dir = self.ckpt_dir.clone();
         let keep = self.config.learner.keep_checkpoints;
-        let path = self
+        let (step, written, pruned) = self
             .actor
-            .call(move |t| -> Result<PathBuf, TrainError> {
-                let p = t.write_checkpoint(&dir)?;
-                checkpoint::prune(&dir, keep)?;
-                Ok(p)
+            .call(move |t| {
+                let written = t.write_checkpoint(&dir);
+                let pruned = written.is_ok().then(|| checkpoint::prune(&dir, keep));
+                (t.step(), written, pruned)
             })
-            .await??;
+            .await?;
+        let path = match written {
+            Ok(path) => path,
+            Err(e) if engine_died(&e) => return Err(e.into()),
+            Err(e) => {
+                let reason = checkpoint::failure_reason(&e);
+                self.metrics
+                    .checkpoint_failures
+                    .get_or_create(&crate::metrics::ReasonLabel { reason })
+                    .inc();
+                tracing::error!(
+                    step,
+                    reason,
+                    resume_step = self.metrics.checkpoint_last_step.get(),
+                    checkpoint_dir = %self.ckpt_dir.display(),
+                    error = %format!("{e:#}"),
+                    "cannot write the checkpoint; training goes on, the last good checkpoint stays the resume point and the next checkpoint tries again"
+                );
+                return Ok(());
+            }
+        };
         self.metrics.checkpoints.inc();
+        self.metrics
+            .checkpoint_last_step
+            .set(i64::try_from(step).unwrap_or(i64::MAX));
         tracing::info!(checkpoint = %path.display(), "checkpoint written");
+        if let Some(Err(e)) = pruned {
+            tracing::warn!(error = %e, "cannot remove old checkpoints");
+        }
         Ok(())
     }
 

@@ -535,13 +535,14 @@ impl Trainer {
             Vec::new()
         } else {
             let tmp = tempfile_in(root)?;
-            Tensor::write_safetensors(&state, &tmp)?;
-            let bytes = std::fs::read(&tmp).map_err(|e| checkpoint::CheckpointError::Io {
+            let bytes = Tensor::write_safetensors(&state, &tmp)
+                .map_err(|e| std::io::Error::other(e.to_string()))
+                .and_then(|()| std::fs::read(&tmp));
+            let _ = std::fs::remove_file(&tmp);
+            bytes.map_err(|e| checkpoint::CheckpointError::Io {
                 path: tmp.clone(),
                 source: e,
-            })?;
-            let _ = std::fs::remove_file(&tmp);
-            bytes
+            })?
         };
         let mut meta = CheckpointMeta {
             format: 1,

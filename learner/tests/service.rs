@@ -2,7 +2,8 @@
 //! real nats-server: it publishes every version (weights in the object store,
 //! announcement in `policy.version`, sha256 matching), reports its status,
 //! writes its metrics file, and a restarted learner continues the version
-//! sequence without going backwards.
+//! sequence without going backwards. A checkpoint it cannot write is
+//! counted and it trains on; what a crash cut off is removed at start.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -731,4 +732,77 @@ async fn a_prefetched_batch_is_trained_exactly_once_across_a_kill_and_uploads_an
         0,
         "kept batches are deleted once their versions are announced"
     );
+}
+
+/// Checkpoints at every step; those of steps 2 and 3 cannot be written
+/// (their folders are taken by files: the tests run as root, which chmod
+/// does not stop). Each failure is counted, the learner trains on to its
+/// step target and the next checkpoint is written; a write a crash cut off
+/// is removed at start, and the failed writes leave nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_that_cannot_be_written_is_counted_and_the_learner_trains_on() {
+    tch::set_num_threads(1);
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    scripted_buffer(bus.clone(), Arc::new(AtomicU64::new(0))).await;
+    let mut c = config(dir.path(), 4);
+    c.learner.checkpoint_every = 1;
+    c.learner.keep_checkpoints = 10;
+    let kv = bus.kv(subjects::CONTROL_BUCKET).await.unwrap();
+    kv.put(KNOBS_KEY, encode_schedule(&new_schedule(initial_knobs(&c))))
+        .await
+        .unwrap();
+    let ckpt = asyncrl_learner::service::checkpoint_dir(&c);
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let cut_off = ckpt.join("step-00000009.tmp-4242");
+    std::fs::create_dir(&cut_off).unwrap();
+    std::fs::write(cut_off.join("model.safetensors"), b"half").unwrap();
+    for step in [2, 3] {
+        std::fs::write(ckpt.join(format!("step-{step:08}")), b"in the way").unwrap();
+    }
+    let metrics = asyncrl_telemetry::Metrics::new();
+    let summary = tokio::time::timeout(
+        Duration::from_secs(120),
+        asyncrl_learner::service::run(c, bus.clone(), metrics.clone(), CancellationToken::new()),
+    )
+    .await
+    .expect("the learner finishes")
+    .expect("failed checkpoints do not stop the learner");
+    assert_eq!((summary.steps, summary.version), (4, 4));
+    assert_eq!(announced(&bus).await.version, 4);
+
+    let text = metrics.encode_prometheus_text().unwrap();
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert_eq!(
+        value("asyncrl_learner_checkpoint_failures_total{reason=\"io\"}"),
+        2.0
+    );
+    assert_eq!(value("asyncrl_learner_checkpoints_total"), 2.0);
+    assert_eq!(value("asyncrl_learner_checkpoint_last_step"), 4.0);
+
+    assert!(
+        !cut_off.exists(),
+        "the cut-off write was not removed at start"
+    );
+    let left: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+    let written: Vec<u64> = asyncrl_learner::checkpoint::step_dirs(&ckpt)
+        .unwrap()
+        .into_iter()
+        .filter(|(_, p)| p.is_dir())
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(written, vec![4, 1]);
+    let latest = asyncrl_learner::checkpoint::load_latest(&ckpt)
+        .unwrap()
+        .expect("a checkpoint");
+    assert_eq!(latest.meta.step, 4);
 }

@@ -447,8 +447,15 @@ async fn vllm_kill_9_mid_run_loses_nothing() {
         .await;
     assert!(ok, "no tasks completed before the kill: {log:#?}");
     let first_pid: i32 = server::read_pid(&pid_file);
-    // SAFETY: kills the vLLM server this test's worker launched.
+    // The server leads its process group (the launch command execs it).
+    let before = server::group_members(first_pid);
+    // SAFETY: kills the vLLM server this test's worker launched (its main
+    // process only, as kill -9 or the OOM killer do).
     assert_eq!(unsafe { libc::kill(first_pid, libc::SIGKILL) }, 0);
+    eprintln!(
+        "the server's group before the kill: {before:?}; right after it: {:?}",
+        server::group_members(first_pid)
+    );
     let (ok, log) = coordinator
         .wait_for(START_LIMIT + Duration::from_secs(240), |l| {
             let done: BTreeSet<String> = l
@@ -461,10 +468,28 @@ async fn vllm_kill_9_mid_run_loses_nothing() {
         })
         .await;
     assert!(ok, "the run did not complete after the kill: {log:#?}");
+    // The restart ended the killed server's whole group (vLLM's engine-core
+    // and worker processes outlive its main process otherwise).
+    assert!(
+        asyncrl_testkit::wait_until(Duration::from_secs(30), || server::group_members(first_pid)
+            .is_empty())
+        .await,
+        "the killed server's group outlived the restart: {:?}",
+        server::group_members(first_pid)
+    );
     shutdown.cancel();
     let summary = worker.await.unwrap().expect("worker");
     let second_pid: i32 = server::read_pid(&pid_file);
     assert_ne!(first_pid, second_pid, "the server was not restarted");
+    assert!(
+        asyncrl_testkit::wait_until(Duration::from_secs(30), || server::group_members(
+            second_pid
+        )
+        .is_empty())
+        .await,
+        "the restarted server's group outlived the worker's stop: {:?}",
+        server::group_members(second_pid)
+    );
     let m = WorkerMetrics::new(&metrics).unwrap();
     assert!(m.engine_recoveries.get() >= 1);
     assert!(
@@ -488,6 +513,50 @@ async fn vllm_kill_9_mid_run_loses_nothing() {
     eprintln!("{summary:?}");
     // The worker stopped the server it launched.
     assert!(!server::healthy(&format!("http://127.0.0.1:{port}")));
+}
+
+/// The shared server's watchdog (`common::vllm::spawn_watched`), with `sh`
+/// and its child standing in for the server and a 1 s idle limit: the
+/// group lives while a process holds the users lock, and ends, watchdog
+/// included, once none does; its url file goes first.
+#[test]
+fn a_watched_server_ends_once_no_test_process_uses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (users, start_lock, url) = (
+        dir.path().join("users"),
+        dir.path().join("lock"),
+        dir.path().join("url"),
+    );
+    std::fs::write(&url, "http://127.0.0.1:1").unwrap();
+    let held = server::hold_shared(&users);
+    let mut cmd = std::process::Command::new("sh");
+    cmd.args(["-c", "sleep 600 & wait"]);
+    let watched = server::Watched {
+        users: &users,
+        start_lock: &start_lock,
+        url: &url,
+    };
+    let pgid = server::spawn_watched(cmd, &watched, Duration::from_secs(1));
+    let members = |n: usize| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while server::group_members(pgid).len() != n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the group never had {n} members: {:?}",
+                server::group_members(pgid)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // The shell, its child and the watchdog.
+    members(3);
+    // Three idle limits while in use: nothing ends.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(server::group_members(pgid).len(), 3);
+    assert!(url.exists());
+    drop(held);
+    members(0);
+    assert!(!url.exists(), "the ending server's url file is left");
 }
 
 /// A stand-in for a broken engine (the one fake here: vLLM cannot be made

@@ -3,10 +3,13 @@
 //! shutdown.
 //!
 //! - **Launched** (`worker.engine.launch` set): the worker starts the
-//!   command in its own process group, so that stopping it (SIGTERM, then
-//!   SIGKILL after a grace period) also ends the engine-core processes vLLM
-//!   starts; a restart stops it and starts it again. Its last output lines
-//!   go into the error messages.
+//!   command in its own process group and remembers the group. Stopping it
+//!   (SIGTERM to the group, then SIGKILL after a grace period) ends every
+//!   process of the group, the engine-core and worker processes vLLM
+//!   starts included, also when the main process has already exited (a
+//!   kill -9, the OOM killer): the group lives as long as any member does.
+//!   A restart stops the old group first and then starts the command again.
+//!   Its last output lines go into the error messages.
 //! - **Attached** (`worker.engine.launch` empty): someone else runs the
 //!   server; starting or restarting it only waits for `/health`, and
 //!   stopping it does nothing.
@@ -48,7 +51,8 @@ struct Launch {
 }
 
 struct Running {
-    /// The process's id, which is also its process group's.
+    /// The process's id, which is also its process group's (the group
+    /// outlives the process while any of its children lives).
     pid: i32,
     /// `Some(description)` once the process has exited.
     exited: watch::Receiver<Option<String>>,
@@ -134,8 +138,9 @@ impl Lifecycle {
         Ok(exit)
     }
 
-    /// Ends a launched server's process group: SIGTERM, then SIGKILL after
-    /// `grace`. Nothing for an attached server.
+    /// Ends a launched server's whole process group: SIGTERM, then SIGKILL
+    /// after `grace`, whether or not its main process still runs. Nothing
+    /// for an attached server.
     pub(super) async fn stop(&self, grace: Duration) {
         let Some(l) = &self.launch else {
             return;
@@ -145,21 +150,16 @@ impl Lifecycle {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        let Some(mut running) = running else {
+        let Some(running) = running else {
             return;
         };
-        if running.exited.borrow().is_some() || running.pid <= 0 {
-            return;
+        let leader_exited = running.exited.borrow().is_some();
+        let ended = end_group(running.pid, grace).await;
+        if ended {
+            tracing::info!(pgid = running.pid, leader_exited, endpoint = %self.api.endpoint, "engine process group ended");
+        } else {
+            tracing::error!(pgid = running.pid, leader_exited, endpoint = %self.api.endpoint, members = ?group_members(running.pid), "engine process group still runs after SIGKILL");
         }
-        signal_group(running.pid, libc::SIGTERM);
-        let exited = tokio::time::timeout(grace, running.exited.wait_for(Option::is_some))
-            .await
-            .is_ok();
-        if !exited {
-            signal_group(running.pid, libc::SIGKILL);
-            let _ = tokio::time::timeout(grace, running.exited.wait_for(Option::is_some)).await;
-        }
-        tracing::info!(pid = running.pid, endpoint = %self.api.endpoint, "engine process stopped");
     }
 
     /// Waits until `/health` answers, the launched process exits, or the
@@ -266,9 +266,93 @@ fn last_lines(tail: &Mutex<VecDeque<String>>) -> String {
         .join(" | ")
 }
 
+impl Drop for Launch {
+    /// A lifecycle dropped without [`Lifecycle::stop`] (the runtime going
+    /// away) still ends its group.
+    fn drop(&mut self) {
+        let running = self
+            .running
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(running) = running
+            && !group_members(running.pid).is_empty()
+        {
+            signal_group(running.pid, libc::SIGKILL);
+        }
+    }
+}
+
+/// Ends process group `pgid`: SIGTERM, then SIGKILL when a member is left
+/// after `grace`. Whether no member is left (zombies that only wait to be
+/// reaped do not count).
+async fn end_group(pgid: i32, grace: Duration) -> bool {
+    if pgid <= 0 || group_members(pgid).is_empty() {
+        return true;
+    }
+    signal_group(pgid, libc::SIGTERM);
+    if group_gone(pgid, grace).await {
+        return true;
+    }
+    signal_group(pgid, libc::SIGKILL);
+    group_gone(pgid, grace).await
+}
+
+/// Waits up to `limit` until group `pgid` has no member left.
+async fn group_gone(pgid: i32, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if group_members(pgid).is_empty() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The live (not zombie) processes of group `pgid`, from `/proc`.
+#[cfg(target_os = "linux")]
+fn group_members(pgid: i32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return probe_group(pgid);
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            // `pid (comm) state ppid pgrp ...`; comm may hold spaces and ')'.
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let (_, rest) = stat.rsplit_once(')')?;
+                    let mut fields = rest.split_whitespace();
+                    let state = fields.next()?;
+                    let pgrp: i32 = fields.nth(1)?.parse().ok()?;
+                    Some(pgrp == pgid && state != "Z" && state != "X")
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// The live processes of group `pgid`, as far as a signal 0 tells.
+#[cfg(not(target_os = "linux"))]
+fn group_members(pgid: i32) -> Vec<i32> {
+    probe_group(pgid)
+}
+
+/// `[pgid]` when a signal 0 reaches group `pgid` (zombies included).
+fn probe_group(pgid: i32) -> Vec<i32> {
+    // SAFETY: signal 0 only checks that the group exists.
+    let rc = unsafe { libc::killpg(pgid, 0) };
+    if rc == 0 { vec![pgid] } else { Vec::new() }
+}
+
 fn signal_group(pgid: i32, signal: i32) {
     // SAFETY: killpg only sends a signal; the group is the one our child
-    // leads (process_group(0)), so nothing else is hit.
+    // leads (process_group(0)), and it is only signalled while a member
+    // lives, so its id cannot have been reused.
     let rc = unsafe { libc::killpg(pgid, signal) };
     if rc != 0 {
         tracing::debug!(pgid, signal, error = %std::io::Error::last_os_error(), "killpg failed (already gone?)");
@@ -388,5 +472,90 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    #[cfg(target_os = "linux")]
+    /// The pid the launched shell printed as `child PID`.
+    fn child_of(l: &Lifecycle) -> i32 {
+        let launch = l.launch.as_ref().expect("launched");
+        last_lines(&launch.tail)
+            .rsplit("child ")
+            .next()
+            .and_then(|pid| pid.split_whitespace().next()?.parse().ok())
+            .expect("the child's pid")
+    }
+
+    #[cfg(target_os = "linux")]
+    /// The running leader's pid (its group's id) and its exit.
+    fn leader(l: &Lifecycle) -> (i32, Exit) {
+        let launch = l.launch.as_ref().expect("launched");
+        let running = launch.running.lock().unwrap();
+        let running = running.as_ref().expect("running");
+        (
+            running.pid,
+            Exit {
+                exited: running.exited.clone(),
+                tail: launch.tail.clone(),
+            },
+        )
+    }
+
+    #[cfg(target_os = "linux")]
+    /// Kills only the leader of `l`'s group (as kill -9 or the OOM killer
+    /// do) and waits until its exit is reported; its child lives on.
+    async fn kill_leader(l: &Lifecycle) -> (i32, i32) {
+        let child = child_of(l);
+        let (pgid, exit) = leader(l);
+        assert!(
+            group_members(pgid).contains(&child),
+            "the child is in the group"
+        );
+        // SAFETY: kill(2) on the shell this test launched.
+        assert_eq!(unsafe { libc::kill(pgid, libc::SIGKILL) }, 0);
+        tokio::time::timeout(Duration::from_secs(10), exit.wait())
+            .await
+            .expect("the leader's exit is reported")
+            .expect("an exit");
+        assert!(
+            !gone(child),
+            "the child outlived its leader (the case under test)"
+        );
+        assert!(group_members(pgid).contains(&child));
+        assert!(!group_members(pgid).contains(&pgid), "the leader is gone");
+        (pgid, child)
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_group_whose_leader_was_killed_is_ended_by_restart_and_by_stop() {
+        // A child that ignores SIGTERM, so that the SIGKILL step is needed.
+        let l = Lifecycle::new(
+            nowhere(),
+            &sh("sh -c 'trap \"\" TERM; while :; do sleep 1; done' & echo \"child $!\"; wait"),
+            Duration::from_millis(1500),
+        );
+        let _ = l.start().await.err().expect("never healthy");
+        let (first, first_child) = kill_leader(&l).await;
+        // The restart ends the old group before it starts the command anew.
+        let err = l.restart().await.err().expect("never healthy");
+        assert!(err.contains("no vLLM server answered"), "{err}");
+        assert!(
+            asyncrl_testkit::wait_until(Duration::from_secs(5), || group_members(first).is_empty())
+                .await,
+            "the old group outlived the restart: {:?}",
+            group_members(first)
+        );
+        assert!(gone(first_child));
+        let (second, second_child) = kill_leader(&l).await;
+        assert_ne!(first, second);
+        l.stop(Duration::from_millis(500)).await;
+        assert!(
+            asyncrl_testkit::wait_until(Duration::from_secs(5), || group_members(second)
+                .is_empty())
+            .await,
+            "the group outlived stop: {:?}",
+            group_members(second)
+        );
+        assert!(gone(second_child));
     }
 }
