@@ -4,7 +4,9 @@
 //! a temporary store directory, and can kill it (`SIGKILL`) and restart it on
 //! the same port and store, so that tests can check what survives a crash.
 //! [`NatsServer::start_with_config`] runs it with a config file (users and
-//! permissions, TLS) and the files that config includes.
+//! permissions, TLS) and the files that config includes. [`NatsCluster`]
+//! starts a JetStream cluster of several servers, each killable and
+//! restartable alone, and finds a stream's leader.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{TcpListener, TcpStream};
@@ -138,6 +140,18 @@ impl NatsServer {
     /// to `<store>/conf/`), on a free port with a fresh store directory.
     /// Restarts keep the config.
     pub fn start_with_config(config: &ServerConfig) -> Result<Self, TestkitError> {
+        Self::start_on(free_port()?, config)
+    }
+
+    /// [`NatsServer::start_with_config`] on a given client port.
+    fn start_on(port: u16, config: &ServerConfig) -> Result<Self, TestkitError> {
+        let mut server = Self::prepare(port, config)?;
+        server.spawn()?;
+        Ok(server)
+    }
+
+    /// Writes the config and chooses the store; starts nothing.
+    fn prepare(port: u16, config: &ServerConfig) -> Result<Self, TestkitError> {
         let store = tempfile::Builder::new().prefix("asyncrl-nats-").tempdir()?;
         let conf_dir = store.path().join("conf");
         std::fs::create_dir_all(&conf_dir)?;
@@ -147,20 +161,24 @@ impl NatsServer {
         let conf = conf_dir.join("nats.conf");
         std::fs::write(&conf, &config.text)?;
         let log_path = store.path().join("nats-server.log");
-        let mut server = Self {
+        Ok(Self {
             bin: nats_server_binary()?,
-            port: free_port()?,
+            port,
             store,
             log_path,
             extra_args: vec!["-c".into(), conf.display().to_string()],
             env: config.env.clone(),
             child: None,
-        };
-        server.spawn()?;
-        Ok(server)
+        })
     }
 
     fn spawn(&mut self) -> Result<(), TestkitError> {
+        self.spawn_process()?;
+        self.wait_ready(Duration::from_secs(30))
+    }
+
+    /// Starts the process; does not wait for it to answer.
+    fn spawn_process(&mut self) -> Result<(), TestkitError> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -189,7 +207,7 @@ impl NatsServer {
             });
         }
         self.child = Some(cmd.spawn()?);
-        self.wait_ready(Duration::from_secs(30))
+        Ok(())
     }
 
     /// Waits until the server accepts connections and says JetStream is on.
@@ -284,6 +302,305 @@ impl Drop for NatsServer {
     }
 }
 
+/// The JetStream `sync_interval` of the test cluster, the same as the
+/// production cluster's (deploy/k8s/components/gpu/nats.conf; why:
+/// docs/deploy.md, "NATS storage").
+pub const CLUSTER_SYNC_INTERVAL: &str = "10s";
+
+/// A JetStream cluster of real nats-servers on loopback, owned by a test:
+/// each node has its own client port, route port, monitoring port and
+/// store, a `server_name` (`n0`, `n1`, ...) and routes to every other node.
+/// Each node can be killed (`SIGKILL`) and restarted on the same ports and
+/// store; every node dies with the test process.
+pub struct NatsCluster {
+    nodes: Vec<NatsServer>,
+    /// The monitoring (`http`) port of each node.
+    http_ports: Vec<u16>,
+}
+
+impl NatsCluster {
+    /// Starts `n` nodes (3 for streams at R3) and waits until the cluster
+    /// has a JetStream meta leader.
+    pub fn start(n: usize) -> Result<Self, TestkitError> {
+        // 3n distinct ports: each held until all are chosen.
+        let held = (0..3 * n)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let ports = held
+            .iter()
+            .map(|l| l.local_addr().map(|a| a.port()))
+            .collect::<std::io::Result<Vec<u16>>>()?;
+        drop(held);
+        let (client, rest) = ports.split_at(n);
+        let (route, http) = rest.split_at(n);
+        let http = http.to_vec();
+        let mut nodes = Vec::with_capacity(n);
+        for i in 0..n {
+            let routes: Vec<String> = (0..n)
+                .filter(|&j| j != i)
+                .map(|j| format!("nats://127.0.0.1:{}", route[j]))
+                .collect();
+            let text = format!(
+                "server_name: n{i}\n\
+                 http: 127.0.0.1:{http}\n\
+                 jetstream {{\n  sync_interval: {CLUSTER_SYNC_INTERVAL}\n}}\n\
+                 cluster {{\n  name: asyncrl-test\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n}}\n",
+                http = http[i],
+                route = route[i],
+                routes = routes.join(", "),
+            );
+            nodes.push(NatsServer::prepare(client[i], &ServerConfig::new(text))?);
+        }
+        // Started together: a node that waited for its peers before
+        // answering would hold up the next one's start.
+        for node in &mut nodes {
+            node.spawn_process()?;
+        }
+        for node in &mut nodes {
+            node.wait_ready(Duration::from_secs(30))?;
+        }
+        let mut cluster = Self {
+            nodes,
+            http_ports: http,
+        };
+        cluster.wait_meta_leader(Duration::from_secs(30))?;
+        Ok(cluster)
+    }
+
+    /// A "cluster" of one server started elsewhere (no routes, no
+    /// monitoring port: [`NatsCluster::jsz`] answers None).
+    pub fn of_one(server: NatsServer) -> Self {
+        Self {
+            nodes: vec![server],
+            http_ports: vec![0],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// The seed list the clients use: every node's URL, comma-separated
+    /// (as `bus.url` takes it).
+    pub fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(NatsServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The `server_name` of node `i`.
+    pub fn name(&self, i: usize) -> String {
+        format!("n{i}")
+    }
+
+    /// The node with `server_name` `name`.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        (0..self.len()).find(|&i| self.name(i) == name)
+    }
+
+    pub fn node(&mut self, i: usize) -> &mut NatsServer {
+        &mut self.nodes[i]
+    }
+
+    pub fn nodes(&self) -> &[NatsServer] {
+        &self.nodes
+    }
+
+    /// Kills node `i` with SIGKILL, as a crash would.
+    pub fn kill9(&mut self, i: usize) {
+        self.nodes[i].kill();
+    }
+
+    /// Starts node `i` again on the same ports and store.
+    pub fn restart(&mut self, i: usize) -> Result<(), TestkitError> {
+        self.nodes[i].restart()
+    }
+
+    /// Node `i`'s `/jsz` with `query`, parsed (None while it is down or
+    /// does not answer).
+    pub fn jsz(&mut self, i: usize, query: &str) -> Option<serde_json::Value> {
+        if self.http_ports[i] == 0 || !self.nodes[i].is_running() {
+            return None;
+        }
+        let body = http_get(self.http_ports[i], &format!("/jsz{query}")).ok()?;
+        serde_json::from_str(&body).ok()
+    }
+
+    /// The JetStream meta leader as a running node sees it.
+    pub fn meta_leader(&mut self) -> Option<String> {
+        (0..self.len()).find_map(|i| {
+            let jsz = self.jsz(i, "")?;
+            let leader = jsz["meta_cluster"]["leader"].as_str()?;
+            (!leader.is_empty()).then(|| leader.to_owned())
+        })
+    }
+
+    /// Waits until the cluster has a meta leader that is running.
+    pub fn wait_meta_leader(&mut self, timeout: Duration) -> Result<String, TestkitError> {
+        self.poll(timeout, "a JetStream meta leader", |c| {
+            c.meta_leader()
+                .filter(|l| c.index_of(l).is_some_and(|i| c.nodes[i].is_running()))
+        })
+    }
+
+    /// The node that leads stream `stream` (of any account), as the running
+    /// nodes report it in `/jsz?streams=true` (None: no leader now).
+    pub fn stream_leader(&mut self, stream: &str) -> Option<usize> {
+        (0..self.len()).find_map(|i| {
+            let jsz = self.jsz(i, "?accounts=true&streams=true")?;
+            let accounts = jsz["account_details"].as_array()?.clone();
+            accounts.iter().find_map(|a| {
+                a["stream_detail"].as_array()?.iter().find_map(|s| {
+                    if s["name"].as_str() != Some(stream) {
+                        return None;
+                    }
+                    let leader = s["cluster"]["leader"].as_str()?;
+                    let idx = self.index_of(leader)?;
+                    self.nodes[idx].is_running().then_some(idx)
+                })
+            })
+        })
+    }
+
+    /// Waits until stream `stream` has a running leader, and returns it.
+    pub fn wait_stream_leader(
+        &mut self,
+        stream: &str,
+        timeout: Duration,
+    ) -> Result<usize, TestkitError> {
+        self.poll(timeout, &format!("a leader of stream {stream}"), |c| {
+            c.stream_leader(stream)
+        })
+    }
+
+    /// The current replicas of stream `stream` (its leader plus the
+    /// followers that are up and caught up), by node, as the running nodes
+    /// report it.
+    pub fn stream_peers(&mut self, stream: &str) -> Vec<usize> {
+        let mut out = Vec::new();
+        for i in 0..self.len() {
+            let Some(jsz) = self.jsz(i, "?accounts=true&streams=true") else {
+                continue;
+            };
+            let Some(accounts) = jsz["account_details"].as_array() else {
+                continue;
+            };
+            for s in accounts
+                .iter()
+                .filter_map(|a| a["stream_detail"].as_array())
+                .flatten()
+                .filter(|s| s["name"].as_str() == Some(stream))
+            {
+                let cluster = &s["cluster"];
+                let names = cluster["leader"]
+                    .as_str()
+                    .into_iter()
+                    .chain(
+                        cluster["replicas"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            // A replica that is down or behind is not one.
+                            .filter(|r| {
+                                r["current"].as_bool() == Some(true)
+                                    && r["offline"].as_bool() != Some(true)
+                            })
+                            .filter_map(|r| r["name"].as_str()),
+                    )
+                    .filter_map(|n| self.index_of(n));
+                out.extend(names);
+            }
+            if !out.is_empty() {
+                break;
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Every stream of every account with its configured replicas
+    /// (`num_replicas`), as a running node reports them: KV buckets are
+    /// `KV_<bucket>`, object stores `OBJ_<bucket>`.
+    pub fn stream_replicas(&mut self) -> std::collections::BTreeMap<String, u64> {
+        let mut out = std::collections::BTreeMap::new();
+        for i in 0..self.len() {
+            let Some(jsz) = self.jsz(i, "?accounts=true&streams=true&config=true") else {
+                continue;
+            };
+            for s in jsz["account_details"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|a| a["stream_detail"].as_array())
+                .flatten()
+            {
+                if let (Some(name), Some(r)) =
+                    (s["name"].as_str(), s["config"]["num_replicas"].as_u64())
+                {
+                    out.insert(name.to_owned(), r);
+                }
+            }
+        }
+        out
+    }
+
+    fn poll<T>(
+        &mut self,
+        timeout: Duration,
+        what: &str,
+        mut f: impl FnMut(&mut Self) -> Option<T>,
+    ) -> Result<T, TestkitError> {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = f(self) {
+                return Ok(v);
+            }
+            if start.elapsed() > timeout {
+                let logs: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| format!("n{i}: {}", n.log_tail()))
+                    .collect();
+                return Err(TestkitError::NotReady {
+                    port: self.nodes[0].port,
+                    timeout,
+                    log: format!("no {what}; {}", logs.join("\n")),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A minimal HTTP/1.0 GET against 127.0.0.1 (the body of a 200 reply).
+pub fn http_get(port: u16, path: &str) -> std::io::Result<String> {
+    use std::io::Write;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other("no HTTP header"))?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return Err(std::io::Error::other(format!("HTTP status: {head}")));
+    }
+    Ok(body.to_owned())
+}
+
 /// Polls `f` until it returns `Some`, and returns that; panics naming `what`
 /// after `timeout`. Time is tokio's, so a test on paused time waits in
 /// virtual time.
@@ -339,6 +656,65 @@ mod tests {
         assert!(info(s.port()).contains("\"auth_required\":true"));
         s.restart().unwrap();
         assert!(info(s.port()).contains("\"auth_required\":true"));
+    }
+
+    #[test]
+    fn a_three_node_cluster_elects_a_new_meta_leader_when_its_leader_is_killed() {
+        let mut c = NatsCluster::start(3).unwrap();
+        assert_eq!(c.urls().split(',').count(), 3);
+        let leader = c.wait_meta_leader(Duration::from_secs(30)).unwrap();
+        let i = c.index_of(&leader).unwrap();
+        c.kill9(i);
+        let next = c.wait_meta_leader(Duration::from_secs(30)).unwrap();
+        assert_ne!(next, leader);
+        c.restart(i).unwrap();
+        assert!(c.node(i).is_running());
+    }
+
+    /// Creates stream `name` at R3 through the JetStream API, over the
+    /// plain NATS protocol.
+    fn create_r3_stream(port: u16, name: &str) -> String {
+        use std::io::Write;
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let body = format!(r#"{{"name":"{name}","subjects":["{name}.>"],"num_replicas":3}}"#);
+        write!(
+            s,
+            "CONNECT {{\"verbose\":false}}\r\nSUB reply 1\r\n\
+             PUB $JS.API.STREAM.CREATE.{name} reply {}\r\n{body}\r\nPING\r\n",
+            body.len()
+        )
+        .unwrap();
+        let mut r = BufReader::new(s);
+        let mut line = String::new();
+        loop {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            if line.starts_with("MSG reply") {
+                line.clear();
+                r.read_line(&mut line).unwrap();
+                return line;
+            }
+        }
+    }
+
+    #[test]
+    fn a_stream_at_r3_gets_a_new_leader_when_its_leader_is_killed() {
+        let mut c = NatsCluster::start(3).unwrap();
+        let port = c.node(0).port();
+        let reply = create_r3_stream(port, "T");
+        assert!(reply.contains("\"num_replicas\":3"), "{reply}");
+        let leader = c.wait_stream_leader("T", Duration::from_secs(30)).unwrap();
+        assert_eq!(c.stream_replicas().get("T"), Some(&3));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while c.stream_peers("T") != [0, 1, 2] {
+            assert!(Instant::now() < deadline, "{:?}", c.stream_peers("T"));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        c.kill9(leader);
+        let next = c.wait_stream_leader("T", Duration::from_secs(30)).unwrap();
+        assert_ne!(next, leader);
+        assert!(!c.stream_peers("T").contains(&leader));
     }
 
     #[test]
