@@ -580,6 +580,16 @@ fn nats_is_jetstream_with_payload_monitoring_auth_and_enough_disk() {
             "overlay {ctx}: bus.replicas (stream replicas) must equal the NATS servers"
         );
         if replicas > 1 {
+            // A clustered JetStream flushes to disk on a fixed interval,
+            // the one tests/jetstream_cluster.rs runs its cluster with
+            // (docs/deploy.md, "NATS storage").
+            let js = nats_conf_block(&conf, "jetstream")
+                .unwrap_or_else(|| panic!("overlay {ctx}: nats.conf has no jetstream block"));
+            assert_eq!(
+                nats_conf_value(&js, "sync_interval").as_deref(),
+                Some(asyncrl_testkit::CLUSTER_SYNC_INTERVAL),
+                "overlay {ctx}: jetstream.sync_interval"
+            );
             let routes = nats_routes(&r);
             for i in 0..replicas {
                 assert!(
