@@ -849,15 +849,44 @@ impl NatsKv {
     }
 }
 
+/// How often, and how far apart, a KV get that found no responders is
+/// tried again (about 5 s in all: a replicated stream's election).
+const KV_GET_NO_RESPONDER_RETRIES: u32 = 50;
+const KV_GET_RETRY_DELAY: Duration = Duration::from_millis(100);
+
+/// Whether a KV get failed because no server answered its request (a
+/// replicated bucket being created or electing a leader).
+fn is_no_responders(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.to_string().contains("no responders") {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
 #[async_trait]
 impl KvBucket for NatsKv {
     async fn get(&self, key: &str) -> Result<Option<KvEntry>> {
         validate_key(key)?;
-        let entry = self
-            .store
-            .entry(key.to_owned())
-            .await
-            .map_err(|e| self.err("kv_get", e))?;
+        // A replicated bucket (bus.replicas > 1) answers its direct gets
+        // from no server for a moment after it is created and while its
+        // replicas elect a leader: those "no responders" are retried for
+        // a few seconds, as a write waits out the same election.
+        let mut attempt = 0u32;
+        let entry = loop {
+            match self.store.entry(key.to_owned()).await {
+                Ok(entry) => break entry,
+                Err(e) if attempt < KV_GET_NO_RESPONDER_RETRIES && is_no_responders(&e) => {
+                    attempt += 1;
+                    tracing::debug!(key, attempt, error = %e, "kv get: no responders; retrying");
+                    tokio::time::sleep(KV_GET_RETRY_DELAY).await;
+                }
+                Err(e) => return Err(self.err("kv_get", e)),
+            }
+        };
         Ok(entry
             .filter(|e| e.operation == kv::Operation::Put)
             .map(|e| KvEntry {
