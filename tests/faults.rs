@@ -283,7 +283,7 @@ fn a_nats_server_restart_is_survived_and_jetstream_keeps_its_data() {
     c.wait_step(4, STEP_WAIT);
     let (messages, _, _) = c.stream_state().expect("stream state");
     let steps = c.steps_done();
-    c.nats.kill();
+    c.nats.node(0).kill();
     let disconnected = |c: &mut Cluster| {
         ["coordinator", "buffer", "learner", "worker-1", "worker-2"]
             .iter()
@@ -294,7 +294,7 @@ fn a_nats_server_restart_is_survived_and_jetstream_keeps_its_data() {
         Duration::from_secs(30),
         disconnected,
     );
-    c.nats.restart().expect("restart nats-server");
+    c.nats.node(0).restart().expect("restart nats-server");
     let (after, _, _) = c.stream_state().expect("stream state after the restart");
     assert!(
         after >= messages,

@@ -56,7 +56,7 @@ fn the_trajectory_stream_does_not_grow_with_trained_steps() {
                 && let Some((messages, _, _)) = c.stream_state()
             {
                 last_step = step;
-                let store = c.nats.store_dir();
+                let store = c.nats.nodes()[0].store_dir();
                 samples.push(Sample {
                     step,
                     messages,
@@ -76,7 +76,7 @@ fn the_trajectory_stream_does_not_grow_with_trained_steps() {
             s.step, s.messages, s.stream_disk, s.disk
         );
     }
-    if let Ok(streams) = std::fs::read_dir(streams_dir(c.nats.store_dir())) {
+    if let Ok(streams) = std::fs::read_dir(streams_dir(c.nats.nodes()[0].store_dir())) {
         for e in streams.flatten() {
             eprintln!(
                 "  store {:?}: {} bytes",

@@ -20,7 +20,7 @@ use asyncrl_learner::outputs::{TRAINED_JSONL, TrainedStep, read_trained};
 use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
 use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerInfo};
 use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
-use asyncrl_testkit::{NatsServer, ServerConfig};
+use asyncrl_testkit::{NatsCluster, NatsServer, ServerConfig};
 
 use asyncrl_config::{
     Config, RoleAuth, TinyModelConfig, TlsConfig, TrainerEngineName, TrajectoryRetention,
@@ -120,6 +120,10 @@ impl Default for Spec {
 pub struct NatsSetup {
     /// The server's config file (None: a plain server without auth).
     pub server: Option<ServerConfig>,
+    /// A JetStream cluster of this many servers (`NatsCluster`) instead of
+    /// one server (0 or 1); the roles get the seed list of all of them and
+    /// `bus.replicas` = this. Not with `server` or `tls`.
+    pub cluster_nodes: usize,
     /// Roles connect to `tls://127.0.0.1:PORT` instead of `nats://`.
     pub tls: bool,
     /// Every role's `bus.tls`.
@@ -150,7 +154,13 @@ impl NatsSetup {
         if let Some((cert, key)) = &self.observer_cert {
             opts = opts.add_client_certificate(cert.clone(), key.clone());
         }
-        opts.connect(url).await.map_err(|e| e.to_string())
+        // A seed list (a cluster's `bus.url`): every server of it.
+        let servers = url
+            .split(',')
+            .map(|s| s.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{url}: {e}"))?;
+        opts.connect(servers).await.map_err(|e| e.to_string())
     }
 }
 
@@ -188,7 +198,9 @@ pub struct Report {
 pub struct Cluster {
     pub spec: Spec,
     pub dir: tempfile::TempDir,
-    pub nats: NatsServer,
+    /// The NATS server (node 0 of a one-node "cluster"), or the servers of
+    /// a JetStream cluster (`NatsSetup::cluster_nodes`).
+    pub nats: NatsCluster,
     pub setup: NatsSetup,
     pub out: PathBuf,
     pub tasks_file: PathBuf,
@@ -221,9 +233,18 @@ impl Cluster {
             .prefix("asyncrl-e2e-")
             .tempdir()
             .expect("create a temp dir");
-        let nats = match &setup.server {
-            Some(config) => NatsServer::start_with_config(config),
-            None => NatsServer::start(),
+        let nats = if setup.cluster_nodes > 1 {
+            assert!(
+                setup.server.is_none() && !setup.tls,
+                "a NATS cluster runs without a config file of the test's or TLS"
+            );
+            NatsCluster::start(setup.cluster_nodes)
+        } else {
+            match &setup.server {
+                Some(config) => NatsServer::start_with_config(config),
+                None => NatsServer::start(),
+            }
+            .map(NatsCluster::of_one)
         }
         .expect("start nats-server (run scripts/setup)");
         let out = dir.path().join("out");
@@ -289,6 +310,8 @@ impl Cluster {
         c.staleness.groups_per_step = s.groups_per_step;
         c.staleness.group_size = s.group_size;
         c.bus.reconnect_max_delay = s.reconnect_max_delay;
+        // Every stream, bucket and object store on every server.
+        c.bus.replicas = self.nats.len();
         c.bus.storage.trajectories = s.stream;
         c.bus.storage.report_every = Duration::from_millis(500);
         c.bus.tls = self.setup.bus_tls.clone();
@@ -325,9 +348,9 @@ impl Cluster {
     /// The `bus.url` of the roles (and of the test's own connections).
     pub fn bus_url(&self) -> String {
         if self.setup.tls {
-            format!("tls://127.0.0.1:{}", self.nats.port())
+            format!("tls://127.0.0.1:{}", self.nats.nodes()[0].port())
         } else {
-            self.nats.url()
+            self.nats.urls()
         }
     }
 
@@ -1144,9 +1167,11 @@ impl Cluster {
             eprintln!("-------- {} ({}) --------", r.name, r.log.display());
             eprintln!("{}", tail(&text, 80));
         }
-        let nats_log = self.nats.store_dir().join("nats-server.log");
-        let text = std::fs::read_to_string(&nats_log).unwrap_or_default();
-        eprintln!("-------- nats-server --------\n{}", tail(&text, 30));
+        for (i, node) in self.nats.nodes().iter().enumerate() {
+            let nats_log = node.store_dir().join("nats-server.log");
+            let text = std::fs::read_to_string(&nats_log).unwrap_or_default();
+            eprintln!("-------- nats-server {i} --------\n{}", tail(&text, 30));
+        }
         let trained = std::fs::read_to_string(self.out.join("trained.jsonl")).unwrap_or_default();
         let short: Vec<String> = trained
             .lines()
