@@ -480,45 +480,40 @@ impl NatsCluster {
     }
 
     /// The current replicas of stream `stream` (its leader plus the
-    /// followers that are up and caught up), by node, as the running nodes
-    /// report it.
+    /// followers that are up and caught up), by node, as its leader
+    /// reports them (only the leader knows how its followers stand).
     pub fn stream_peers(&mut self, stream: &str) -> Vec<usize> {
-        let mut out = Vec::new();
-        for i in 0..self.len() {
-            let Some(jsz) = self.jsz(i, "?accounts=true&streams=true") else {
+        let Some(leader) = self.stream_leader(stream) else {
+            return Vec::new();
+        };
+        let Some(jsz) = self.jsz(leader, "?accounts=true&streams=true") else {
+            return Vec::new();
+        };
+        let mut out = vec![leader];
+        for s in jsz["account_details"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a["stream_detail"].as_array())
+            .flatten()
+            .filter(|s| s["name"].as_str() == Some(stream))
+        {
+            let cluster = &s["cluster"];
+            if cluster["leader"].as_str() != Some(self.name(leader).as_str()) {
                 continue;
-            };
-            let Some(accounts) = jsz["account_details"].as_array() else {
-                continue;
-            };
-            for s in accounts
-                .iter()
-                .filter_map(|a| a["stream_detail"].as_array())
-                .flatten()
-                .filter(|s| s["name"].as_str() == Some(stream))
-            {
-                let cluster = &s["cluster"];
-                let names = cluster["leader"]
-                    .as_str()
+            }
+            out.extend(
+                cluster["replicas"]
+                    .as_array()
                     .into_iter()
-                    .chain(
-                        cluster["replicas"]
-                            .as_array()
-                            .into_iter()
-                            .flatten()
-                            // A replica that is down or behind is not one.
-                            .filter(|r| {
-                                r["current"].as_bool() == Some(true)
-                                    && r["offline"].as_bool() != Some(true)
-                            })
-                            .filter_map(|r| r["name"].as_str()),
-                    )
-                    .filter_map(|n| self.index_of(n));
-                out.extend(names);
-            }
-            if !out.is_empty() {
-                break;
-            }
+                    .flatten()
+                    // A replica that is down or behind is not one.
+                    .filter(|r| {
+                        r["current"].as_bool() == Some(true) && r["offline"].as_bool() != Some(true)
+                    })
+                    .filter_map(|r| r["name"].as_str())
+                    .filter_map(|n| self.index_of(n)),
+            );
         }
         out.sort_unstable();
         out.dedup();
