@@ -108,10 +108,18 @@ pub async fn edit<T, E>(
 pub const FOLLOW_BACKOFF: (Duration, Duration) =
     (Duration::from_millis(100), Duration::from_secs(2));
 
+/// How often a [`follow`] looks whether the bus reconnected.
+const FOLLOW_RECONNECT_CHECK: Duration = Duration::from_secs(1);
+
 /// Follows `key` of `bucket` until `stop` is cancelled or `on_value` breaks:
 /// calls `on_value(value, revision)` for the current value and every later
 /// put (deletes are skipped), and re-opens the watch with `backoff` when
-/// opening it fails, it fails or it ends.
+/// opening it fails, it fails or it ends, and once the bus has reconnected
+/// since it was opened: in a JetStream cluster the server that held the
+/// watch's consumer may be gone, and the client's own re-creation of it
+/// can stall without an error (nats-io/nats.rs#1596). A re-opened watch
+/// delivers the current value again; revisions already passed to
+/// `on_value` are skipped.
 pub async fn follow<F, Fut>(
     bus: Arc<dyn Bus>,
     bucket: &str,
@@ -123,7 +131,9 @@ pub async fn follow<F, Fut>(
     F: FnMut(Bytes, u64) -> Fut,
     Fut: Future<Output = ControlFlow<()>>,
 {
+    let mut delivered = 0u64;
     loop {
+        let session = bus.connected_since_unix_ms();
         let open = async {
             let kv = bus.kv(bucket).await?;
             kv.watch(key).await
@@ -134,18 +144,42 @@ pub async fn follow<F, Fut>(
                 tracing::warn!(bucket, key, error = %e, "cannot watch KV key; retrying");
             }
             Some(Ok(mut events)) => loop {
-                match stop.run_until_cancelled(events.next()).await {
-                    None => return,
-                    Some(None) => {
+                let next = async {
+                    loop {
+                        tokio::select! {
+                            event = events.next() => return Some(event),
+                            () = tokio::time::sleep(FOLLOW_RECONNECT_CHECK) => {
+                                let now = bus.connected_since_unix_ms();
+                                if now.is_some() && now != session {
+                                    return None;
+                                }
+                            }
+                        }
+                    }
+                };
+                let Some(next) = stop.run_until_cancelled(next).await else {
+                    return;
+                };
+                let Some(next) = next else {
+                    tracing::info!(bucket, key, "the bus reconnected; watching KV key again");
+                    backoff.reset();
+                    break;
+                };
+                match next {
+                    None => {
                         tracing::debug!(bucket, key, "KV watch ended; watching again");
                         break;
                     }
-                    Some(Some(Err(e))) => {
+                    Some(Err(e)) => {
                         tracing::warn!(bucket, key, error = %e, "KV watch failed; watching again");
                         break;
                     }
-                    Some(Some(Ok(event))) => {
+                    Some(Ok(event)) => {
                         backoff.reset();
+                        if event.revision <= delivered {
+                            continue;
+                        }
+                        delivered = event.revision;
                         let Some(value) = event.value else { continue };
                         if on_value(value, event.revision).await.is_break() {
                             return;
