@@ -7,17 +7,30 @@
 //!   subject: the server refuses, and the bus reports it as
 //!   `PermissionDenied` naming the subject, at once (not after a timeout);
 //! - a role process started with credentials that lack what it must do
-//!   exits with one error line naming the permission and the subject.
+//!   exits with one error line naming the permission and the subject;
+//! - no role reads another's replies: each may subscribe to its own inbox
+//!   prefix only, not to `_INBOX.>` nor to another role's or worker's;
+//! - a worker with its own user (nats-worker-user.conf.template) cannot
+//!   register, acquire, heartbeat, complete or return in another worker's
+//!   name, through the real coordinator: the server refuses the other
+//!   worker's subjects, the coordinator refuses a worker_id that is not
+//!   its subject's (counted), and the lease is left as it was.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use asyncrl_config::{BusConfig, RoleAuth, Secret};
+use asyncrl_config::{BusConfig, Config, DatasetConfig, RoleAuth, Secret};
 use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
 use asyncrl_protos::subjects::{
     CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, LEARNER_LEASE_KEY,
-    LEARNER_STATUS_KEY, POLICY_VERSION_KEY, TASKS_ACQUIRE, WEIGHTS_BUCKET, weights_object_name,
+    LEARNER_STATUS_KEY, POLICY_VERSION_KEY, TASKS_ACQUIRE, TASKS_COMPLETE, TASKS_RETURN,
+    WEIGHTS_BUCKET, WORKER_REQUEST_SUBJECTS, WORKERS_HEARTBEAT, WORKERS_REGISTER,
+    role_inbox_prefix, weights_object_name, worker_inbox_prefix, worker_subject,
+};
+use asyncrl_protos::v1::{
+    AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, HeartbeatReply,
+    RegisterWorker, RegisterWorkerReply, ReturnTasks, ReturnTasksReply, WorkerHeartbeat,
 };
 use asyncrl_testkit::{NatsServer, ServerConfig, workspace_root};
 use asyncrl_transport::{Bus, NatsBus, TransportError, TransportMetrics};
@@ -26,6 +39,11 @@ use futures::StreamExt as _;
 
 const ROLES: [&str; 4] = ["coordinator", "buffer", "learner", "worker"];
 const OBSERVER: (&str, &str) = ("observer", "observer-pw");
+/// Workers with their own users (nats-worker-user.conf.template):
+/// `worker-<id>`.
+const BOUND_WORKERS: [&str; 2] = ["a", "b"];
+/// The worker id the connections of the shared `worker` user go by.
+const SHARED_WORKER_ID: &str = "shared-w";
 
 fn password(role: &str) -> String {
     format!("{role}-pw-{}", std::process::id())
@@ -37,14 +55,33 @@ fn nats_auth_conf() -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// The shipped template of one worker's own user, for worker `id`.
+fn worker_user(id: &str) -> String {
+    let path = workspace_root().join("deploy/k8s/base/nats-worker-user.conf.template");
+    let template =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    template
+        .replace(
+            "WORKER_PASSWORD",
+            &format!("\"{}\"", password(&bound_user(id))),
+        )
+        .replace("WORKER_ID", id)
+}
+
+fn bound_user(id: &str) -> String {
+    format!("worker-{id}")
+}
+
 /// nats-server with the roles' users of the shipped permission file (their
-/// passwords in its environment, as nats.yaml sets them), plus the test's
-/// own unrestricted observer.
+/// passwords in its environment, as nats.yaml sets them), the users of
+/// [`BOUND_WORKERS`] from the shipped template, plus the test's own
+/// unrestricted observer.
 fn server_config() -> ServerConfig {
+    let bound: String = BOUND_WORKERS.iter().map(|id| worker_user(id)).collect();
     let mut config = ServerConfig::new(format!(
         "include nats-auth.conf\n\
          authorization {{\n  users: [\n    $ASYNCRL_COORDINATOR\n    $ASYNCRL_BUFFER\n    \
-         $ASYNCRL_LEARNER\n    $ASYNCRL_WORKER\n    {{ user: {}, password: {} }}\n  ]\n}}\n",
+         $ASYNCRL_LEARNER\n    $ASYNCRL_WORKER\n{bound}    {{ user: {}, password: {} }}\n  ]\n}}\n",
         OBSERVER.0, OBSERVER.1
     ))
     .file("nats-auth.conf", nats_auth_conf());
@@ -132,11 +169,34 @@ fn every_role_runs_end_to_end_with_its_own_credentials() {
     }
 }
 
-/// A bus connection of `user` (a role's user, or the observer).
+/// The inbox prefix a connection of `user` has, as the role processes
+/// derive it (`asyncrl <role>`): the role's, or the worker's (the shared
+/// user's connections go by [`SHARED_WORKER_ID`]); none (`_INBOX`) for the
+/// observer.
+fn inbox_of(user: &str) -> Option<String> {
+    match user {
+        "coordinator" | "buffer" | "learner" => Some(role_inbox_prefix(user)),
+        "worker" => Some(worker_inbox_prefix(SHARED_WORKER_ID)),
+        other => other.strip_prefix("worker-").map(worker_inbox_prefix),
+    }
+}
+
+/// A bus connection of `user` (a role's user, or the observer), with the
+/// inbox prefix of [`inbox_of`].
 async fn connect(server: &NatsServer, user: &str, password: &str) -> (NatsBus, TransportMetrics) {
+    connect_with_inbox(server, user, password, inbox_of(user)).await
+}
+
+async fn connect_with_inbox(
+    server: &NatsServer,
+    user: &str,
+    password: &str,
+    inbox_prefix: Option<String>,
+) -> (NatsBus, TransportMetrics) {
     let config = BusConfig {
         user: Some(user.into()),
         password: Some(Secret::new(password)),
+        inbox_prefix,
         // Long: a refusal must not wait for it.
         request_timeout: Duration::from_secs(30),
         ..BusConfig::nats(server.url())
@@ -332,14 +392,18 @@ fn a_learner_with_worker_credentials_exits_with_one_error_naming_the_permission(
     assert_eq!(errors.len(), 1, "one error line:\n{log}");
     let line = errors[0];
     assert!(
-        line.contains("NATS refused publish on `$")
+        (line.contains("NATS refused publish on `$")
+            || line.contains("NATS refused subscribe on `"))
             && line.contains("the credentials of this role lack the permission"),
         "{line}"
     );
-    // It names the subject the learner needed: creating the WEIGHTS store
-    // (or the control bucket, when it starts before the coordinator), or
-    // writing a weights object or its control keys.
+    // It names the subject the learner needed: its own inbox (where every
+    // answer arrives: the worker's user may not subscribe to the learner's),
+    // creating the WEIGHTS store (or the control bucket, when it starts
+    // before the coordinator), or writing a weights object or its control
+    // keys.
     let needed = [
+        format!("subscribe on `{}.", role_inbox_prefix("learner")),
         format!("`$JS.API.STREAM.CREATE.OBJ_{WEIGHTS_BUCKET}`"),
         format!("`$JS.API.STREAM.CREATE.KV_{CONTROL_BUCKET}`"),
         format!("`$O.{WEIGHTS_BUCKET}."),
@@ -453,4 +517,331 @@ async fn the_owners_credentials_cover_weight_pruning_batch_objects_and_storage_r
             );
         }
     }
+}
+
+/// Subscribes `bus` to `subject` and expects the server to refuse it: the
+/// subscription ends, and the refusal names the subject.
+async fn assert_subscription_refused(who: &str, bus: &NatsBus, subject: &str) {
+    let mut sub = bus.subscribe(subject).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), sub.next())
+        .await
+        .unwrap_or_else(|_| panic!("{who}: the subscription to {subject} was not refused"));
+    assert!(ended.is_none(), "{who} read a message on {subject}");
+    assert!(
+        bus.refusals().contains(&("subscribe", subject.to_owned())),
+        "{who}: no refusal naming {subject}: {:?}",
+        bus.refusals()
+    );
+}
+
+/// Every role's user may subscribe to its own inbox prefix and to no other
+/// inbox: not `_INBOX.>` (every reply on the bus), not another role's, not
+/// another worker's (for the workers with their own users).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_role_subscribes_to_replies_not_its_own() {
+    let server = NatsServer::start_with_config(&server_config()).expect("start nats-server");
+    let (observer, _) = connect(&server, OBSERVER.0, OBSERVER.1).await;
+    let users: Vec<String> = ROLES
+        .iter()
+        .map(|r| (*r).to_owned())
+        .chain(BOUND_WORKERS.iter().map(|id| bound_user(id)))
+        .collect();
+    let inboxes: Vec<String> = users.iter().filter_map(|u| inbox_of(u)).collect();
+    for user in &users {
+        let (bus, metrics) = connect(&server, user, &password(user)).await;
+        let own = inbox_of(user).unwrap();
+        // Its own: what is published there arrives.
+        let mut mine = bus.subscribe(&format!("{own}.>")).await.unwrap();
+        let probe = async {
+            loop {
+                observer
+                    .publish(&format!("{own}.probe"), Bytes::from_static(b"reply"))
+                    .await
+                    .unwrap();
+                observer.flush().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        let got = tokio::select! {
+            got = tokio::time::timeout(Duration::from_secs(20), mine.next()) => got,
+            () = probe => unreachable!(),
+        };
+        let got = got
+            .unwrap_or_else(|_| panic!("{user}: nothing arrived on its own inbox"))
+            .unwrap_or_else(|| panic!("{user}: its own inbox was refused: {:?}", bus.refusals()));
+        assert_eq!(got.payload, Bytes::from_static(b"reply"));
+
+        let mut others = vec!["_INBOX.>".to_owned(), "_INBOX.asyncrl.>".to_owned()];
+        for inbox in &inboxes {
+            // The shared worker user may read every worker's inbox (see
+            // nats-auth.conf): only workers with their own users are apart.
+            let shared_worker_reads =
+                user == "worker" && inbox.starts_with(&worker_inbox_prefix(""));
+            if *inbox != own && !shared_worker_reads {
+                others.push(format!("{inbox}.>"));
+            }
+        }
+        for subject in &others {
+            assert_subscription_refused(user, &bus, subject).await;
+        }
+        assert_eq!(
+            metrics.permission_violation_count("subscribe"),
+            others.len() as u64,
+            "{user}"
+        );
+    }
+}
+
+async fn call<Rep: prost::Message + Default>(
+    bus: &NatsBus,
+    subject: &str,
+    req: impl prost::Message,
+) -> Rep {
+    let payload = Bytes::from(req.encode_to_vec());
+    // Until the coordinator serves the subject, nobody responds.
+    let reply = asyncrl_testkit::eventually(subject, Duration::from_secs(30), || async {
+        match bus
+            .request(subject, payload.clone(), Duration::from_secs(10))
+            .await
+        {
+            Err(TransportError::NoResponders { .. }) => None,
+            other => Some(other.unwrap_or_else(|e| panic!("{subject}: {e}"))),
+        }
+    })
+    .await;
+    Rep::decode(reply.as_ref()).unwrap_or_else(|e| panic!("{subject}: {e}"))
+}
+
+/// The coordinator's refusals of a worker_id that is not its subject's,
+/// by subject, from its metrics.
+fn identity_refusals(metrics: &asyncrl_telemetry::Metrics) -> BTreeMap<String, u64> {
+    let text = metrics.encode_prometheus_text().unwrap();
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("asyncrl_coordinator_bad_requests_total{") else {
+            continue;
+        };
+        if !rest.contains("reason=\"identity\"") {
+            continue;
+        }
+        let subject = rest
+            .split("subject=\"")
+            .nth(1)
+            .and_then(|s| s.split('"').next())
+            .unwrap()
+            .to_owned();
+        let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        out.insert(subject, value as u64);
+    }
+    out
+}
+
+/// Worker `a` (its own user, from the shipped template) against worker
+/// `b`'s lease, through the real coordinator service: it cannot read `b`'s
+/// grant, the server refuses it `b`'s subjects (and the bare ones), and the
+/// coordinator refuses, and counts, each request on `a`'s own subjects that
+/// claims to be `b`. `b`'s lease is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cannot_act_in_another_workers_name() {
+    let server = NatsServer::start_with_config(&server_config()).expect("start nats-server");
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = dir.path().join("arith.jsonl");
+    asyncrl_coordinator::dataset::write_arith_file(&tasks, 20).unwrap();
+    let mut config = Config::default();
+    config.run.output_dir = dir.path().to_owned();
+    config.staleness.groups_per_step = 2;
+    config.staleness.eta = 1;
+    config.staleness.group_size = 2;
+    config.coordinator.datasets = vec![DatasetConfig::jsonl("arith", tasks)];
+    config.coordinator.admin_listen = String::new();
+    config.coordinator.journal_path = Some(dir.path().join("journal.jsonl"));
+    let (coordinator_bus, coordinator_transport) =
+        connect(&server, "coordinator", &password("coordinator")).await;
+    let metrics = asyncrl_telemetry::Metrics::new();
+    let coordinator = asyncrl_coordinator::Coordinator::start(
+        config,
+        std::sync::Arc::new(coordinator_bus),
+        metrics.clone(),
+        asyncrl_telemetry::Health::new(),
+        &asyncrl_coordinator::ShutdownToken::new(),
+    )
+    .await
+    .expect("start the coordinator");
+
+    let (a, a_metrics) = connect(&server, "worker-a", &password("worker-a")).await;
+    let (b, _) = connect(&server, "worker-b", &password("worker-b")).await;
+    let registered: RegisterWorkerReply = call(
+        &b,
+        &worker_subject(WORKERS_REGISTER, "b"),
+        RegisterWorker {
+            worker_id: "b".into(),
+            capacity: 4,
+            policy_version: 0,
+            hostname: "host-b".into(),
+        },
+    )
+    .await;
+    assert!(registered.accepted, "{registered:?}");
+
+    // `a` listens for `b`'s replies: refused, it reads nothing of the grant.
+    let b_inbox = format!("{}.>", worker_inbox_prefix("b"));
+    let mut spy = a.subscribe(&b_inbox).await.unwrap();
+    let granted: AcquireTasksReply = call(
+        &b,
+        &worker_subject(TASKS_ACQUIRE, "b"),
+        AcquireTasks {
+            worker_id: "b".into(),
+            free_slots: 1,
+        },
+    )
+    .await;
+    assert_eq!(granted.tasks.len(), 1, "{granted:?}");
+    let task = granted.tasks[0].clone();
+    let ended = tokio::time::timeout(Duration::from_secs(20), spy.next())
+        .await
+        .expect("the spy's subscription is refused");
+    assert!(ended.is_none(), "worker a read worker b's grant");
+    assert!(
+        a.refusals().contains(&("subscribe", b_inbox.clone())),
+        "{:?}",
+        a.refusals()
+    );
+
+    // The server: `a` may not send on `b`'s subjects, nor on the bare ones.
+    for base in WORKER_REQUEST_SUBJECTS {
+        for subject in [worker_subject(base, "b"), base.to_owned()] {
+            let result = a
+                .request(&subject, Bytes::from_static(b""), Duration::from_secs(30))
+                .await;
+            match result {
+                Err(TransportError::PermissionDenied { op, subject: got }) => {
+                    assert_eq!((op, got.as_str()), ("publish", subject.as_str()));
+                }
+                other => panic!("worker a sent on {subject}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(a_metrics.permission_violation_count("publish"), 10);
+
+    // The coordinator: on `a`'s own subjects, `b`'s id is refused.
+    let returned: ReturnTasksReply = call(
+        &a,
+        &worker_subject(TASKS_RETURN, "a"),
+        ReturnTasks {
+            worker_id: "b".into(),
+            lease_ids: vec![task.lease_id.clone()],
+            reason: "forged".into(),
+            // As failed: it would count toward the task's quarantine.
+            task_failed: true,
+        },
+    )
+    .await;
+    assert_eq!(returned.returned, 0);
+    let completed: CompleteTaskReply = call(
+        &a,
+        &worker_subject(TASKS_COMPLETE, "a"),
+        CompleteTask {
+            worker_id: "b".into(),
+            task_id: task.task_id.clone(),
+            lease_id: task.lease_id.clone(),
+            num_trajectories: 2,
+        },
+    )
+    .await;
+    assert!(!completed.accepted);
+    assert!(
+        completed.reason.contains("is not the worker \"a\""),
+        "{}",
+        completed.reason
+    );
+    let heartbeat: HeartbeatReply = call(
+        &a,
+        &worker_subject(WORKERS_HEARTBEAT, "a"),
+        WorkerHeartbeat {
+            worker_id: "b".into(),
+            lease_ids: vec![task.lease_id.clone()],
+            draining: true,
+            ..WorkerHeartbeat::default()
+        },
+    )
+    .await;
+    assert_eq!(heartbeat, HeartbeatReply::default());
+    let registered: RegisterWorkerReply = call(
+        &a,
+        &worker_subject(WORKERS_REGISTER, "a"),
+        RegisterWorker {
+            worker_id: "b".into(),
+            capacity: 1,
+            policy_version: 0,
+            hostname: "forged".into(),
+        },
+    )
+    .await;
+    assert!(!registered.accepted);
+    let acquired: AcquireTasksReply = call(
+        &a,
+        &worker_subject(TASKS_ACQUIRE, "a"),
+        AcquireTasks {
+            worker_id: "b".into(),
+            free_slots: 4,
+        },
+    )
+    .await;
+    assert!(acquired.tasks.is_empty(), "{acquired:?}");
+    let counted = identity_refusals(&metrics);
+    let expected: BTreeMap<String, u64> = WORKER_REQUEST_SUBJECTS
+        .iter()
+        .map(|s| ((*s).to_owned(), 1))
+        .collect();
+    assert_eq!(counted, expected);
+
+    // `b`'s lease is as it was: running, held by `b`, not draining, and `b`
+    // completes it.
+    let status = coordinator.status().await.unwrap();
+    assert_eq!(status.running_groups, 1, "{status:?}");
+    let workers = coordinator.workers().await.unwrap();
+    assert!(
+        workers
+            .workers
+            .iter()
+            .all(|w| w.worker_id != "b" || !w.draining),
+        "{workers:?}"
+    );
+    let heartbeat: HeartbeatReply = call(
+        &b,
+        &worker_subject(WORKERS_HEARTBEAT, "b"),
+        WorkerHeartbeat {
+            worker_id: "b".into(),
+            lease_ids: vec![task.lease_id.clone()],
+            ..WorkerHeartbeat::default()
+        },
+    )
+    .await;
+    assert!(heartbeat.revoked_lease_ids.is_empty(), "{heartbeat:?}");
+    let completed: CompleteTaskReply = call(
+        &b,
+        &worker_subject(TASKS_COMPLETE, "b"),
+        CompleteTask {
+            worker_id: "b".into(),
+            task_id: task.task_id.clone(),
+            lease_id: task.lease_id.clone(),
+            num_trajectories: 2,
+        },
+    )
+    .await;
+    assert!(completed.accepted, "{completed:?}");
+    assert_eq!(coordinator.status().await.unwrap().accepted_groups, 1);
+
+    // What the worker user may read, its own user reads too.
+    let kv = a.kv(CONTROL_BUCKET).await.unwrap();
+    kv.get(POLICY_VERSION_KEY).await.unwrap();
+    // The coordinator's own user covers serving both subject forms.
+    for op in ["subscribe", "publish"] {
+        assert_eq!(
+            coordinator_transport.permission_violation_count(op),
+            0,
+            "the coordinator was refused a {op}"
+        );
+    }
+    coordinator.shutdown();
 }

@@ -20,37 +20,57 @@ pub fn version_report() -> String {
 
 /// `asyncrl coordinator`.
 pub fn coordinator(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
-    run_role(config, bus, "coordinator", |c, b, m, s| async move {
-        asyncrl_coordinator::run(c, b, m, s)
-            .await
-            .map_err(Into::into)
-    })
+    run_role(
+        config,
+        bus,
+        "coordinator",
+        |_| {},
+        |c, b, m, s| async move {
+            asyncrl_coordinator::run(c, b, m, s)
+                .await
+                .map_err(Into::into)
+        },
+    )
 }
 
 /// `asyncrl buffer`.
 pub fn buffer(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
-    run_role(config, bus, "buffer", |c, b, m, s| async move {
-        asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into)
-    })
+    run_role(
+        config,
+        bus,
+        "buffer",
+        |_| {},
+        |c, b, m, s| async move { asyncrl_buffer::run(c, b, m, s).await.map_err(Into::into) },
+    )
 }
 
 /// `asyncrl learner`.
 #[cfg(feature = "torch")]
 pub fn learner(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
-    run_role(config, bus, "learner", |c, b, m, s| async move {
-        asyncrl_learner::service::run(c, b, m, s).await.map(|_| ())
-    })
+    run_role(
+        config,
+        bus,
+        "learner",
+        |_| {},
+        |c, b, m, s| async move { asyncrl_learner::service::run(c, b, m, s).await.map(|_| ()) },
+    )
 }
 
 /// `asyncrl worker`.
 #[cfg(feature = "torch")]
 pub fn worker(config: &Path, bus: Option<&str>) -> anyhow::Result<()> {
-    run_role(config, bus, "worker", |c, b, m, s| async move {
-        asyncrl_rollout_worker::run(c, b, m, s)
-            .await
-            .map(|_| ())
-            .map_err(Into::into)
-    })
+    run_role(
+        config,
+        bus,
+        "worker",
+        asyncrl_rollout_worker::pin_worker_id,
+        |c, b, m, s| async move {
+            asyncrl_rollout_worker::run(c, b, m, s)
+                .await
+                .map(|_| ())
+                .map_err(Into::into)
+        },
+    )
 }
 
 /// `asyncrl trainer-node`: node `node_rank` of the learner's torch engine

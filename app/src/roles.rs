@@ -78,10 +78,28 @@ pub async fn connect(
     let tm = TransportMetrics::new();
     metrics.with_registry(|r| tm.register(r));
     let bus = match user {
-        BusUser::Role(role) => config.bus.for_role(role),
+        BusUser::Role(role) => {
+            let mut bus = config.bus.for_role(role);
+            if bus.inbox_prefix.is_none() {
+                bus.inbox_prefix = Some(default_inbox_prefix(config, role));
+            }
+            bus
+        }
         BusUser::AllRoles => config.bus.clone(),
     };
     Ok(asyncrl_transport::connect(&bus, tm).await?)
+}
+
+/// The inbox prefix of a role process whose `[bus.roles.<role>]` names
+/// none: `_INBOX.asyncrl.<role>`, and for a worker
+/// `_INBOX.asyncrl.worker.<worker.id>` (the worker command pins its id
+/// before it connects), the prefixes deploy/k8s/base/nats-auth.conf allows.
+fn default_inbox_prefix(config: &Config, role: &str) -> String {
+    use asyncrl_protos::subjects::{role_inbox_prefix, worker_inbox_prefix};
+    match (role, &config.worker.id) {
+        ("worker", Some(id)) => worker_inbox_prefix(id),
+        _ => role_inbox_prefix(role),
+    }
 }
 
 /// A role process needs a server to meet the other roles on.
@@ -124,19 +142,22 @@ pub fn load(path: &std::path::Path, bus: Option<&str>) -> anyhow::Result<Config>
 }
 
 /// Runs one role in its own process until SIGTERM/SIGINT: loads `config`
-/// (with a `--bus` override), requires NATS, serves telemetry, connects
-/// with the role's credentials, then runs `body`.
+/// (with a `--bus` override), requires NATS, lets `prepare` settle what the
+/// connection depends on (the worker's id), serves telemetry, connects with
+/// the role's credentials, then runs `body`.
 pub fn run_role<F, Fut>(
     config: &std::path::Path,
     bus: Option<&str>,
     name: &'static str,
+    prepare: impl FnOnce(&mut Config),
     body: F,
 ) -> anyhow::Result<()>
 where
     F: FnOnce(Config, Arc<dyn Bus>, Metrics, CancellationToken) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<()>>,
 {
-    let config = load(config, bus)?;
+    let mut config = load(config, bus)?;
+    prepare(&mut config);
     require_nats(&config, name)?;
     block_on(async move {
         let process = start(&config, name).await?;

@@ -1080,6 +1080,16 @@ impl Core {
         Ok((batches, indices))
     }
 
+    /// The tasks of the complete groups held (ready, or served at a step
+    /// not trained yet).
+    pub fn held_tasks(&self) -> std::collections::BTreeSet<String> {
+        self.groups
+            .values()
+            .filter(|g| g.state != GroupState::Collecting)
+            .map(|g| g.task.to_string())
+            .collect()
+    }
+
     /// The task of a held group.
     pub fn group_task(&self, id: &str) -> Option<String> {
         self.groups.get(id).map(|g| g.task.to_string())

@@ -39,7 +39,7 @@ pub use metrics::{BufferMetrics, LagHistogram};
 pub use reply::{MAX_SLICES, batch_parts, decode_batch, encode_batch, encode_parts};
 pub use service::{
     Buffer, BufferHandle, DISK_HEALTH_CONDITION, HEALTH_CONDITION, Recovered,
-    dead_letter_stream_spec, run, trajectory_stream_spec,
+    dead_letter_stream_spec, held_tasks, run, trajectory_stream_spec,
 };
 
 /// Re-exported so that callers create the shutdown token of [`run`] with the

@@ -486,6 +486,41 @@ fn recover(
     Ok((core, log, writer, rec))
 }
 
+/// The tasks whose complete groups a stopped buffer still holds (served at
+/// no trained step yet), read from its data directory without writing to
+/// it: the served log and the segments replayed as a restart would. The
+/// loss invariant of a run: every task that completed is trained, held, or
+/// dropped with a reason that issued it again.
+pub fn held_tasks(
+    data_dir: &std::path::Path,
+    cfg: &BufferConfig,
+) -> Result<std::collections::BTreeSet<String>, BufferError> {
+    let log = data_dir.join(crate::statelog::STATE_LOG);
+    let records = match std::fs::read(&log) {
+        Ok(bytes) => crate::statelog::decode_log(&bytes).0,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(BufferError::io("read", &log, e)),
+    };
+    let mut core = Core::new(cfg.sampling, cfg.max_serves(), 0);
+    core.seed(&records);
+    let seg_dir = segment_dir(data_dir);
+    let schema = trajectory_schema();
+    for id in segment::list_segments(&seg_dir)? {
+        let scan = segment::read_segment(&seg_dir, id, &schema)?;
+        core.add_segment(id, false);
+        for batch in scan.batches {
+            let trajs = from_record_batch(&batch).map_err(|e| BufferError::Segment {
+                path: segment::segment_path(&seg_dir, id),
+                reason: e.to_string(),
+            })?;
+            let metas: Vec<RowMeta> = trajs.iter().filter_map(RowMeta::of).collect();
+            core.apply(batch, &metas, id, true);
+        }
+    }
+    core.finish_recovery();
+    Ok(core.held_tasks())
+}
+
 // ---------------------------------------------------------------- ingest
 
 struct Ingest {

@@ -38,6 +38,12 @@ pub struct BusConfig {
     /// process connects with its own table's instead of the ones above.
     /// `asyncrl train` (every role in one process) uses the ones above.
     pub roles: BTreeMap<String, RoleAuth>,
+    /// The inbox prefix of the connection with the base credentials above
+    /// (`asyncrl train` over NATS); unset: the client's `_INBOX`. A role
+    /// process uses its own (`[bus.roles.<role>] inbox_prefix`, by default
+    /// `_INBOX.asyncrl.<role>`, and `_INBOX.asyncrl.worker.<worker id>` for
+    /// a worker): its NATS user may then subscribe to its own replies only.
+    pub inbox_prefix: Option<String>,
     /// How long the first connection may take before the role gives up.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -110,6 +116,11 @@ pub struct RoleAuth {
     pub token_file: Option<PathBuf>,
     pub credentials_file: Option<PathBuf>,
     pub tls: Option<TlsConfig>,
+    /// The subject prefix of this role's inboxes, where its replies arrive
+    /// (a subject without wildcards). Unset: `_INBOX.asyncrl.<role>`, and
+    /// `_INBOX.asyncrl.worker.<worker id>` for a worker, the prefixes the
+    /// shipped permissions (deploy/k8s/base/nats-auth.conf) allow.
+    pub inbox_prefix: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
@@ -136,6 +147,7 @@ impl Default for BusConfig {
             credentials_file: None,
             tls: None,
             roles: BTreeMap::new(),
+            inbox_prefix: None,
             connect_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(5),
             reconnect_max_delay: Duration::from_secs(5),
@@ -167,8 +179,12 @@ impl BusConfig {
     /// The bus config a `role` process connects with: the auth method (and
     /// the TLS settings, when it has its own) of `[bus.roles.<role>]` in
     /// place of the base ones; the base config when the role has no table.
+    /// Its inbox prefix is its table's `inbox_prefix`, never the base one
+    /// (roles do not share an inbox); None leaves the default to the caller,
+    /// who knows the role's identity.
     pub fn for_role(&self, role: &str) -> BusConfig {
         let mut config = self.clone();
+        config.inbox_prefix = self.roles.get(role).and_then(|r| r.inbox_prefix.clone());
         if let Some(r) = self.roles.get(role) {
             config.user = r.user.clone();
             config.password = r.password.clone();
@@ -221,6 +237,9 @@ impl BusConfig {
             }
         }
         validate_auth("bus", &self.auth())?;
+        if let Some(prefix) = &self.inbox_prefix {
+            validate_inbox_prefix("bus.inbox_prefix", prefix)?;
+        }
         for (name, role) in &self.roles {
             let prefix = format!("bus.roles.{name}");
             if !BUS_ROLES.contains(&name.as_str()) {
@@ -237,6 +256,9 @@ impl BusConfig {
                 ));
             }
             validate_auth(&prefix, &auth)?;
+            if let Some(inbox) = &role.inbox_prefix {
+                validate_inbox_prefix(&format!("{prefix}.inbox_prefix"), inbox)?;
+            }
         }
         for (key, d) in [
             ("bus.connect_timeout", self.connect_timeout),
@@ -294,6 +316,25 @@ impl Auth<'_> {
             || self.token_file
             || self.credentials_file
     }
+}
+
+/// An inbox prefix is a subject without wildcards: dot-separated tokens of
+/// printable ASCII, none empty.
+fn validate_inbox_prefix(key: &str, prefix: &str) -> Result<(), ConfigError> {
+    let ok = prefix.split('.').all(|t| {
+        !t.is_empty()
+            && t.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'*' && b != b'>')
+    });
+    if !ok {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "= {prefix:?} is not a subject prefix (dot-separated tokens, no spaces or wildcards)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// One auth method per table, each complete; `prefix` names the table.
@@ -451,6 +492,40 @@ mod tests {
         let buffer = config.bus.for_role("buffer");
         assert_eq!(buffer.token, Some(Secret::new("base")));
         assert_eq!(buffer.user, None);
+    }
+
+    #[test]
+    fn inbox_prefixes_are_the_roles_own_and_subjects() {
+        let config = Config::parse(
+            &format!(
+                "{NATS}token = \"base\"\ninbox_prefix = \"_INBOX.all\"\n\
+                 [bus.roles.worker]\nuser = \"worker\"\npassword = \"w\"\n\
+                 inbox_prefix = \"_INBOX.w\"\n\
+                 [bus.roles.learner]\ntoken = \"l\""
+            ),
+            None,
+        )
+        .unwrap();
+        assert_eq!(config.bus.inbox_prefix.as_deref(), Some("_INBOX.all"));
+        assert_eq!(
+            config.bus.for_role("worker").inbox_prefix.as_deref(),
+            Some("_INBOX.w")
+        );
+        // Not the base one: the caller derives the role's default.
+        assert_eq!(config.bus.for_role("learner").inbox_prefix, None);
+        assert_eq!(config.bus.for_role("buffer").inbox_prefix, None);
+        check(
+            &format!("{NATS}inbox_prefix = \"_INBOX.>\""),
+            Some("bus.inbox_prefix"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.worker]\ntoken = \"t\"\ninbox_prefix = \"_INBOX..w\""),
+            Some("bus.roles.worker.inbox_prefix"),
+        );
+        check(
+            &format!("{NATS}[bus.roles.worker]\ntoken = \"t\"\ninbox_prefix = \"a b\""),
+            Some("bus.roles.worker.inbox_prefix"),
+        );
     }
 
     #[test]

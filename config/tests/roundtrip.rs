@@ -223,15 +223,22 @@ fn auth(allow_none: bool) -> impl Strategy<Value = Auth> {
 }
 
 fn role_auth() -> impl Strategy<Value = RoleAuth> {
-    (auth(false), proptest::option::of(tls())).prop_map(|(a, tls)| RoleAuth {
-        user: a.0,
-        password: a.1,
-        password_file: a.2,
-        token: a.3,
-        token_file: a.4,
-        credentials_file: a.5,
-        tls,
+    (auth(false), proptest::option::of(tls()), inbox_prefix()).prop_map(|(a, tls, inbox)| {
+        RoleAuth {
+            user: a.0,
+            password: a.1,
+            password_file: a.2,
+            token: a.3,
+            token_file: a.4,
+            credentials_file: a.5,
+            tls,
+            inbox_prefix: inbox,
+        }
     })
+}
+
+fn inbox_prefix() -> impl Strategy<Value = Option<String>> {
+    proptest::option::of("_INBOX(\\.[a-z0-9_-]{1,8}){1,3}")
 }
 
 fn storage() -> impl Strategy<Value = StorageConfig> {
@@ -273,7 +280,13 @@ fn bus() -> impl Strategy<Value = BusConfig> {
         0..=4,
     );
     (
-        (url, auth(true), proptest::option::of(tls()), roles),
+        (
+            url,
+            auth(true),
+            proptest::option::of(tls()),
+            roles,
+            inbox_prefix(),
+        ),
         (
             dur_ms(1, 600_000),
             dur_ms(1, 600_000),
@@ -285,7 +298,7 @@ fn bus() -> impl Strategy<Value = BusConfig> {
         ),
     )
         .prop_map(
-            |((url, a, tls, roles), (ct, rt, rd, cap, dw, replicas, storage))| BusConfig {
+            |((url, a, tls, roles, inbox), (ct, rt, rd, cap, dw, replicas, storage))| BusConfig {
                 url,
                 user: a.0,
                 password: a.1,
@@ -295,6 +308,7 @@ fn bus() -> impl Strategy<Value = BusConfig> {
                 credentials_file: a.5,
                 tls,
                 roles,
+                inbox_prefix: inbox,
                 connect_timeout: ct,
                 request_timeout: rt,
                 reconnect_max_delay: rd,

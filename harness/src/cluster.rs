@@ -182,6 +182,9 @@ pub struct Report {
     pub tasks_trained: usize,
     /// Complete, never trained: waiting in the buffer when the run ended.
     pub tasks_waiting: usize,
+    /// Tasks whose complete groups the buffer holds at the end (every
+    /// waiting task is one of them: the loss invariant).
+    pub tasks_held: usize,
     /// Attempts that never completed (a killed or draining worker's).
     pub partial_attempts: usize,
     /// Complete attempts of a task another attempt of which was kept.
@@ -963,6 +966,23 @@ impl Cluster {
         report.trained_trajectories = trained_in.len();
         report.tasks_trained = trained_tasks.len();
 
+        // The loss invariant: a task that completed and was never trained
+        // is still held by the buffer (complete, ready or served at a step
+        // not trained yet). A task whose attempt was dropped and never
+        // issued again, or whose new attempt was dropped too, is lost.
+        let buffer_config = self
+            .roles
+            .iter()
+            .find(|r| r.name == "buffer")
+            .map(|r| {
+                asyncrl_config::Config::load(&r.config)
+                    .unwrap_or_else(|e| panic!("the buffer's config: {e}"))
+                    .buffer
+            })
+            .unwrap_or_default();
+        let held = asyncrl_buffer::held_tasks(&self.out.join("buffer"), &buffer_config)
+            .unwrap_or_else(|e| panic!("read what the buffer holds: {e}"));
+        report.tasks_held = held.len();
         // Every started task has a complete attempt (nothing was lost); the
         // one trained is the first to complete unless the buffer dropped the
         // earlier one as stale.
@@ -991,6 +1011,11 @@ impl Cluster {
                 None => {
                     waiting += 1;
                     report.superseded_attempts += complete.len() - 1;
+                    assert!(
+                        held.contains(*task),
+                        "task {task} completed ({} complete attempts: {complete:?}) but is neither trained nor held by the buffer: lost",
+                        complete.len()
+                    );
                 }
             }
         }

@@ -20,6 +20,61 @@ pub const TASKS_COMPLETE: &str = "asyncrl.tasks.complete";
 pub const TASKS_RETURN: &str = "asyncrl.tasks.return";
 pub const WORKERS_REGISTER: &str = "asyncrl.workers.register";
 pub const WORKERS_HEARTBEAT: &str = "asyncrl.workers.heartbeat";
+/// The coordinator's request subjects, each of which a worker addresses
+/// with its own id appended (`asyncrl.tasks.acquire.<worker id>`,
+/// [`worker_subject`]): the NATS permission of a worker's user names the
+/// subjects of its id only, so the server refuses a request a worker makes
+/// in another worker's name, and the coordinator refuses a request whose
+/// `worker_id` is not the one its subject names (docs/decisions.md, "Worker
+/// identity is the request subject").
+pub const WORKER_REQUEST_SUBJECTS: [&str; 5] = [
+    WORKERS_REGISTER,
+    WORKERS_HEARTBEAT,
+    TASKS_ACQUIRE,
+    TASKS_COMPLETE,
+    TASKS_RETURN,
+];
+
+/// The subject worker `worker_id` sends a request of `base` (one of
+/// [`WORKER_REQUEST_SUBJECTS`]) on: `<base>.<worker id>`.
+pub fn worker_subject(base: &str, worker_id: &str) -> String {
+    format!("{base}.{worker_id}")
+}
+
+/// The subjects of `base` of every worker (`<base>.*`), which the
+/// coordinator serves.
+pub fn worker_subject_pattern(base: &str) -> String {
+    worker_subject(base, "*")
+}
+
+/// The worker id a request subject of `base` names (`<base>.<id>`); None
+/// for `base` itself or any other subject.
+pub fn subject_worker<'a>(subject: &'a str, base: &str) -> Option<&'a str> {
+    subject
+        .strip_prefix(base)?
+        .strip_prefix('.')
+        .filter(|id| !id.is_empty() && !id.contains('.'))
+}
+
+/// The root of every asyncrl inbox. NATS delivers the replies to a request
+/// (and JetStream API answers, watch and object-store deliveries) on the
+/// requester's inbox; each role process uses its own prefix under this one
+/// (`bus.inbox_prefix`), so that its user may subscribe to its own replies
+/// only, not to every reply on the bus (`_INBOX.>`).
+pub const INBOX_ROOT: &str = "_INBOX.asyncrl";
+
+/// The inbox prefix of a role process (`_INBOX.asyncrl.<role>`) of the
+/// coordinator, buffer and learner.
+pub fn role_inbox_prefix(role: &str) -> String {
+    format!("{INBOX_ROOT}.{role}")
+}
+
+/// The inbox prefix of rollout worker `worker_id`
+/// (`_INBOX.asyncrl.worker.<worker id>`).
+pub fn worker_inbox_prefix(worker_id: &str) -> String {
+    format!("{INBOX_ROOT}.worker.{worker_id}")
+}
+
 /// Buffer request/reply subject for learner batches.
 pub const BUFFER_BATCH: &str = "asyncrl.buffer.batch";
 /// Buffer publishes dropped groups here (plain pub/sub).
@@ -148,6 +203,33 @@ mod tests {
         assert_eq!(split_wire_task_id("my-exam-e-e12"), Some(("my-exam-e", 12)));
         assert_eq!(split_wire_task_id("arith-17"), None);
         assert_eq!(split_wire_task_id("arith-17-ex"), None);
+    }
+
+    #[test]
+    fn worker_subjects_name_their_worker() {
+        let subject = worker_subject(TASKS_RETURN, "w-1");
+        assert_eq!(subject, "asyncrl.tasks.return.w-1");
+        assert_eq!(subject_worker(&subject, TASKS_RETURN), Some("w-1"));
+        assert_eq!(subject_worker(&subject, TASKS_COMPLETE), None);
+        assert_eq!(subject_worker(TASKS_RETURN, TASKS_RETURN), None);
+        assert_eq!(
+            subject_worker("asyncrl.tasks.returns.w", TASKS_RETURN),
+            None
+        );
+        assert_eq!(
+            subject_worker("asyncrl.tasks.return.a.b", TASKS_RETURN),
+            None
+        );
+        assert_eq!(
+            worker_subject_pattern(TASKS_RETURN),
+            "asyncrl.tasks.return.*"
+        );
+    }
+
+    #[test]
+    fn inbox_prefixes_are_apart() {
+        assert_eq!(role_inbox_prefix("learner"), "_INBOX.asyncrl.learner");
+        assert_eq!(worker_inbox_prefix("w-1"), "_INBOX.asyncrl.worker.w-1");
     }
 
     #[test]

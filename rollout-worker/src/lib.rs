@@ -51,6 +51,7 @@ mod worker;
 
 pub use error::WorkerError;
 pub use metrics::WorkerMetrics;
+pub use settings::pin_worker_id;
 pub use state::CompletionLengths;
 /// The fetch every worker of this process shares (see `weights`).
 pub use weights::fetch as fetch_weights;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use asyncrl_config::BusConfig;
 use asyncrl_protos::subjects::{
     TASKS_ACQUIRE, TASKS_COMPLETE, TASKS_RETURN, TRAJECTORY_STREAM, WORKERS_HEARTBEAT,
-    WORKERS_REGISTER,
+    WORKERS_REGISTER, worker_subject_pattern,
 };
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, HeartbeatReply,
@@ -178,15 +178,19 @@ impl ScriptedCoordinator {
             TASKS_COMPLETE,
             TASKS_RETURN,
         ] {
-            let mut requests = bus.serve(subject, None).await?;
-            let (inner, changed, bus) = (inner.clone(), changed.clone(), bus.clone());
-            servers.push(tokio::spawn(async move {
-                while let Some(req) = requests.next().await {
-                    let reply = handle(&inner, bus.as_ref(), subject, &req.payload).await;
-                    changed.notify_waiters();
-                    let _ = req.respond(reply).await;
-                }
-            }));
+            // The worker's own subjects (`<subject>.<worker id>`), and the
+            // bare one, as the coordinator serves them.
+            for pattern in [subject.to_owned(), worker_subject_pattern(subject)] {
+                let mut requests = bus.serve(&pattern, None).await?;
+                let (inner, changed, bus) = (inner.clone(), changed.clone(), bus.clone());
+                servers.push(tokio::spawn(async move {
+                    while let Some(req) = requests.next().await {
+                        let reply = handle(&inner, bus.as_ref(), subject, &req.payload).await;
+                        changed.notify_waiters();
+                        let _ = req.respond(reply).await;
+                    }
+                }));
+            }
         }
         bus.flush().await?;
         Ok(Self {

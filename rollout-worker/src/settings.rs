@@ -82,6 +82,16 @@ pub(crate) fn scorer(config: &Config) -> Result<Scorer, WorkerError> {
     }
 }
 
+/// Sets `worker.id` to the id this process goes by when the config names
+/// none (`<hostname>-<pid>`, the same [`Settings::from_config`] takes), so
+/// that the bus connection, made before the worker starts, uses the inbox
+/// prefix of that id (`_INBOX.asyncrl.worker.<id>`).
+pub fn pin_worker_id(config: &mut Config) {
+    if config.worker.id.is_none() {
+        config.worker.id = Some(default_worker_id(&hostname(), std::process::id()));
+    }
+}
+
 /// The machine's host name (`/proc/sys/kernel/hostname`, then `$HOSTNAME`).
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")

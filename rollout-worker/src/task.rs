@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use asyncrl_policy::{FinishReason as SeqFinish, SequenceOutput, SequenceRequest};
-use asyncrl_protos::subjects::{TASKS_COMPLETE, trajectory_subject};
+use asyncrl_protos::subjects::{TASKS_COMPLETE, trajectory_subject, worker_subject};
 use asyncrl_protos::v1::{CompleteTask, CompleteTaskReply};
 use asyncrl_protos::{
     ContractError, FinishReason, Message, RewardStatus, Task, Timings, Trajectory,
@@ -296,7 +296,13 @@ async fn complete(
         if stops.abort.is_cancelled() {
             return TaskEnd::Revoked;
         }
-        let r = call::<CompleteTaskReply>(shared.bus.as_ref(), TASKS_COMPLETE, &req, timeout).await;
+        let r = call::<CompleteTaskReply>(
+            shared.bus.as_ref(),
+            &worker_subject(TASKS_COMPLETE, &shared.settings.worker_id),
+            &req,
+            timeout,
+        )
+        .await;
         match r {
             Ok(reply) if reply.accepted => return TaskEnd::Completed,
             Ok(reply) => {

@@ -10,7 +10,9 @@ use asyncrl_common::{SharedClock, SystemClock};
 use asyncrl_config::{BatchingMode, Config};
 use asyncrl_policy::ModelHandle;
 use asyncrl_protos::Task;
-use asyncrl_protos::subjects::{TASKS_ACQUIRE, TASKS_RETURN, WORKERS_HEARTBEAT, WORKERS_REGISTER};
+use asyncrl_protos::subjects::{
+    TASKS_ACQUIRE, TASKS_RETURN, WORKERS_HEARTBEAT, WORKERS_REGISTER, worker_subject,
+};
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, HeartbeatReply, RegisterWorker, RegisterWorkerReply,
     ReturnTasks, ReturnTasksReply, WorkerHeartbeat,
@@ -329,7 +331,7 @@ async fn register(
         let r = shutdown
             .run_until_cancelled(call::<RegisterWorkerReply>(
                 shared.bus.as_ref(),
-                WORKERS_REGISTER,
+                &worker_subject(WORKERS_REGISTER, &s.worker_id),
                 &req,
                 s.request_timeout,
             ))
@@ -495,7 +497,7 @@ async fn return_some(shared: &Arc<Shared>, leases: Vec<(String, String)>, task_f
     for attempt in 1..=5u32 {
         match call::<ReturnTasksReply>(
             shared.bus.as_ref(),
-            TASKS_RETURN,
+            &worker_subject(TASKS_RETURN, &shared.settings.worker_id),
             &req,
             shared.settings.request_timeout,
         )
@@ -592,9 +594,13 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
         };
         // Not interrupted by shutdown: tasks granted meanwhile are returned
         // at once instead of waiting for their leases to expire.
-        let reply =
-            call::<AcquireTasksReply>(shared.bus.as_ref(), TASKS_ACQUIRE, &req, s.request_timeout)
-                .await;
+        let reply = call::<AcquireTasksReply>(
+            shared.bus.as_ref(),
+            &worker_subject(TASKS_ACQUIRE, &s.worker_id),
+            &req,
+            s.request_timeout,
+        )
+        .await;
         let granted_at = Instant::now();
         let delay = match reply {
             Ok(reply) if !reply.tasks.is_empty() => {
@@ -708,7 +714,7 @@ async fn heartbeat_loop(shared: Arc<Shared>, every: Duration, stop: Cancellation
         let r = stop
             .run_until_cancelled(call::<HeartbeatReply>(
                 shared.bus.as_ref(),
-                WORKERS_HEARTBEAT,
+                &worker_subject(WORKERS_HEARTBEAT, &shared.settings.worker_id),
                 &req,
                 shared.settings.request_timeout,
             ))

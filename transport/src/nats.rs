@@ -83,9 +83,19 @@ struct Link {
     since_ms: AtomicI64,
     /// Publishes and subscriptions the server refused.
     violations: Violations,
+    /// The connection's inbox (`<inbox prefix>.>`): where every reply and
+    /// JetStream answer arrives. Once the server refuses a subscription
+    /// there (credentials for another inbox prefix), no request can get an
+    /// answer, and each fails at once naming the refused subscription.
+    inbox: Vec<String>,
 }
 
 impl Link {
+    /// The server's refusal of this connection's inbox, if it came.
+    fn inbox_refused(&self) -> Option<Violation> {
+        self.violations.find(0, Denied::Subscribe, &self.inbox)
+    }
+
     fn up(&self) {
         self.since_ms.store(unix_ms(), Ordering::SeqCst);
         self.connected.store(true, Ordering::SeqCst);
@@ -117,16 +127,28 @@ async fn guarded<T>(
         op: v.kind.op(),
         subject: v.subject,
     };
+    if let Some(v) = link.inbox_refused() {
+        metrics.error(op);
+        return Err(denied(v));
+    }
     tokio::select! {
         biased;
         // A failure is counted by the operation itself.
         result = operation => result.map_err(|e| {
-            match link.violations.find(since, Denied::Publish, patterns) {
+            match link
+                .violations
+                .find(since, Denied::Publish, patterns)
+                .or_else(|| link.inbox_refused())
+            {
                 Some(v) => denied(v),
                 None => e,
             }
         }),
         v = link.violations.wait(since, Denied::Publish, patterns) => {
+            metrics.error(op);
+            Err(denied(v))
+        }
+        v = link.violations.wait(0, Denied::Subscribe, &link.inbox) => {
             metrics.error(op);
             Err(denied(v))
         }
@@ -212,6 +234,11 @@ async fn connect_options(
         if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
             opts = opts.add_client_certificate(cert.clone(), key.clone());
         }
+    }
+    if let Some(prefix) = &config.inbox_prefix {
+        // Every reply, JetStream API answer and push delivery (KV watches,
+        // object reads) of this connection arrives under it.
+        opts = opts.custom_inbox_prefix(prefix);
     }
     let max_delay = config.reconnect_max_delay;
     let m = metrics.clone();
@@ -307,7 +334,11 @@ impl NatsBus {
             .map_err(|e| TransportError::connect(&config.url, "invalid server URL", e))?;
         let deadline = tokio::time::Instant::now() + config.connect_timeout;
         let mut attempt = 0usize;
-        let link = Arc::new(Link::default());
+        let inbox = config.inbox_prefix.as_deref().unwrap_or("_INBOX");
+        let link = Arc::new(Link {
+            inbox: vec![format!("{inbox}.>")],
+            ..Link::default()
+        });
         let client = loop {
             let opts = connect_options(config, &metrics, &link).await?;
             match opts.connect(servers.clone()).await {
@@ -354,12 +385,26 @@ impl NatsBus {
         &self.js
     }
 
+    /// The server's recent refusals on this connection, oldest first: the
+    /// operation (`publish`, `subscribe`) and the subject it names. A
+    /// refused subscription has no error to return (its stream ends); this
+    /// says what was refused.
+    pub fn refusals(&self) -> Vec<(&'static str, String)> {
+        self.link.violations.list()
+    }
+
     fn err(
         &self,
         op: &'static str,
         e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> TransportError {
         self.metrics.error(op);
+        if let Some(v) = self.link.inbox_refused() {
+            return TransportError::PermissionDenied {
+                op: v.kind.op(),
+                subject: v.subject,
+            };
+        }
         // Opening or creating a stream, bucket or consumer is a series of
         // JetStream API requests; one the server refused shows up as a
         // timeout of the request. A refusal of a JetStream API subject

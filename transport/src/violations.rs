@@ -96,6 +96,14 @@ impl Violations {
         self.recorded.notify_waiters();
     }
 
+    /// Every remembered violation, oldest first: its operation and subject.
+    pub(crate) fn list(&self) -> Vec<(&'static str, String)> {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        log.iter()
+            .map(|v| (v.kind.op(), v.subject.clone()))
+            .collect()
+    }
+
     /// The first violation of `kind` after `since` on a subject that one of
     /// `patterns` (NATS wildcards allowed) matches.
     pub(crate) fn find(&self, since: u64, kind: Denied, patterns: &[String]) -> Option<Violation> {

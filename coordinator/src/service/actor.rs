@@ -10,6 +10,7 @@ use std::time::Duration;
 use asyncrl_common::SharedClock;
 use asyncrl_config::Config;
 use asyncrl_protos::GroupDropReason;
+use asyncrl_protos::subjects::subject_worker;
 use asyncrl_protos::v1::StatusReply;
 use asyncrl_telemetry::Health;
 use asyncrl_transport::Bus;
@@ -302,7 +303,12 @@ impl Actor {
         let dirty = &mut out.dirty;
         let now = self.clock.now_unix_ms();
         match ev {
-            Event::Request { kind, req } => match self.requests().handle(kind, &req.payload, now) {
+            Event::Request { kind, req } => match self.requests().handle(
+                kind,
+                subject_worker(&req.subject, kind.subject()),
+                &req.payload,
+                now,
+            ) {
                 Handled::Reply(payload) => out.ready.push(Reply { req, payload }),
                 Handled::Durable {
                     reply,

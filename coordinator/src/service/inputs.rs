@@ -14,11 +14,14 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::events::{Event, RequestKind};
-use asyncrl_protos::subjects::COORDINATOR_QUEUE_GROUP;
+use asyncrl_protos::subjects::{COORDINATOR_QUEUE_GROUP, worker_subject_pattern};
 
 use crate::error::CoordinatorError;
 
-/// Forwards requests of one subject to the actor.
+/// Forwards the worker requests to the actor: each kind on its subject
+/// (the in-process roles, the coordinator tests) and on the subjects of
+/// every worker (`<subject>.<worker id>`, what a worker sends on, and all
+/// that a worker's NATS user may publish).
 pub(crate) async fn spawn_request_forwarders(
     bus: &Arc<dyn Bus>,
     tx: &mpsc::Sender<Event>,
@@ -32,29 +35,47 @@ pub(crate) async fn spawn_request_forwarders(
         RequestKind::Complete,
         RequestKind::Return,
     ] {
+        for subject in [
+            kind.subject().to_owned(),
+            worker_subject_pattern(kind.subject()),
+        ] {
+            handles.push(forward(bus, kind, &subject, tx, shutdown).await?);
+        }
+    }
+    Ok(handles)
+}
+
+async fn forward(
+    bus: &Arc<dyn Bus>,
+    kind: RequestKind,
+    subject: &str,
+    tx: &mpsc::Sender<Event>,
+    shutdown: &CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, CoordinatorError> {
+    {
         let mut stream = bus
-            .serve(kind.subject(), Some(COORDINATOR_QUEUE_GROUP))
+            .serve(subject, Some(COORDINATOR_QUEUE_GROUP))
             .await
-            .map_err(|e| CoordinatorError::transport(kind.subject(), e))?;
+            .map_err(|e| CoordinatorError::transport(subject, e))?;
         let tx = tx.clone();
         let shutdown = shutdown.clone();
-        handles.push(tokio::spawn(async move {
+        let subject = subject.to_owned();
+        Ok(tokio::spawn(async move {
             loop {
                 let req = tokio::select! {
                     _ = shutdown.cancelled() => break,
                     r = stream.next() => r,
                 };
                 let Some(req) = req else {
-                    tracing::warn!(subject = kind.subject(), "request subscription ended");
+                    tracing::warn!(subject, "request subscription ended");
                     break;
                 };
                 if tx.send(Event::Request { kind, req }).await.is_err() {
                     break;
                 }
             }
-        }));
+        }))
     }
-    Ok(handles)
 }
 
 /// Forwards the buffer's dropped-group reports.

@@ -69,9 +69,51 @@ pub(super) struct WorkerRequests<'a> {
 }
 
 impl WorkerRequests<'_> {
-    /// Handles one worker request.
-    pub(super) fn handle(&mut self, kind: RequestKind, payload: &[u8], now: i64) -> Handled {
+    /// Handles one worker request. `named` is the worker its subject names
+    /// (`<subject>.<worker id>`, the only subjects a worker's NATS user may
+    /// publish): a request whose `worker_id` is another is refused before
+    /// it touches anything (docs/decisions.md, "Worker identity is the
+    /// request subject").
+    pub(super) fn handle(
+        &mut self,
+        kind: RequestKind,
+        named: Option<&str>,
+        payload: &[u8],
+        now: i64,
+    ) -> Handled {
         let enc = |m: &dyn EncodeDyn| Bytes::from(m.encode_dyn());
+        if let Some(named) = named
+            && let Some(claimed) = claimed_worker(kind, payload)
+            && claimed != named
+        {
+            let reason = self.bad_request(
+                kind,
+                "identity",
+                format!(
+                    "{} is not the worker {named:?} of the request's subject: a worker acts in its own name only",
+                    shown_worker_id(&claimed)
+                ),
+            );
+            let reply = match kind {
+                RequestKind::Register => enc(&RegisterWorkerReply {
+                    accepted: false,
+                    reason,
+                    heartbeat_interval_ms: self.settings.heartbeat_interval_ms,
+                }),
+                RequestKind::Heartbeat => enc(&HeartbeatReply::default()),
+                RequestKind::Acquire => enc(&AcquireTasksReply {
+                    tasks: Vec::new(),
+                    reason,
+                    retry_after_ms: self.settings.retry_after_ms,
+                }),
+                RequestKind::Complete => enc(&CompleteTaskReply {
+                    accepted: false,
+                    reason,
+                }),
+                RequestKind::Return => enc(&ReturnTasksReply { returned: 0 }),
+            };
+            return Handled::Reply(reply);
+        }
         match kind {
             RequestKind::Register => {
                 let reply = match RegisterWorker::decode(payload) {
@@ -460,7 +502,27 @@ impl WorkerRequests<'_> {
 /// The refusal of a worker id that is no id (empty, too long, odd
 /// characters); a long one is cut in the message.
 fn bad_worker_id(id: &str) -> String {
+    format!(
+        "{} must be 1-128 characters of [A-Za-z0-9_-]",
+        shown_worker_id(id)
+    )
+}
+
+/// `worker_id "<id>"` for a message, a long id cut.
+fn shown_worker_id(id: &str) -> String {
     let shown: String = id.chars().take(64).collect();
     let cut = if shown.len() < id.len() { "..." } else { "" };
-    format!("worker_id {shown:?}{cut} must be 1-128 characters of [A-Za-z0-9_-]")
+    format!("worker_id {shown:?}{cut}")
+}
+
+/// The worker id a request's payload claims (None when it does not decode:
+/// the request is then refused as malformed).
+fn claimed_worker(kind: RequestKind, payload: &[u8]) -> Option<String> {
+    match kind {
+        RequestKind::Register => RegisterWorker::decode(payload).ok().map(|m| m.worker_id),
+        RequestKind::Heartbeat => WorkerHeartbeat::decode(payload).ok().map(|m| m.worker_id),
+        RequestKind::Acquire => AcquireTasks::decode(payload).ok().map(|m| m.worker_id),
+        RequestKind::Complete => CompleteTask::decode(payload).ok().map(|m| m.worker_id),
+        RequestKind::Return => ReturnTasks::decode(payload).ok().map(|m| m.worker_id),
+    }
 }
