@@ -182,6 +182,10 @@ pub enum Completion {
     /// A retry of a completion that was already counted (e.g. its reply was
     /// lost in a coordinator restart): answered yes, counted once.
     AlreadyCompleted,
+    /// The buffer dropped the group as stale before its completion arrived
+    /// (the report overtook it): not counted as accepted, and the task is
+    /// issued again, as for a stale drop reported after the completion.
+    DroppedBefore { lease: Lease },
 }
 
 /// A lease that ended without completion.
@@ -202,6 +206,9 @@ pub enum Dropped {
     /// Its completion is not remembered (`coordinator.completed_memory`):
     /// counted only.
     Unknown,
+    /// Its lease is still running (the report overtook the completion):
+    /// the completion will not count, and the task is issued again then.
+    BeforeCompletion,
     /// Its capacity is returned and its task is issued again.
     Requeued(TaskRef),
     /// Its capacity is returned; the task failed once too often and is
@@ -289,6 +296,10 @@ pub struct Scheduler {
     /// Failed attempts per task (data set index) since the cursor last
     /// issued it.
     failures: BTreeMap<u64, u32>,
+    /// Leases whose group the buffer dropped as stale before their
+    /// completion arrived (not persisted: a coordinator restart in that
+    /// window counts the completion as accepted).
+    dropped_early: HashSet<u64>,
 }
 
 impl Scheduler {
@@ -324,6 +335,7 @@ impl Scheduler {
             expired_total: 0,
             quarantined: std::collections::BTreeSet::new(),
             failures: BTreeMap::new(),
+            dropped_early: HashSet::new(),
         }
     }
 
@@ -585,11 +597,18 @@ impl Scheduler {
         if stale {
             self.stale_dropped_total += 1;
         }
-        let Some(c) = self
-            .parse_lease(group_id)
+        let seq = self.parse_lease(group_id);
+        let Some(c) = seq
             .and_then(|seq| self.completed_seqs.remove(&seq))
             .and_then(|k| self.completed.remove(&k))
         else {
+            // The report can overtake the completion (the buffer stores
+            // the group as soon as its trajectories are acked): the
+            // completion, when it comes, gives the task back instead.
+            if let Some(seq) = seq.filter(|s| self.leases.contains_key(s)) {
+                self.dropped_early.insert(seq);
+                return Dropped::BeforeCompletion;
+            }
             return Dropped::Unknown;
         };
         let floor = self.consumed_floor();

@@ -51,6 +51,14 @@ impl Scheduler {
             .leases
             .remove(&seq)
             .ok_or(CompleteRefusal::UnknownLease)?;
+        if self.dropped_early.remove(&seq) {
+            // Remembered without counting: a retry is answered as done.
+            self.remember_completed(Completed::new(seq, lease.task, lease.worker.clone()));
+            if !self.quarantined.contains(&lease.task.index) {
+                self.queue.push_front(lease.task);
+            }
+            return Ok(Completion::DroppedBefore { lease });
+        }
         self.accepted += 1;
         self.completed_total += 1;
         self.remember_completed(Completed::new(seq, lease.task, lease.worker.clone()));
@@ -101,6 +109,7 @@ impl Scheduler {
         let mut ended = Vec::with_capacity(seqs.len());
         for seq in seqs {
             if let Some(lease) = self.leases.remove(&seq) {
+                self.dropped_early.remove(&seq);
                 self.remember_ended(seq, now_ms, reason);
                 let quarantined = failed && self.task_failed(lease.task);
                 ended.push(Ended {

@@ -517,3 +517,36 @@ fn a_task_whose_groups_the_learner_refuses_is_quarantined_after_max_task_attempt
     assert_eq!(s.quarantined().len(), 2);
     assert!(s.acquire("w", 4, 8, 0).is_empty());
 }
+
+/// Found by the loss invariant: the buffer stores a group as soon as its
+/// trajectories are acked, so its stale drop can be reported before the
+/// worker's completion arrives. The completion then gives the task back
+/// (issued again, not counted as accepted) instead of being counted and
+/// the task lost.
+#[test]
+fn a_stale_drop_reported_before_the_completion_still_reissues_the_task() {
+    let mut s = sched(2, 100);
+    let g = s.acquire("w", 2, 0, 0);
+    assert_eq!(
+        s.on_group_dropped(&g[0].lease_id, true, true),
+        Dropped::BeforeCompletion
+    );
+    let done = s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4);
+    assert!(
+        matches!(done, Ok(Completion::DroppedBefore { .. })),
+        "{done:?}"
+    );
+    assert_eq!(s.accepted(), 0, "not counted");
+    // A retry of that completion is answered as done, counted once.
+    assert_eq!(
+        s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4),
+        Ok(Completion::AlreadyCompleted)
+    );
+    assert_eq!(s.accepted(), 0);
+    // The task comes back first; the other lease completes as usual.
+    s.complete("w", &g[1].lease_id, Some(g[1].task.index), 4)
+        .unwrap();
+    assert_eq!(s.accepted(), 1);
+    let again = s.acquire("w", 1, 0, 0);
+    assert_eq!(again[0].task, g[0].task);
+}

@@ -375,6 +375,10 @@ impl Actor {
                             "a task failed too often (the learner refused its groups) and is quarantined: it is not issued again (coordinator.max_task_attempts)"
                         );
                     }
+                    Dropped::BeforeCompletion => tracing::info!(
+                        task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(),
+                        "the buffer dropped a group before its completion arrived; the task is issued again when it does"
+                    ),
                     Dropped::Unknown => tracing::warn!(
                         task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(),
                         "the buffer dropped a group the coordinator does not remember (coordinator.completed_memory); counted only"

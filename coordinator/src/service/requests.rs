@@ -296,6 +296,22 @@ impl WorkerRequests<'_> {
                             if_unwritten: None,
                         }
                     }
+                    Ok(Completion::DroppedBefore { lease }) => {
+                        tracing::info!(
+                            worker = %c.worker_id, task_id = %c.task_id, lease_id = %c.lease_id, index = lease.task.index,
+                            "the buffer dropped this group as stale before its completion arrived; the task is issued again"
+                        );
+                        let ok = enc(&CompleteTaskReply {
+                            accepted: true,
+                            reason:
+                                "the buffer dropped the group as stale; the task is issued again"
+                                    .into(),
+                        });
+                        Handled::Durable {
+                            reply: ok,
+                            if_unwritten: None,
+                        }
+                    }
                     Ok(Completion::AlreadyCompleted) => {
                         let b = enc(&CompleteTaskReply {
                             accepted: true,
