@@ -249,7 +249,10 @@ mod tests {
     }
 
     async fn kv() -> Arc<dyn KvBucket> {
-        LocalBus::new().kv("asyncrl_control").await.unwrap()
+        LocalBus::new()
+            .kv(asyncrl_protos::subjects::CONTROL_BUCKET)
+            .await
+            .unwrap()
     }
 
     const TTL: Duration = Duration::from_millis(400);
