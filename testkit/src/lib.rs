@@ -667,11 +667,23 @@ mod tests {
     }
 
     /// Creates stream `name` at R3 through the JetStream API, over the
-    /// plain NATS protocol.
+    /// plain NATS protocol. A request the cluster does not answer yet (no
+    /// JetStream leader for it) is sent again: creating the same stream
+    /// twice is no change.
     fn create_r3_stream(port: u16, name: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(reply) = try_create_r3_stream(port, name) {
+                return reply;
+            }
+            assert!(Instant::now() < deadline, "stream {name} was never created");
+        }
+    }
+
+    fn try_create_r3_stream(port: u16, name: &str) -> Option<String> {
         use std::io::Write;
-        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         let body = format!(r#"{{"name":"{name}","subjects":["{name}.>"],"num_replicas":3}}"#);
         write!(
             s,
@@ -679,16 +691,18 @@ mod tests {
              PUB $JS.API.STREAM.CREATE.{name} reply {}\r\n{body}\r\nPING\r\n",
             body.len()
         )
-        .unwrap();
+        .ok()?;
         let mut r = BufReader::new(s);
         let mut line = String::new();
         loop {
             line.clear();
-            r.read_line(&mut line).unwrap();
+            if r.read_line(&mut line).ok()? == 0 {
+                return None;
+            }
             if line.starts_with("MSG reply") {
                 line.clear();
-                r.read_line(&mut line).unwrap();
-                return line;
+                r.read_line(&mut line).ok()?;
+                return Some(line);
             }
         }
     }
@@ -696,6 +710,8 @@ mod tests {
     #[test]
     fn a_stream_at_r3_gets_a_new_leader_when_its_leader_is_killed() {
         let mut c = NatsCluster::start(3).unwrap();
+        // The JetStream API answers only once the cluster has a meta leader.
+        c.wait_meta_leader(Duration::from_secs(60)).unwrap();
         let port = c.node(0).port();
         let reply = create_r3_stream(port, "T");
         assert!(reply.contains("\"num_replicas\":3"), "{reply}");
