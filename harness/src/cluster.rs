@@ -9,8 +9,6 @@
 //! printed when a test fails (the cluster is dropped while panicking).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -1274,25 +1272,8 @@ fn tail(text: &str, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-/// A minimal HTTP/1.0 GET against 127.0.0.1.
-pub fn http_get(port: u16, path: &str) -> std::io::Result<String> {
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| std::io::Error::other("no HTTP header"))?;
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        return Err(std::io::Error::other(format!("HTTP status: {head}")));
-    }
-    Ok(body.to_owned())
-}
+/// A minimal HTTP/1.0 GET against 127.0.0.1 (testkit's).
+pub use asyncrl_testkit::http_get;
 
 /// Prometheus text exposition, as (series, value).
 #[derive(Debug, Clone, Default)]

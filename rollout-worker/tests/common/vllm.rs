@@ -259,25 +259,8 @@ pub fn spawn_watched(mut cmd: Command, w: &Watched<'_>, idle_limit: Duration) ->
     pgid
 }
 
-/// The live (not zombie) processes of group `pgid`, from `/proc`.
-pub fn group_members(pgid: i32) -> Vec<i32> {
-    std::fs::read_dir("/proc")
-        .expect("/proc")
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    let (_, rest) = stat.rsplit_once(')')?;
-                    let mut fields = rest.split_whitespace();
-                    let state = fields.next()?;
-                    let pgrp: i32 = fields.nth(1)?.parse().ok()?;
-                    Some(pgrp == pgid && state != "Z" && state != "X")
-                })
-                .unwrap_or(false)
-        })
-        .collect()
-}
+#[allow(unused_imports)] // Not every test binary that includes this module uses it.
+pub use asyncrl_rollout_worker::engine::vllm::group_members;
 
 fn shared_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("vllm-shared")

@@ -314,7 +314,7 @@ async fn group_gone(pgid: i32, limit: Duration) -> bool {
 
 /// The live (not zombie) processes of group `pgid`, from `/proc`.
 #[cfg(target_os = "linux")]
-fn group_members(pgid: i32) -> Vec<i32> {
+pub fn group_members(pgid: i32) -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return probe_group(pgid);
     };
@@ -338,7 +338,7 @@ fn group_members(pgid: i32) -> Vec<i32> {
 
 /// The live processes of group `pgid`, as far as a signal 0 tells.
 #[cfg(not(target_os = "linux"))]
-fn group_members(pgid: i32) -> Vec<i32> {
+pub fn group_members(pgid: i32) -> Vec<i32> {
     probe_group(pgid)
 }
 

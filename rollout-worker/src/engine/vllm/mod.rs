@@ -58,6 +58,9 @@ use api::{Api, CompletionsRequest, GenerateRequest, GenerationReply, Route};
 use checks::probe;
 use folders::{prune_version_dirs, write_version_dir};
 use lifecycle::Lifecycle;
+/// The live (not zombie) processes of a process group (a launched
+/// server's, in tests of its lifecycle).
+pub use lifecycle::group_members;
 use reply::{read_choice, sampling, span_versions};
 use server::{Server, ServerState, Target};
 
