@@ -588,14 +588,14 @@ impl Scheduler {
     /// quarantined: `reissue`) of a remembered completion gives its
     /// capacity back and its task is issued again (front of the queue);
     /// returns the task when that happened. `stale` counts it in
-    /// `stale_dropped_total`.
+    /// `stale_dropped_total` when it is acted on: a report delivered again
+    /// (the coordinator acks one only once its effect is written) finds
+    /// its completion gone and is neither acted on nor counted twice, and
+    /// neither is one whose completion was forgotten (`Unknown`).
     /// A quarantined group (`stale` false) is a failed attempt of its task.
     pub fn on_group_dropped(&mut self, group_id: &str, reissue: bool, stale: bool) -> Dropped {
         if !reissue {
             return Dropped::Ignored;
-        }
-        if stale {
-            self.stale_dropped_total += 1;
         }
         let seq = self.parse_lease(group_id);
         let Some(c) = seq
@@ -606,13 +606,18 @@ impl Scheduler {
             // the group as soon as its trajectories are acked): the
             // completion, when it comes, gives the task back instead.
             if let Some(seq) = seq.filter(|s| self.leases.contains_key(s)) {
-                self.dropped_early.insert(seq);
+                if self.dropped_early.insert(seq) && stale {
+                    self.stale_dropped_total += 1;
+                }
                 return Dropped::BeforeCompletion;
             }
             return Dropped::Unknown;
         };
         let floor = self.consumed_floor();
         self.accepted = self.accepted.saturating_sub(1).max(floor);
+        if stale {
+            self.stale_dropped_total += 1;
+        }
         if !stale && self.task_failed(c.task) {
             return Dropped::Quarantined(c.task);
         }

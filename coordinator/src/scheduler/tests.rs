@@ -298,9 +298,17 @@ fn stale_drop_returns_capacity_and_reissues_the_task() {
     let again = s.acquire("w", 5, 0, 0);
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].task.index, 1);
-    // Unknown group: counted, nothing else.
+    // The same report delivered again (its ack was lost): neither acted on
+    // nor counted twice.
+    assert_eq!(
+        s.on_group_dropped(&g[1].lease_id, true, true),
+        Dropped::Unknown
+    );
+    assert_eq!(s.stale_dropped_total, 1);
+    assert_eq!(s.queue_len(), 0, "the task is issued again once, not twice");
+    // Unknown group: nothing happens.
     assert_eq!(s.on_group_dropped("L0-77", true, true), Dropped::Unknown);
-    assert_eq!(s.stale_dropped_total, 2);
+    assert_eq!(s.stale_dropped_total, 1);
 }
 
 #[test]
