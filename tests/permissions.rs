@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 use asyncrl_config::{BusConfig, Config, DatasetConfig, RoleAuth, Secret};
 use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
 use asyncrl_protos::subjects::{
-    CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY, KNOBS_KEY, LEARNER_LEASE_KEY,
-    LEARNER_STATUS_KEY, POLICY_VERSION_KEY, TASKS_ACQUIRE, TASKS_COMPLETE, TASKS_RETURN,
-    WEIGHTS_BUCKET, WORKER_REQUEST_SUBJECTS, WORKERS_HEARTBEAT, WORKERS_REGISTER,
-    role_inbox_prefix, weights_object_name, worker_inbox_prefix, worker_subject,
+    BUFFER_GROUP_DROPPED, CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY,
+    KNOBS_KEY, LEARNER_LEASE_KEY, LEARNER_STATUS_KEY, POLICY_VERSION_KEY, TASKS_ACQUIRE,
+    TASKS_COMPLETE, TASKS_RETURN, WEIGHTS_BUCKET, WORKER_REQUEST_SUBJECTS, WORKERS_HEARTBEAT,
+    WORKERS_REGISTER, role_inbox_prefix, weights_object_name, worker_inbox_prefix, worker_subject,
 };
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, HeartbeatReply,
@@ -316,8 +316,19 @@ async fn worker_credentials_cannot_write_what_other_roles_own() {
         objects.delete(&weights_object_name(1)).await,
         &format!("$O.{WEIGHTS_BUCKET}.>"),
     );
+    assert_refused(
+        "worker forges a drop report (which would issue a trained task again)",
+        worker
+            .publish_durable(
+                BUFFER_GROUP_DROPPED,
+                "dropped.forged.stale",
+                Bytes::from_static(b"forged"),
+            )
+            .await,
+        BUFFER_GROUP_DROPPED,
+    );
     eprintln!(
-        "6 refusals reported in {:?} (request timeout 30 s)",
+        "7 refusals reported in {:?} (request timeout 30 s)",
         started.elapsed()
     );
     assert!(
@@ -325,7 +336,7 @@ async fn worker_credentials_cannot_write_what_other_roles_own() {
         "refusals took {:?}: they waited for the 30 s request timeout",
         started.elapsed()
     );
-    assert_eq!(metrics.permission_violation_count("publish"), 6);
+    assert_eq!(metrics.permission_violation_count("publish"), 7);
     assert_eq!(metrics.error_count("kv_put"), 3);
 
     // Nothing changed.

@@ -1035,6 +1035,19 @@ impl Core {
         self.task_done.insert(task, (group, true));
     }
 
+    /// The groups dropped as stale whose task is still open (no attempt of
+    /// it trained on): `(task, group)`, sorted. A restarted buffer reports
+    /// them again, since a report may have been lost with the process.
+    pub fn stale_drops(&self) -> Vec<(Arc<str>, Arc<str>)> {
+        let mut out: Vec<(Arc<str>, Arc<str>)> = self
+            .stale
+            .iter()
+            .flat_map(|(t, gs)| gs.iter().map(move |g| (t.clone(), g.clone())))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     /// `group` of `task` was dropped as stale before it was served: the
     /// coordinator issues the task again, and that attempt must be kept.
     fn reopen(&mut self, task: &Arc<str>, group: &Arc<str>, closed: Vec<Arc<str>>) {

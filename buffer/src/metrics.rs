@@ -119,6 +119,11 @@ pub struct BufferMetrics {
     /// `segment_fsync`, `segment_create`, `served_log`, `served_log_compact`);
     /// retries count again.
     pub disk_write_failures: Family<Labels, Counter>,
+    /// Drop reports not yet stored in the `GROUP_DROPS` stream (their
+    /// tasks wait for the coordinator to hear of them).
+    pub drop_reports_pending: Gauge,
+    /// Failed attempts to store a drop report (each is retried).
+    pub drop_report_failures: Counter,
     pub served_token_staleness: LagHistogram,
     pub serve_latency: Histogram,
     pub segment_write_latency: Histogram,
@@ -218,6 +223,16 @@ impl BufferMetrics {
                 "buffer_disk_write_failures",
                 "Failed disk writes of the buffer, by what was written",
                 Family::<Labels, Counter>::default,
+            )?,
+            drop_reports_pending: m.get_or_register(
+                "buffer_drop_reports_pending",
+                "Dropped-group reports the buffer has not yet stored in the GROUP_DROPS stream",
+                Gauge::default,
+            )?,
+            drop_report_failures: m.get_or_register(
+                "buffer_drop_report_failures",
+                "Failed attempts to store a dropped-group report (each is retried)",
+                Counter::default,
             )?,
             served_token_staleness: m.get_or_register(
                 "buffer_served_token_staleness",

@@ -40,7 +40,13 @@ const DISK_RETRY_MIN: Duration = Duration::from_millis(100);
 const SERVE_QUEUE: &str = asyncrl_protos::subjects::BUFFER_QUEUE_GROUP;
 
 use asyncrl_common::{Backoff, unix_ms};
-pub use asyncrl_control::streams::{dead_letter_stream_spec, trajectory_stream_spec};
+pub use asyncrl_control::streams::{
+    dead_letter_stream_spec, group_drop_stream_spec, trajectory_stream_spec,
+};
+
+/// How long a stopping buffer keeps trying to deliver the drop reports it
+/// still holds.
+const DROP_REPORT_DRAIN: Duration = Duration::from_secs(5);
 
 struct Shared {
     core: Mutex<Core>,
@@ -54,6 +60,8 @@ struct Shared {
     /// The writers whose last disk write failed, with why (see
     /// [`Shared::disk_failed`]).
     disk: Mutex<BTreeMap<DiskUser, DiskEpisode>>,
+    /// Drop reports for the reporter task ([`report_drops`]).
+    drops: tokio::sync::mpsc::UnboundedSender<GroupDropped>,
 }
 
 /// A part of the buffer that needs the disk.
@@ -176,19 +184,45 @@ impl Shared {
                 self.metrics.stale_dropped.inc();
             }
             tracing::info!(task = %d.task, group = %d.group, reason = d.reason.label(), trajectories = d.trajectories, "group dropped");
-            let msg = GroupDropped {
+            self.send_drop_report(GroupDropped {
                 task_id: d.task.clone(),
                 group_id: d.group.clone(),
                 kind: d.reason as i32,
                 trajectories: d.trajectories,
-            };
-            if let Err(e) = self
-                .bus
-                .publish(BUFFER_GROUP_DROPPED, Bytes::from(msg.encode_to_vec()))
-                .await
-            {
-                tracing::warn!(error = %e, group = %d.group, "cannot report a dropped group");
-            }
+            });
+        }
+    }
+
+    /// Hands a report to the reporter task ([`report_drops`]).
+    fn send_drop_report(&self, msg: GroupDropped) {
+        self.metrics.drop_reports_pending.inc();
+        if let Err(e) = self.drops.send(msg) {
+            self.metrics.drop_reports_pending.dec();
+            tracing::error!(group = %e.0.group_id, "the drop reporter has stopped; a dropped group is not reported");
+        }
+    }
+
+    /// Reports again, at start, the stale drops whose task is still open:
+    /// a report stored in the served log but not yet in the stream died
+    /// with the previous process. The coordinator applies a report once
+    /// (a repeat finds its completion gone); the stream's duplicate window
+    /// drops a recent repeat before that.
+    fn report_open_stale_drops(&self) {
+        let open = self.core().stale_drops();
+        if open.is_empty() {
+            return;
+        }
+        tracing::info!(
+            groups = open.len(),
+            "reporting the stale drops of open tasks again"
+        );
+        for (task, group) in open {
+            self.send_drop_report(GroupDropped {
+                task_id: task.to_string(),
+                group_id: group.to_string(),
+                kind: GroupDropReason::Stale as i32,
+                trajectories: 0,
+            });
         }
     }
 
@@ -262,6 +296,7 @@ pub struct Buffer {
     recovered: Recovered,
     /// The `asyncrl_nats_store_*` gauges of every JetStream store.
     storage: crate::storage::StorageReporter,
+    drop_reports: tokio::sync::mpsc::UnboundedReceiver<GroupDropped>,
 }
 
 impl Buffer {
@@ -299,6 +334,8 @@ impl Buffer {
             .await?;
         bus.ensure_stream(&dead_letter_stream_spec(&config.bus))
             .await?;
+        bus.ensure_stream(&group_drop_stream_spec(&config.bus))
+            .await?;
         let spec = ConsumerSpec {
             filter_subject: Some(format!("{TRAJECTORY_SUBJECT_PREFIX}.>")),
             ack_wait: config.buffer.ack_wait,
@@ -314,6 +351,7 @@ impl Buffer {
         metrics.disk_bytes.set(segment::disk_bytes(&seg_dir) as i64);
         let health = Health::new();
         health.set_not_ready(HEALTH_CONDITION, "starting");
+        let (drops, drop_reports) = tokio::sync::mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             core: Mutex::new(core),
             ready: watch::channel(0).0,
@@ -323,9 +361,11 @@ impl Buffer {
             seg_dir,
             retention: config.buffer.retention,
             disk: Mutex::new(BTreeMap::new()),
+            drops,
         });
         shared.update_gauges();
         Ok(Self {
+            drop_reports,
             shared,
             config: config.buffer.clone(),
             writer,
@@ -366,10 +406,12 @@ impl Buffer {
             consumer,
             requests,
             storage,
+            drop_reports,
             ..
         } = self;
         // Retire what recovery found fully consumed.
         shared.retire_segments().await?;
+        shared.report_open_stale_drops();
         shared.health.set_ready(HEALTH_CONDITION);
         let stop = shutdown.child_token();
         let ingest = Ingest {
@@ -403,12 +445,95 @@ impl Buffer {
         });
         // Store sizes: only a reading, so it never ends the buffer's run.
         tokio::spawn(storage.run(shared.bus.clone(), stop.clone()));
+        // Its own stop: it drains what ingest and serve reported until
+        // both have ended.
+        let reporter_stop = CancellationToken::new();
+        let reporter = tokio::spawn(report_drops(
+            shared.bus.clone(),
+            drop_reports,
+            shared.metrics.clone(),
+            reporter_stop.clone(),
+        ));
         let (a, b) = tokio::join!(ingest_task, serve_task);
         shared.health.set_not_ready(HEALTH_CONDITION, "stopped");
+        // Both tasks have ended: no report is added any more.
+        reporter_stop.cancel();
+        if let Err(e) = reporter.await {
+            tracing::error!(error = %e, "the drop reporter failed");
+        }
         a??;
         b??;
         tracing::info!("buffer stopped");
         Ok(())
+    }
+}
+
+/// Delivers the buffer's drop reports to the [`GROUP_DROP_STREAM`] stream,
+/// in order, each retried with backoff until the stream has stored it (a
+/// lost report would be a task never issued again). The message id names
+/// the group and the reason, so a report stored but not acknowledged and
+/// sent again is stored once. Once `stop` is cancelled (after nothing adds
+/// reports any more) it keeps trying for [`DROP_REPORT_DRAIN`], then says
+/// what it could not deliver; the next start reports stale drops again.
+async fn report_drops(
+    bus: Arc<dyn Bus>,
+    mut reports: tokio::sync::mpsc::UnboundedReceiver<GroupDropped>,
+    metrics: BufferMetrics,
+    stop: CancellationToken,
+) {
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let msg = if deadline.is_some() {
+            match reports.try_recv() {
+                Ok(m) => m,
+                Err(_) => return,
+            }
+        } else {
+            tokio::select! {
+                m = reports.recv() => match m {
+                    Some(m) => m,
+                    None => return,
+                },
+                () = stop.cancelled() => {
+                    deadline = Some(tokio::time::Instant::now() + DROP_REPORT_DRAIN);
+                    continue;
+                }
+            }
+        };
+        let id = format!("dropped.{}.{}", msg.group_id, msg.kind().label());
+        let payload = Bytes::from(msg.encode_to_vec());
+        loop {
+            match bus
+                .publish_durable(BUFFER_GROUP_DROPPED, &id, payload.clone())
+                .await
+            {
+                Ok(_) => {
+                    metrics.drop_reports_pending.dec();
+                    backoff.reset();
+                    break;
+                }
+                Err(e) => {
+                    metrics.drop_report_failures.inc();
+                    let wait = backoff.next_delay();
+                    tracing::warn!(error = %e, group = %msg.group_id, retry_in = ?wait, "cannot report a dropped group yet; retrying");
+                    if deadline.is_none() && stop.is_cancelled() {
+                        deadline = Some(tokio::time::Instant::now() + DROP_REPORT_DRAIN);
+                    }
+                    if let Some(d) = deadline
+                        && tokio::time::Instant::now() + wait > d
+                    {
+                        let left = 1 + reports.len();
+                        tracing::error!(
+                            reports = left,
+                            "stopping with dropped groups not reported to the coordinator; the next start reports the stale ones again"
+                        );
+                        return;
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
     }
 }
 

@@ -208,6 +208,22 @@ async fn a_stale_group_is_never_served() {
         "{text}"
     );
     buffer.shutdown().await;
+    // A restarted buffer reports the stale drops of still-open tasks again
+    // (a report may have died with the process before it was stored); the
+    // coordinator applies each once.
+    let buffer = Running::start(&config, bus.clone()).await;
+    let mut again = HashSet::new();
+    for _ in 0..3 {
+        let msg = tokio::time::timeout(WAIT, dropped.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let d = GroupDropped::decode(msg.payload).unwrap();
+        assert_eq!(d.kind(), asyncrl_protos::GroupDropReason::Stale);
+        again.insert(d.group_id);
+    }
+    assert_eq!(again, reported);
+    buffer.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,7 @@
 //! two creators never disagree on a spec.
 
 use asyncrl_config::{BusConfig, TrajectoryRetention};
-use asyncrl_protos::subjects::{DEAD_LETTERS, StreamContract, TRAJECTORIES};
+use asyncrl_protos::subjects::{DEAD_LETTERS, GROUP_DROPS, StreamContract, TRAJECTORIES};
 use asyncrl_transport::{Discard, Retention, StreamSpec};
 
 fn spec(contract: StreamContract, bus: &BusConfig) -> StreamSpec {
@@ -44,6 +44,24 @@ pub fn dead_letter_stream_spec(bus: &BusConfig) -> StreamSpec {
     }
 }
 
+/// The buffer's dropped-group reports: each stays until the coordinator has
+/// applied it and persisted the effect (a work queue), and none ages out,
+/// because a lost report is a task never issued again. Reports are a few
+/// dozen bytes; when the stream is full a new report is refused and the
+/// buffer retries it.
+pub fn group_drop_stream_spec(bus: &BusConfig) -> StreamSpec {
+    StreamSpec {
+        retention: Retention::WorkQueue,
+        max_age: std::time::Duration::ZERO,
+        max_bytes: Some(GROUP_DROPS_MAX_BYTES),
+        discard: Discard::New,
+        ..spec(GROUP_DROPS, bus)
+    }
+}
+
+/// Bytes the dropped-group stream may hold: about a million reports.
+pub const GROUP_DROPS_MAX_BYTES: u64 = 128 * 1024 * 1024;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,6 +97,14 @@ mod tests {
         let d = dead_letter_stream_spec(&bus);
         assert_eq!((d.retention, d.discard), (Retention::Limits, Discard::Old));
         assert!(d.max_bytes.is_some() && !d.max_age.is_zero());
+
+        let g = group_drop_stream_spec(&bus);
+        assert_eq!(
+            (g.retention, g.discard, g.max_age),
+            (Retention::WorkQueue, Discard::New, Duration::ZERO),
+            "a drop report leaves only when the coordinator has applied it"
+        );
+        assert!(g.max_bytes.is_some());
 
         bus.storage.trajectories = TrajectoryRetention::Keep;
         let kept = trajectory_stream_spec(&bus);

@@ -93,8 +93,14 @@ impl Coordinator {
         health.set_not_ready("coordinator", "starting");
         let shutdown = shutdown.child_token();
         let coordinator_metrics = metrics::CoordinatorMetrics::register(&metrics)?;
-        let actor =
-            Actor::prepare(&config, &bus, coordinator_metrics, health.clone(), clock).await?;
+        let actor = Actor::prepare(
+            &config,
+            &bus,
+            coordinator_metrics.clone(),
+            health.clone(),
+            clock,
+        )
+        .await?;
         let (tx, rx) = mpsc::channel(4096);
         let mut tasks = service::spawn_request_forwarders(&bus, &tx, &shutdown).await?;
         tasks.push(service::spawn_watch(
@@ -118,9 +124,11 @@ impl Coordinator {
             shutdown.clone(),
             service::map_learner_status,
         ));
+        let drops = service::group_drop_consumer(&bus, &config.bus).await?;
         tasks.push(service::spawn_group_dropped(
-            bus.clone(),
+            drops,
             tx.clone(),
+            coordinator_metrics,
             shutdown.clone(),
         ));
         tasks.push(service::spawn_ticker(

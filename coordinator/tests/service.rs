@@ -345,18 +345,8 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
         kind: kind as i32,
         trajectories: 2,
     };
-    bus.publish(
-        BUFFER_GROUP_DROPPED,
-        Bytes::from(drop(GroupDropReason::DuplicateAttempt, &got[0]).encode_to_vec()),
-    )
-    .await
-    .unwrap();
-    bus.publish(
-        BUFFER_GROUP_DROPPED,
-        Bytes::from(drop(GroupDropReason::Stale, &got[1]).encode_to_vec()),
-    )
-    .await
-    .unwrap();
+    report(&bus, drop(GroupDropReason::DuplicateAttempt, &got[0])).await;
+    report(&bus, drop(GroupDropReason::Stale, &got[1])).await;
     eventually("stale drop seen", Duration::from_secs(5), || async {
         (c.status().await.unwrap().stale_dropped_total == 1).then_some(())
     })
@@ -376,12 +366,7 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
         )
         .unwrap();
     shared.inc();
-    bus.publish(
-        BUFFER_GROUP_DROPPED,
-        Bytes::from(drop(GroupDropReason::Stale, &again[0]).encode_to_vec()),
-    )
-    .await
-    .unwrap();
+    report(&bus, drop(GroupDropReason::Stale, &again[0])).await;
     eventually("second stale drop seen", Duration::from_secs(5), || async {
         (c.status().await.unwrap().stale_dropped_total == 2).then_some(())
     })
@@ -390,6 +375,72 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
     assert!(
         text.contains("asyncrl_groups_dropped_reported_total{reason=\"duplicate_attempt\"} 1"),
         "{text}"
+    );
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
+/// Stores a drop report in the GROUP_DROPS stream, as the buffer does.
+async fn report(bus: &Arc<dyn Bus>, g: GroupDropped) {
+    let id = format!("dropped.{}.{}", g.group_id, g.kind().label());
+    bus.publish_durable(BUFFER_GROUP_DROPPED, &id, Bytes::from(g.encode_to_vec()))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_drop_reported_while_the_coordinator_is_down_is_applied_when_it_starts() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(8).await;
+    let got = w.acquire(5).await.tasks;
+    assert_eq!(got.len(), 2);
+    for t in &got {
+        assert!(w.complete(t).await.accepted);
+    }
+    c.shutdown();
+    c.join().await.unwrap();
+    // The buffer drops a group as stale while no coordinator runs.
+    let stale = GroupDropped {
+        task_id: got[1].task_id.clone(),
+        group_id: got[1].lease_id.clone(),
+        kind: GroupDropReason::Stale as i32,
+        trajectories: 2,
+    };
+    report(&bus, stale.clone()).await;
+    let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
+    eventually(
+        "the stored report applied",
+        Duration::from_secs(5),
+        || async { (c.status().await.unwrap().stale_dropped_total == 1).then_some(()) },
+    )
+    .await;
+    let w = Worker::new(&bus, "w");
+    w.register(8).await;
+    let again = w.acquire(5).await.tasks;
+    assert_eq!(again.len(), 1, "the dropped group's capacity came back");
+    assert_eq!(again[0].task_id, got[1].task_id, "its task is issued again");
+    // The same report again (a restarted buffer reports its open stale
+    // drops again): neither applied nor counted twice.
+    let mut repeat = stale;
+    repeat.trajectories = 0;
+    let id = format!("dropped.{}.stale.again", repeat.group_id);
+    bus.publish_durable(
+        BUFFER_GROUP_DROPPED,
+        &id,
+        Bytes::from(repeat.encode_to_vec()),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let s = c.status().await.unwrap();
+    assert_eq!(s.stale_dropped_total, 1);
+    assert!(
+        w.acquire(5).await.tasks.is_empty(),
+        "no second copy of the task"
     );
     c.shutdown();
     c.join().await.unwrap();

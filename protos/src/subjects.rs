@@ -77,8 +77,16 @@ pub fn worker_inbox_prefix(worker_id: &str) -> String {
 
 /// Buffer request/reply subject for learner batches.
 pub const BUFFER_BATCH: &str = "asyncrl.buffer.batch";
-/// Buffer publishes dropped groups here (plain pub/sub).
+/// The buffer reports each group it dropped here (`asyncrl.v1.GroupDropped`),
+/// into the [`GROUP_DROPS`] stream: a report is never lost while the
+/// coordinator is down or reconnecting, because a dropped group's task must
+/// be issued again.
 pub const BUFFER_GROUP_DROPPED: &str = "asyncrl.buffer.group_dropped";
+/// The stream holding the buffer's drop reports until the coordinator has
+/// applied (and persisted) each one.
+pub const GROUP_DROP_STREAM: &str = "GROUP_DROPS";
+/// The coordinator's durable consumer of [`GROUP_DROP_STREAM`].
+pub const GROUP_DROP_CONSUMER: &str = "asyncrl-coordinator";
 
 /// KV bucket with the control state (policy version, knobs, coordinator state).
 pub const CONTROL_BUCKET: &str = "asyncrl_control";
@@ -145,6 +153,12 @@ pub const TRAJECTORIES: StreamContract = StreamContract {
 pub const DEAD_LETTERS: StreamContract = StreamContract {
     name: DEAD_LETTER_STREAM,
     subjects: &[DEAD_LETTER_SUBJECT],
+};
+
+/// The stream of the buffer's dropped-group reports.
+pub const GROUP_DROPS: StreamContract = StreamContract {
+    name: GROUP_DROP_STREAM,
+    subjects: &[BUFFER_GROUP_DROPPED],
 };
 
 /// Subject of one trajectory: `trajectories.<task id>`.

@@ -17,7 +17,7 @@ use asyncrl_transport::Bus;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::batch::{BatchOutcome, DurableReply, InFlight, Reply, send_replies, written};
+use super::batch::{BatchOutcome, DurableReply, InFlight, Reply, ack_later, send_replies, written};
 use super::events::{AdminCommand, Event, RequestKind};
 use super::fleet::Fleet;
 use super::knob_admin::{Admission, KnobAdmin};
@@ -179,10 +179,15 @@ impl Actor {
                         write: self.store.begin_write(&self.sched),
                         durable: outcome.durable,
                         ready: outcome.ready,
+                        acks: outcome.acks,
                     });
                 } else {
                     sendable.append(&mut pending.ready);
                     pending.events = false;
+                    // Nothing is unwritten: what the reports did is stored.
+                    if !self.store.failed() {
+                        ack_later(std::mem::take(&mut pending.acks));
+                    }
                 }
             }
             send_replies(std::mem::take(&mut sendable)).await;
@@ -218,6 +223,7 @@ impl Actor {
                 write,
                 durable: pending.durable,
                 ready: pending.ready,
+                acks: pending.acks,
             };
             match self.end_batch_write(done, outcome).await {
                 Ok(replies) => send_replies(replies).await,
@@ -244,9 +250,13 @@ impl Actor {
             write,
             durable,
             mut ready,
+            acks,
         } = done;
+        // Reports whose effect is not written are not acked: each is
+        // delivered again and applied then.
         match self.store.end_write(&write, outcome) {
             Ok(recovered) => {
+                ack_later(acks);
                 if recovered {
                     tracing::info!("coordinator state written again");
                     self.health.set_ready("coordinator");
@@ -346,12 +356,29 @@ impl Actor {
                     .on_stored(schedule, revision, self.sched.version())
                     .await;
             }
-            Event::GroupDropped(g) => {
-                CoordinatorMetrics::reason(&self.metrics.groups_dropped, g.kind().label());
+            Event::GroupDropped {
+                report: g,
+                delivery,
+            } => {
                 let reissue = g.kind().reissues_task();
                 let stale = g.kind() == GroupDropReason::Stale;
                 *dirty |= reissue;
                 let outcome = self.sched.on_group_dropped(&g.group_id, reissue, stale);
+                // A report delivered again is counted once (unless this
+                // process had not counted it: its effect was lost with a
+                // coordinator that stopped before writing it).
+                if delivery.delivered == 1
+                    || matches!(outcome, Dropped::Requeued(_) | Dropped::Quarantined(_))
+                {
+                    CoordinatorMetrics::reason(&self.metrics.groups_dropped, g.kind().label());
+                }
+                // The report leaves the stream once its effect is written; a
+                // report that overtook its completion stays (unacked, it is
+                // delivered again) until the completion has been counted, so
+                // that a restart in between still issues the task again.
+                if outcome != Dropped::BeforeCompletion {
+                    out.acks.push(delivery);
+                }
                 // `asyncrl_stale_dropped_total` is shared with a buffer in the
                 // same process (which counts before it reports): raise it to
                 // the reported total, never count a drop twice.

@@ -2,7 +2,7 @@
 //! the batch, and the durable ones that wait for the state write covering
 //! their change (group commit).
 
-use asyncrl_transport::Request;
+use asyncrl_transport::{Delivery, Request};
 use bytes::Bytes;
 
 use super::persist::{PersistError, StateWrite};
@@ -49,6 +49,8 @@ pub(super) struct BatchOutcome {
     pub(super) dirty: bool,
     pub(super) durable: Vec<DurableReply>,
     pub(super) ready: Vec<Reply>,
+    /// Drop reports to ack once the state holding their effect is written.
+    pub(super) acks: Vec<Delivery>,
     /// Events were taken (a failed write is retried on the next events).
     pub(super) events: bool,
 }
@@ -58,6 +60,22 @@ pub(super) struct InFlight {
     pub(super) write: StateWrite,
     pub(super) durable: Vec<DurableReply>,
     pub(super) ready: Vec<Reply>,
+    pub(super) acks: Vec<Delivery>,
+}
+
+/// Acks stream messages without holding up the actor (a lost ack means a
+/// redelivery, which the actor applies idempotently).
+pub(super) fn ack_later(deliveries: Vec<Delivery>) {
+    if deliveries.is_empty() {
+        return;
+    }
+    tokio::spawn(async move {
+        for d in deliveries {
+            if let Err(e) = d.ack().await {
+                tracing::debug!(error = %e, "could not ack a drop report; it will be delivered again");
+            }
+        }
+    });
 }
 
 /// The outcome of the write in flight; never resolves when there is none.

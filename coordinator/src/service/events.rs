@@ -7,7 +7,7 @@ use asyncrl_protos::v1::{
     ControlReply, GetKnobsReply, GroupDropped, KnobSchedule, LearnerStatus, ListWorkersReply,
     SetKnobsReply, SetKnobsRequest, StatusReply, WeightAnnouncement,
 };
-use asyncrl_transport::Request;
+use asyncrl_transport::{Delivery, Request};
 use tokio::sync::oneshot;
 
 /// Events the actor handles.
@@ -22,7 +22,12 @@ pub(crate) enum Event {
         revision: u64,
     },
     LearnerStatus(LearnerStatus),
-    GroupDropped(GroupDropped),
+    /// A drop report from the buffer; `delivery` is acked once its effect
+    /// is written (see the actor).
+    GroupDropped {
+        report: GroupDropped,
+        delivery: Delivery,
+    },
     Admin(AdminCommand),
     /// The periodic check of lease deadlines and heartbeats, stamped when
     /// the ticker sent it.

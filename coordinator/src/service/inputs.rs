@@ -5,9 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use asyncrl_protos::subjects::BUFFER_GROUP_DROPPED;
+use asyncrl_common::Backoff;
+use asyncrl_protos::subjects::{BUFFER_GROUP_DROPPED, GROUP_DROP_CONSUMER, GROUP_DROP_STREAM};
 use asyncrl_protos::v1::GroupDropped;
-use asyncrl_transport::Bus;
+use asyncrl_transport::{Bus, Consumer, ConsumerSpec, DeliverFrom};
 use futures::StreamExt;
 use prost::Message;
 use tokio::sync::mpsc;
@@ -78,41 +79,87 @@ async fn forward(
     }
 }
 
-/// Forwards the buffer's dropped-group reports.
+/// Opens the coordinator's durable consumer of the buffer's drop reports
+/// (creating their stream when the coordinator starts first).
+pub(crate) async fn group_drop_consumer(
+    bus: &Arc<dyn Bus>,
+    config: &asyncrl_config::BusConfig,
+) -> Result<Box<dyn Consumer>, CoordinatorError> {
+    bus.ensure_stream(&asyncrl_control::streams::group_drop_stream_spec(config))
+        .await
+        .map_err(|e| CoordinatorError::transport("create the GROUP_DROPS stream", e))?;
+    let spec = ConsumerSpec {
+        ack_wait: DROP_ACK_WAIT,
+        max_ack_pending: 1024,
+        deliver_from: DeliverFrom::All,
+        ..ConsumerSpec::new(GROUP_DROP_CONSUMER)
+    };
+    bus.consumer(GROUP_DROP_STREAM, &spec)
+        .await
+        .map_err(|e| CoordinatorError::transport("open the GROUP_DROPS consumer", e))
+}
+
+/// A report not acked within this long is delivered again: the actor acks
+/// one once the state that holds its effect is written, or, for a report
+/// that overtook its group's completion, not at all (it comes back until
+/// the completion has been counted).
+pub(crate) const DROP_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// Forwards the buffer's dropped-group reports (from the durable stream,
+/// so none is lost while the coordinator is down or reconnecting). A
+/// malformed report is acked and counted: it can never be applied.
 pub(crate) fn spawn_group_dropped(
-    bus: Arc<dyn Bus>,
+    consumer: Box<dyn Consumer>,
     tx: mpsc::Sender<Event>,
+    metrics: crate::metrics::CoordinatorMetrics,
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            let sub = tokio::select! {
+            let fetched = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                s = bus.subscribe(BUFFER_GROUP_DROPPED) => s,
+                f = consumer.fetch(64, Duration::from_secs(1)) => f,
             };
-            match sub {
-                Ok(mut sub) => loop {
-                    let m = tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        m = sub.next() => m,
-                    };
-                    let Some(m) = m else { break };
-                    match GroupDropped::decode(m.payload.as_ref()) {
-                        Ok(g) => {
-                            if tx.send(Event::GroupDropped(g)).await.is_err() {
-                                return;
-                            }
-                        }
-                        Err(e) => tracing::warn!(error = %e, "malformed GroupDropped"),
-                    }
-                },
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot subscribe to dropped-group reports; retrying")
+            let deliveries = match fetched {
+                Ok(d) => {
+                    backoff.reset();
+                    d
                 }
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot fetch dropped-group reports; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(backoff.next_delay()) => {}
+                    }
+                    continue;
+                }
+            };
+            for d in deliveries {
+                match GroupDropped::decode(d.payload.as_ref()) {
+                    Ok(report) => {
+                        let ev = Event::GroupDropped {
+                            report,
+                            delivery: d,
+                        };
+                        if tx.send(ev).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        metrics
+                            .bad_requests
+                            .get_or_create(&crate::metrics::BadRequestLabel {
+                                subject: BUFFER_GROUP_DROPPED.into(),
+                                reason: "decode".into(),
+                            })
+                            .inc();
+                        tracing::warn!(error = %e, stream_sequence = d.stream_sequence, "malformed GroupDropped report; discarded");
+                        if let Err(e) = d.ack().await {
+                            tracing::debug!(error = %e, "cannot ack a malformed report");
+                        }
+                    }
+                }
             }
         }
     })
