@@ -321,6 +321,11 @@ fn record_event(metrics: &TransportMetrics, link: &Link, event: &Event) {
     metrics.event(name);
 }
 
+/// How long [`Bus::ensure_stream`] and [`Bus::consumer`] ask again when
+/// JetStream does not answer a create (a cluster electing leaders under
+/// load).
+const ENSURE_STREAM_PATIENCE: Duration = Duration::from_secs(60);
+
 impl NatsBus {
     /// Connects, retrying until `bus.connect_timeout`; after that the error
     /// names the URL and the last failure. Once connected, the client
@@ -391,6 +396,43 @@ impl NatsBus {
     /// says what was refused.
     pub fn refusals(&self) -> Vec<(&'static str, String)> {
         self.link.violations.list()
+    }
+
+    /// Runs a JetStream create (`attempt`) until it is answered: an error
+    /// that `unanswered` says is one (a timeout) is asked again with
+    /// backoff for up to [`ENSURE_STREAM_PATIENCE`]; any other error, a
+    /// refusal, or the end of the patience is returned.
+    async fn until_answered<T, E, F, Fut>(
+        &self,
+        op: &'static str,
+        what: &str,
+        mut attempt: F,
+        unanswered: impl Fn(&E) -> bool,
+    ) -> Result<T>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<T, E>>,
+    {
+        let deadline = tokio::time::Instant::now() + ENSURE_STREAM_PATIENCE;
+        let mut delay = Duration::from_millis(200);
+        loop {
+            let e = match attempt().await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            let again = unanswered(&e);
+            let err = self.err(op, e);
+            if !again
+                || matches!(err, TransportError::PermissionDenied { .. })
+                || tokio::time::Instant::now() + delay > deadline
+            {
+                return Err(err);
+            }
+            tracing::warn!(op, what, error = %err, retry_in = ?delay, "JetStream did not answer a create; asking again");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(5));
+        }
     }
 
     fn err(
@@ -574,10 +616,22 @@ impl Bus for NatsBus {
                 ),
             ));
         }
-        self.js
-            .create_or_update_stream(config)
-            .await
-            .map_err(|e| self.err("ensure_stream", e))?;
+        // A cluster forming a stream's replica group, electing a leader or
+        // busy can leave a create unanswered within the request timeout:
+        // it is asked again (the create is idempotent).
+        self.until_answered(
+            "ensure_stream",
+            &spec.name,
+            || self.js.create_or_update_stream(config.clone()),
+            |e| {
+                matches!(
+                    e.kind(),
+                    jetstream::context::CreateStreamErrorKind::TimedOut
+                        | jetstream::context::CreateStreamErrorKind::JetStreamUnavailable
+                )
+            },
+        )
+        .await?;
         Ok(())
     }
 
@@ -675,10 +729,15 @@ impl Bus for NatsBus {
             },
             ..Default::default()
         };
-        let consumer = s
-            .create_consumer(config)
-            .await
-            .map_err(|e| self.err("consumer", e))?;
+        // As for a stream: a create left unanswered is asked again.
+        let consumer = self
+            .until_answered(
+                "consumer",
+                &spec.durable_name,
+                || s.create_consumer(config.clone()),
+                |e| matches!(e.kind(), stream::ConsumerErrorKind::TimedOut),
+            )
+            .await?;
         Ok(Box::new(NatsConsumer {
             consumer,
             request_timeout: self.request_timeout,
@@ -799,9 +858,16 @@ impl Consumer for NatsConsumer {
         // A pull request lost with the connection (the server restarted while
         // it was out) is never answered: without a bound the fetch would wait
         // forever. What arrived before the bound is returned.
+        // Messages that arrived before an error are returned too: dropped
+        // here, they would wait out their ack wait before coming again.
         let limit = wait + self.request_timeout;
         match tokio::time::timeout(limit, self.fetch_into(max, wait, &mut out)).await {
-            Ok(r) => r.map(|()| out),
+            Ok(Ok(())) => Ok(out),
+            Ok(Err(e)) if !out.is_empty() => {
+                tracing::debug!(error = %e, delivered = out.len(), "a fetch ended with an error after some messages; returning them");
+                Ok(out)
+            }
+            Ok(Err(e)) => Err(e),
             Err(_) if !out.is_empty() => Ok(out),
             Err(_) => {
                 self.metrics.error("fetch");
