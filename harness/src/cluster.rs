@@ -709,6 +709,21 @@ impl Cluster {
         })
     }
 
+    /// Drop reports the coordinator has not applied yet (messages left in
+    /// the GROUP_DROPS work queue); None when it cannot be read.
+    pub fn drop_reports_left(&self) -> Option<u64> {
+        let url = self.bus_url();
+        self.rt.block_on(async move {
+            let client = self.setup.observe(&url).await.ok()?;
+            let js = async_nats::jetstream::new(client);
+            let mut stream = js
+                .get_stream(asyncrl_protos::subjects::GROUP_DROP_STREAM)
+                .await
+                .ok()?;
+            Some(stream.info().await.ok()?.state.messages)
+        })
+    }
+
     /// The trajectories in the buffer's segments, in the order stored.
     pub fn stored(&self) -> Vec<Trajectory> {
         let dir = asyncrl_buffer::segment_dir(&self.out.join("buffer"));
@@ -742,7 +757,7 @@ impl Cluster {
         let mut last = None;
         let mut polls = 0u32;
         self.wait(
-            "the run to settle (nothing running or queued, capacity used up, stream consumed)",
+            "the run to settle (nothing running or queued, capacity used up, stream consumed, every drop report applied)",
             Duration::from_secs(60),
             |c| {
                 let status = c.status();
@@ -753,7 +768,8 @@ impl Cluster {
                         && s.capacity_left <= 0
                 }) && c
                     .stream_state()
-                    .is_some_and(|(_, pending, ack)| pending == 0 && ack == 0);
+                    .is_some_and(|(_, pending, ack)| pending == 0 && ack == 0)
+                    && c.drop_reports_left() == Some(0);
                 if status.is_some() {
                     last = status;
                 }

@@ -102,8 +102,10 @@ pub(crate) async fn group_drop_consumer(
 /// A report not acked within this long is delivered again: the actor acks
 /// one once the state that holds its effect is written, or, for a report
 /// that overtook its group's completion, not at all (it comes back until
-/// the completion has been counted).
-pub(crate) const DROP_ACK_WAIT: Duration = Duration::from_secs(30);
+/// the completion has been counted). Short, because a report fetched but
+/// lost on the way (a fetch cut by a leader change) waits this long before
+/// its task is issued again; a report delivered again is applied once.
+pub(crate) const DROP_ACK_WAIT: Duration = Duration::from_secs(5);
 
 /// Forwards the buffer's dropped-group reports (from the durable stream,
 /// so none is lost while the coordinator is down or reconnecting). A
