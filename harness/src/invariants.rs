@@ -8,7 +8,7 @@
 //! the end; the cluster tests ([`crate::cluster::Cluster::check_invariants`])
 //! at the end, beside their audit of the trajectory stream.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::Path;
 
 use asyncrl_learner::outputs::TrainedStep;
@@ -25,6 +25,9 @@ pub struct TrainedCheck {
     pub max_version_lag: f64,
     /// Largest trained_at_version − min_token_version.
     pub max_token_age: i64,
+    /// The tasks trained on (`tasks` of each step; empty in a file that
+    /// does not record them).
+    pub tasks: BTreeSet<String>,
     pub exactly_once: Vec<String>,
     pub staleness: Vec<String>,
     pub versions: Vec<String>,
@@ -38,6 +41,7 @@ pub fn check_trained(text: &str, eta: u32, batch: usize) -> TrainedCheck {
     let mut c = TrainedCheck::default();
     let mut steps: BTreeMap<u64, TrainedStep> = BTreeMap::new();
     let mut trained_in: HashMap<String, u64> = HashMap::new();
+    let mut task_in: HashMap<String, u64> = HashMap::new();
     let eta = i64::from(eta);
     for (n, raw) in whole.lines().enumerate() {
         if raw.trim().is_empty() {
@@ -109,10 +113,20 @@ pub fn check_trained(text: &str, eta: u32, batch: usize) -> TrainedCheck {
                     ));
                 }
             }
+            for task in &line.tasks {
+                if let Some(other) = task_in.insert(task.clone(), step)
+                    && other != step
+                {
+                    c.exactly_once.push(format!(
+                        "task {task} was trained in steps {other} and {step}"
+                    ));
+                }
+            }
         }
         steps.insert(step, line);
     }
     c.trajectories = trained_in.len();
+    c.tasks = task_in.into_keys().collect();
     c.max_step = steps.keys().next_back().copied().unwrap_or(0);
     let missing: Vec<u64> = (1..=c.max_step)
         .filter(|s| !steps.contains_key(s))
@@ -145,6 +159,98 @@ impl TrainedCheck {
             .map(String::as_str)
             .collect()
     }
+}
+
+/// Where the tasks a run issued are at its end: the loss invariant. Every
+/// task the coordinator issued (every data set position before its cursor)
+/// must be trained, held (by the buffer, or as trajectories still in the
+/// stream), waiting to be issued again (queued, or its drop report not yet
+/// applied), leased, or quarantined with its reason counted. A task in none
+/// of these was lost.
+#[derive(Debug, Clone, Default)]
+pub struct LossCheck {
+    pub issued: usize,
+    pub trained: usize,
+    pub held: usize,
+    pub in_stream: usize,
+    pub queued: usize,
+    pub leased: usize,
+    pub drop_pending: usize,
+    pub quarantined: usize,
+    /// The lost tasks' wire ids (at most 20), and how many there were.
+    pub lost: Vec<String>,
+    pub lost_count: usize,
+}
+
+/// Where a run's tasks are, for [`check_loss`] (wire task ids).
+#[derive(Debug, Clone, Default)]
+pub struct TaskWhereabouts {
+    pub trained: BTreeSet<String>,
+    /// Held by the stopped buffer (`asyncrl_buffer::held_tasks`).
+    pub held: BTreeSet<String>,
+    /// With trajectories in the trajectory stream.
+    pub in_stream: BTreeSet<String>,
+    /// Named by a drop report still in the GROUP_DROPS stream.
+    pub drop_pending: BTreeSet<String>,
+}
+
+/// Checks [`LossCheck`] against the coordinator's persisted state;
+/// `item_id` names the data set item at an index (None: out of range).
+pub fn check_loss(
+    state: &asyncrl_protos::v1::CoordinatorState,
+    item_id: impl Fn(usize) -> Option<String>,
+    at: &TaskWhereabouts,
+) -> LossCheck {
+    use asyncrl_protos::subjects::wire_task_id;
+    let wire =
+        |index: u64, epoch: u64| item_id(index as usize).map(|item| wire_task_id(&item, epoch));
+    let queued: BTreeSet<String> = state
+        .queue
+        .iter()
+        .filter_map(|t| wire(t.index, t.epoch))
+        .collect();
+    let leased: BTreeSet<String> = state
+        .leases
+        .iter()
+        .filter_map(|l| wire(l.index, l.epoch))
+        .collect();
+    let quarantined: BTreeSet<u64> = state.quarantined.iter().copied().collect();
+    let mut c = LossCheck::default();
+    let len = state.dataset_len;
+    for epoch in 0..=state.epoch {
+        let end = if epoch == state.epoch {
+            state.cursor
+        } else {
+            len
+        };
+        for index in 0..end.min(len) {
+            let Some(id) = wire(index, epoch) else {
+                continue;
+            };
+            c.issued += 1;
+            if at.trained.contains(&id) {
+                c.trained += 1;
+            } else if at.held.contains(&id) {
+                c.held += 1;
+            } else if at.in_stream.contains(&id) {
+                c.in_stream += 1;
+            } else if queued.contains(&id) {
+                c.queued += 1;
+            } else if leased.contains(&id) {
+                c.leased += 1;
+            } else if at.drop_pending.contains(&id) {
+                c.drop_pending += 1;
+            } else if quarantined.contains(&index) {
+                c.quarantined += 1;
+            } else {
+                c.lost_count += 1;
+                if c.lost.len() < 20 {
+                    c.lost.push(id);
+                }
+            }
+        }
+    }
+    c
 }
 
 #[cfg(test)]
@@ -193,5 +299,71 @@ mod tests {
         assert_eq!(check_trained(&gap, 1, 2).contiguous.len(), 1);
         let wrong_version = ok.replace("\"published_version\":2", "\"published_version\":1");
         assert_eq!(check_trained(&wrong_version, 1, 2).versions.len(), 1);
+    }
+
+    #[test]
+    fn a_task_issued_and_found_nowhere_is_lost() {
+        use asyncrl_protos::v1::{CoordinatorState, PersistedLease, TaskRef};
+        let item = |i: usize| (i < 10).then(|| format!("arith-{i}"));
+        let id = |i: usize| asyncrl_protos::subjects::wire_task_id(&format!("arith-{i}"), 0);
+        let state = CoordinatorState {
+            dataset_len: 10,
+            epoch: 0,
+            cursor: 8,
+            queue: vec![TaskRef { index: 3, epoch: 0 }],
+            leases: vec![PersistedLease {
+                index: 4,
+                epoch: 0,
+                ..Default::default()
+            }],
+            quarantined: vec![7],
+            ..Default::default()
+        };
+        let mut at = TaskWhereabouts {
+            trained: [id(0), id(1)].into(),
+            held: [id(2)].into(),
+            in_stream: [id(5)].into(),
+            drop_pending: [id(6)].into(),
+        };
+        let c = check_loss(&state, item, &at);
+        assert_eq!(c.lost_count, 0, "{c:?}");
+        assert_eq!(
+            (
+                c.issued,
+                c.trained,
+                c.held,
+                c.queued,
+                c.leased,
+                c.in_stream,
+                c.drop_pending,
+                c.quarantined
+            ),
+            (8, 2, 1, 1, 1, 1, 1, 1)
+        );
+        // Task 2 neither trained nor held: lost. Tasks past the cursor
+        // were never issued and count for nothing.
+        at.held.clear();
+        at.trained.insert(id(9));
+        let c = check_loss(&state, item, &at);
+        assert_eq!((c.lost_count, c.lost.clone()), (1, vec![id(2)]));
+        assert_eq!(c.issued, 8);
+    }
+
+    #[test]
+    fn a_task_trained_in_two_steps_is_caught_and_the_trained_tasks_are_listed() {
+        let with_tasks = |step: u64, ids: &[&str], tasks: &[&str]| {
+            let mut v: serde_json::Value =
+                serde_json::from_str(line(step, ids, step as i64 - 1, 0.0).trim()).unwrap();
+            v["tasks"] = serde_json::json!(tasks);
+            v.to_string() + "\n"
+        };
+        let ok = with_tasks(1, &["a", "b"], &["t1"]) + &with_tasks(2, &["c", "d"], &["t2"]);
+        let c = check_trained(&(ok.clone() + &with_tasks(2, &["c", "d"], &["t2"])), 1, 2);
+        assert!(c.exactly_once.is_empty(), "{c:?}");
+        assert_eq!(c.tasks, BTreeSet::from(["t1".into(), "t2".into()]));
+        let again = ok + &with_tasks(3, &["e", "f"], &["t1"]);
+        let c = check_trained(&again, 1, 2);
+        assert_eq!(c.exactly_once.len(), 1, "{c:?}");
+        assert!(c.exactly_once[0].contains("task t1"), "{c:?}");
     }
 }

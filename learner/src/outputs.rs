@@ -56,6 +56,10 @@ pub struct TrainedStep {
     pub published_version: i32,
     /// The learner step (1, 2, …).
     pub step: u64,
+    /// The wire ids of the tasks trained on (one per group, sorted); empty
+    /// in a file written before they were recorded.
+    #[serde(default)]
+    pub tasks: Vec<String>,
     /// The version of the weights the step trained from (= `step − 1`).
     pub trained_at_version: i32,
     /// The ids of the trajectories trained on.
@@ -479,6 +483,7 @@ mod tests {
             min_token_version: step as i32 - 2,
             published_version: step as i32,
             step,
+            tasks: vec![format!("t{step}")],
             trained_at_version: step as i32 - 1,
             trajectories: ids.iter().map(|s| (*s).to_owned()).collect(),
         }
@@ -545,10 +550,12 @@ mod tests {
 
     #[test]
     fn a_trained_line_is_what_the_learner_always_wrote() {
-        // The writer before the typed record: a `json!` map (sorted keys).
+        // The writer before the typed record: a `json!` map (sorted keys),
+        // with the tasks recorded since.
         let t = trained(3, &["a", "b"]);
         let before = serde_json::json!({
             "step": t.step,
+            "tasks": t.tasks,
             "trained_at_version": t.trained_at_version,
             "published_version": t.published_version,
             "min_token_version": t.min_token_version,
@@ -562,6 +569,14 @@ mod tests {
             std::fs::read_to_string(&path).unwrap(),
             format!("{before}\n")
         );
+    }
+
+    #[test]
+    fn a_trained_line_without_tasks_still_reads() {
+        let old = r#"{"max_version_lag":1.5,"min_token_version":1,"published_version":3,"step":3,"trained_at_version":2,"trajectories":["a","b"]}"#;
+        let t: TrainedStep = serde_json::from_str(old).unwrap();
+        assert!(t.tasks.is_empty());
+        assert_eq!(t.trajectories, ["a", "b"]);
     }
 
     #[test]

@@ -571,6 +571,7 @@ impl Ctx {
                 prefetch = Some((s + 1, AbortOnDrop(task)));
             }
             let (trajectories, min_token_version) = trained_ids(&batches);
+            let tasks = trained_tasks(&batches);
             let groups = crate::batch::row_group_ids(&batches).unwrap_or_default();
             let step_knobs = step_settings(&self.config, &k);
             let stats = match self
@@ -619,6 +620,7 @@ impl Ctx {
                 min_token_version,
                 published_version: stats.version,
                 step: stats.step,
+                tasks,
                 trained_at_version: version,
                 trajectories,
             })?;
@@ -1215,6 +1217,23 @@ async fn write_status(kv: &dyn KvBucket, status: &LearnerStatus) {
 }
 
 /// The trajectory ids and oldest token version of each record batch set.
+/// The tasks of a batch's groups, each once, sorted (`trained.jsonl`'s
+/// `tasks`: what the loss invariant of a run reads).
+fn trained_tasks(batches: &[RecordBatch]) -> Vec<String> {
+    use arrow::array::AsArray;
+    let mut tasks: Vec<String> = batches
+        .iter()
+        .filter_map(|b| {
+            b.column_by_name(asyncrl_protos::arrow_schema::TASK_ID)
+                .and_then(|c| c.as_string_opt::<i32>())
+        })
+        .flat_map(|col| col.iter().flatten().map(str::to_owned).collect::<Vec<_>>())
+        .collect();
+    tasks.sort_unstable();
+    tasks.dedup();
+    tasks
+}
+
 fn trained_ids(batches: &[RecordBatch]) -> (Vec<String>, i32) {
     use arrow::array::AsArray;
     let mut ids = Vec::new();
