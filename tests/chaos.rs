@@ -1,10 +1,11 @@
 //! The chaos soak at a size CI can afford (`asyncrl-bench chaos` for a
 //! minute with a fixed seed): every role runs as a process over a real
 //! nats-server while roles are killed, stopped with SIGTERM, frozen and
-//! thawed, and nats-server is killed and restarted. The run must reach its
-//! step target with every invariant holding (trained exactly once, never
-//! staler than η, versions never backwards, contiguous steps, flat memory,
-//! bounded disk, clean exits), and the report must be complete.
+//! thawed, and nats-server is killed and restarted, while the learner
+//! trains. Every invariant must hold (trained exactly once, nothing lost,
+//! never staler than η, versions never backwards, contiguous steps,
+//! training through the fault phase, the learner killed while training,
+//! flat memory and disk, clean exits), and the report must be complete.
 #![cfg(feature = "torch")]
 
 use std::collections::BTreeMap;
@@ -23,14 +24,16 @@ fn png(path: &Path) {
     assert!(bytes.starts_with(b"\x89PNG"), "{} is a PNG", path.display());
 }
 
-const INVARIANTS: [&str; 8] = [
+const INVARIANTS: [&str; 10] = [
     "trained exactly once",
     "no token older than η",
     "versions never backwards",
     "steps contiguous",
-    "step target reached",
+    "training through the fault phase",
+    "learner killed while training",
+    "nothing lost",
     "memory flat after warm-up",
-    "disk bounded",
+    "disk flat after warm-up",
     "clean exits",
 ];
 
@@ -38,23 +41,24 @@ const INVARIANTS: [&str; 8] = [
 fn a_minute_of_chaos_keeps_every_invariant() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("chaos");
-    // About a minute of training on two idle cores: the learner trains
-    // through the fault phase (seed 3 kills it at 27 s).
-    let steps = "250";
+    // A minute of training under faults (the schedule's first kill -9 is
+    // the learner's). A minute is mostly warm-up (the weights store and
+    // the roles' caches filling): growth is judged loosely here, and with
+    // the tight defaults in the 30-minute soak (docs/results/chaos/).
     let args = [
         "chaos",
         "--duration",
         "60s",
         "--seed",
         "3",
-        "--steps",
-        steps,
         "--fault-every",
         "6s",
         "--sample-every",
         "1s",
-        "--final-wait",
-        "240s",
+        "--mem-growth-mib",
+        "128",
+        "--disk-growth-mib",
+        "32",
         "--out",
         out.to_str().expect("utf-8 path"),
     ];
@@ -80,10 +84,6 @@ fn a_minute_of_chaos_keeps_every_invariant() {
         assert!(row.contains("| PASS |"), "{row}");
     }
     assert!(!md.contains("FAIL"), "{md}");
-    assert!(
-        md.contains(&format!("target {steps}, reached {steps}")),
-        "{md}"
-    );
 
     // Faults of every kind were injected (not skipped).
     let faults = csv_rows(&out.join("faults.csv"));
@@ -105,7 +105,8 @@ fn a_minute_of_chaos_keeps_every_invariant() {
     let samples = csv_rows(&out.join("samples.csv"));
     assert!(samples.len() >= 30, "{} samples", samples.len());
     let last = samples.last().expect("a sample");
-    assert_eq!(last["learner_step"], steps);
+    let trained: u64 = last["learner_step"].parse().expect("a step count");
+    assert!(trained >= 10, "{trained} steps trained in a minute\n{md}");
     for role in [
         "coordinator",
         "buffer",

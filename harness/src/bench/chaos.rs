@@ -12,20 +12,31 @@
 //! the same port and store). One fault is in flight at a time; one that is
 //! due while another is still in flight starts when that one ends.
 //!
+//! The learner trains for the whole fault phase (no step target: the run
+//! ends when the phase does), so every fault lands while it trains, and
+//! the first kill -9 of the schedule is the learner's.
+//!
 //! The invariants are read from what survives any storage policy of the
 //! trajectory stream: the learner's `trained.jsonl` (per step: the
-//! trajectory ids, the version trained at, the oldest token version, the
-//! largest version lag) and `policy.version` in the control KV bucket
-//! (watched, and read at every sample):
-//! - every trajectory was trained exactly once (an id never in two steps; a
-//!   step trained again after a learner crash lists the same ids), every
-//!   step a complete batch of B·G;
+//! trajectory and task ids, the version trained at, the oldest token
+//! version, the largest version lag), `policy.version` in the control KV
+//! bucket (watched, and read at every sample), and at the end the
+//! coordinator's persisted state, what the stopped buffer holds and what
+//! the streams still hold:
+//! - every trajectory and every task was trained exactly once (an id never
+//!   in two steps; a step trained again after a learner crash lists the
+//!   same ids), every step a complete batch of B·G;
+//! - nothing was lost: every task the coordinator issued is trained, held
+//!   (buffer or stream), waiting to be issued again, leased, or quarantined;
 //! - no trained token was older than η;
 //! - versions never went backwards (the KV value; each step trains at
 //!   step − 1 and publishes step);
-//! - the steps are contiguous and the run reached its step target;
-//! - each role's resident memory shows no upward trend after warm-up;
-//! - the NATS store and the buffer's data directory stay bounded;
+//! - the steps are contiguous, and training never stalled for longer than
+//!   the stall limit, to the end of the fault phase;
+//! - the learner was killed (kill -9) while it trained;
+//! - each role's resident memory and each directory's disk use show no
+//!   upward trend after warm-up (a least-squares slope projected over the
+//!   run, against a threshold that linear growth fails);
 //! - every role stopped with SIGTERM exits 0, and none exits on its own.
 //!
 //! The report (CSV of samples and faults, PNG of memory and disk, markdown)
@@ -42,7 +53,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use asyncrl_common::dir_bytes;
 use asyncrl_protos::Message as _;
-use asyncrl_protos::subjects::{CONTROL_BUCKET, POLICY_VERSION_KEY, TRAJECTORY_STREAM};
+use asyncrl_protos::subjects::{
+    CONTROL_BUCKET, COORDINATOR_STATE_KEY, GROUP_DROP_STREAM, POLICY_VERSION_KEY,
+    TRAJECTORY_STREAM, TRAJECTORY_SUBJECT_PREFIX,
+};
+use asyncrl_protos::v1::{CoordinatorState, GroupDropped};
 use asyncrl_transport::Bus;
 use futures::StreamExt as _;
 use rand::SeedableRng as _;
@@ -53,7 +68,7 @@ use asyncrl_app::plot::{Series, line_chart};
 
 use super::stats::median;
 use crate::configs;
-use crate::invariants::check_trained;
+use crate::invariants::{LossCheck, TaskWhereabouts, check_loss, check_trained};
 use crate::process::{READY_LINE, RoleProcess};
 
 /// What `asyncrl-bench chaos` runs.
@@ -63,14 +78,11 @@ pub struct ChaosBench {
     pub duration: Duration,
     pub seed: u64,
     pub workers: usize,
-    /// The learner's `run.max_steps`.
-    pub steps: u64,
     /// Mean gap between faults (each gap is uniform in 0.5..1.5 times it).
     pub fault_every: Duration,
     pub sample_every: Duration,
-    /// How long the learner may take to reach the step target after the
-    /// fault phase.
-    pub final_wait: Duration,
+    /// Training has stalled when no step was trained for this long.
+    pub stall_limit: Duration,
     pub eta: u32,
     pub groups_per_step: u32,
     pub group_size: u32,
@@ -78,31 +90,18 @@ pub struct ChaosBench {
     /// max(`mem_growth_frac` × median, `mem_growth_mib`).
     pub mem_growth_mib: f64,
     pub mem_growth_frac: f64,
-    /// Disk is bounded when the second half's maximum is at most
-    /// (1 + `disk_margin`) × the first half's plus 4 MiB, or at most
-    /// `disk_bound_mib`.
-    pub disk_margin: f64,
-    pub disk_bound_mib: f64,
+    /// Disk use is flat when its projected growth over the run is at most
+    /// max(`disk_growth_frac` × median, `disk_growth_mib`).
+    pub disk_growth_mib: f64,
+    pub disk_growth_frac: f64,
     pub out: PathBuf,
     /// The command line, for the report.
     pub command: String,
 }
 
-/// The step target when none is given: four steps per second of the
-/// duration, at least 20. The tiny model trained about 6 steps a second
-/// under faults on two idle cores (a 5-minute run: 900 steps in 152 s) and
-/// about 3.5 with the cores busy; a learner that reaches the target early
-/// has exited (faults aimed at it are skipped), one that is slow has the
-/// final wait.
-pub fn default_steps(duration: Duration) -> u64 {
-    (duration.as_secs() * 4).max(20)
-}
-
-/// The bounded wait for the step target when none is given: half the
-/// duration, at least 2 minutes.
-pub fn default_final_wait(duration: Duration) -> Duration {
-    (duration / 2).max(Duration::from_secs(120))
-}
+/// Tasks in the soak's data set: the run passes through it several times
+/// (each pass an epoch, with its own wire task ids).
+const TASKS: usize = 4096;
 
 /// Parses `90`, `90s`, `1500ms`, `30m`, `2h` (the bench's durations): a bare
 /// number is seconds, anything else is humantime's syntax (as in the config).
@@ -157,14 +156,22 @@ pub struct Planned {
 
 /// The fault schedule of a seed: gaps uniform in 0.5..1.5 × `every`, kinds
 /// in rounds of a shuffled [`FaultKind::ALL`] (every kind once per four
-/// faults), targets uniform over `roles`. SIGSTOP pauses are short (under
-/// the heartbeat's dead-after) or long (past it, often past the lease) with
-/// equal odds.
-pub fn schedule(seed: u64, duration: f64, every: f64, roles: usize) -> Vec<Planned> {
+/// faults), targets uniform over `roles`, except the first kill -9, which
+/// is the learner's (`learner`: its index), so that every soak kills it
+/// while it trains. SIGSTOP pauses are short (under the heartbeat's
+/// dead-after) or long (past it, often past the lease) with equal odds.
+pub fn schedule(
+    seed: u64,
+    duration: f64,
+    every: f64,
+    roles: usize,
+    learner: usize,
+) -> Vec<Planned> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
     let mut t = 0.0;
     let mut round: Vec<FaultKind> = Vec::new();
+    let mut learner_killed = false;
     loop {
         t += every * rng.random_range(0.5..1.5);
         if t >= duration {
@@ -175,7 +182,11 @@ pub fn schedule(seed: u64, duration: f64, every: f64, roles: usize) -> Vec<Plann
             round.shuffle(&mut rng);
         }
         let kind = round.pop().unwrap_or(FaultKind::Kill9);
-        let target = rng.random_range(0..roles);
+        let mut target = rng.random_range(0..roles);
+        if kind == FaultKind::Kill9 && !learner_killed {
+            learner_killed = true;
+            target = learner;
+        }
         let param = match kind {
             FaultKind::Kill9 | FaultKind::Sigterm => rng.random_range(0.2..3.0),
             FaultKind::Stop => {
@@ -211,9 +222,11 @@ pub fn slope(points: &[(f64, f64)]) -> Option<f64> {
     (sxx > 0.0).then(|| sxy / sxx)
 }
 
-/// The memory verdict of one role.
+/// The growth verdict of a series: one role's memory, or one directory's
+/// disk use.
 #[derive(Debug, Clone)]
-pub struct MemoryTrend {
+pub struct Trend {
+    /// The role or the directory.
     pub role: String,
     /// Which start of the role was judged (its longest-lived one).
     pub incarnation: u32,
@@ -226,14 +239,14 @@ pub struct MemoryTrend {
     pub flat: Option<bool>,
 }
 
-/// Judges one role from its samples `(t, incarnation, rss bytes)`: the
+/// Judges one series from its samples `(t, incarnation, bytes)`: the
 /// incarnation with the longest sampled span, its samples from `warmup`
 /// seconds after its first sample on; flat when slope × `run_secs` ≤
 /// max(frac × median, mib). Not judged with fewer than `min_samples`
 /// samples, or samples spanning less than `warmup` seconds: a slope over a
-/// few seconds (a learner that reached its step target early) projected
+/// few seconds (a role that exited early) projected
 /// over the whole run is noise, not a leak.
-pub fn memory_trend(
+pub fn trend(
     role: &str,
     samples: &[(f64, u32, u64)],
     warmup: f64,
@@ -241,7 +254,7 @@ pub fn memory_trend(
     min_samples: usize,
     mib: f64,
     frac: f64,
-) -> MemoryTrend {
+) -> Trend {
     let mut spans: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
     for &(t, inc, _) in samples {
         let e = spans.entry(inc).or_insert((t, t));
@@ -253,7 +266,7 @@ pub fn memory_trend(
         .max_by(|a, b| (a.1.1 - a.1.0).total_cmp(&(b.1.1 - b.1.0)))
         .map(|(inc, span)| (*inc, span.0));
     let Some((inc, first)) = longest else {
-        return MemoryTrend {
+        return Trend {
             role: role.into(),
             incarnation: 0,
             samples: 0,
@@ -281,7 +294,7 @@ pub fn memory_trend(
     };
     let k = slope(&pts).unwrap_or(0.0);
     let projected = k * run_secs;
-    MemoryTrend {
+    Trend {
         role: role.into(),
         incarnation: inc,
         samples: pts.len(),
@@ -293,46 +306,26 @@ pub fn memory_trend(
     }
 }
 
-/// The disk verdict of one directory.
-#[derive(Debug, Clone)]
-pub struct DiskBound {
-    pub dir: String,
-    pub max_first_mib: f64,
-    pub max_second_mib: f64,
-    pub bounded: bool,
-    pub by: &'static str,
-}
-
-/// Bounded when the second half's maximum is at most (1 + margin) × the
-/// first half's + 4 MiB, or at most `bound_mib`.
-pub fn disk_bound(dir: &str, points: &[(f64, u64)], margin: f64, bound_mib: f64) -> DiskBound {
-    let end = points.iter().map(|p| p.0).fold(0.0, f64::max);
-    let half = end / 2.0;
-    let max_of = |first: bool| {
-        points
-            .iter()
-            .filter(|p| (p.0 < half) == first)
-            .map(|p| p.1 as f64 / MIB)
-            .fold(0.0, f64::max)
-    };
-    let (a, b) = (max_of(true), max_of(false));
-    let (bounded, by) = if b <= a * (1.0 + margin) + 4.0 {
-        (
-            true,
-            "second-half max within the margin of the first half's",
-        )
-    } else if b <= bound_mib {
-        (true, "below the configured bound")
-    } else {
-        (false, "grew past the margin and the bound")
-    };
-    DiskBound {
-        dir: dir.into(),
-        max_first_mib: a,
-        max_second_mib: b,
-        bounded,
-        by,
+/// The longest time training went without a new step, `(seconds, ending
+/// at)`: between consecutive steps in `samples` (`(t, highest step)`),
+/// from `start` to the first step, and from the last step to `end`.
+pub fn longest_stall(samples: &[(f64, u64)], start: f64, end: f64) -> (f64, f64) {
+    let mut last_change = start;
+    let mut last_step = 0;
+    let mut worst = (0.0, start);
+    for &(t, step) in samples {
+        if step > last_step {
+            if t - last_change > worst.0 {
+                worst = (t - last_change, t);
+            }
+            last_step = step;
+            last_change = t;
+        }
     }
+    if end - last_change > worst.0 {
+        worst = (end - last_change, end);
+    }
+    worst
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -381,8 +374,6 @@ struct Proc {
     p: RoleProcess,
     /// A SIGTERM was sent: its exit is expected.
     expect_exit: bool,
-    /// The learner exited 0 at the step target.
-    done: bool,
 }
 
 impl std::ops::Deref for Proc {
@@ -519,6 +510,44 @@ async fn watch_versions(bus: Arc<dyn Bus>, log: Arc<Mutex<VersionLog>>, start: I
     }
 }
 
+/// Every message a stream holds now: `(subject, payload)`.
+async fn stream_messages(
+    js: &async_nats::jetstream::Context,
+    name: &str,
+) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let mut stream = js
+        .get_stream(name)
+        .await
+        .with_context(|| format!("cannot open the stream {name}"))?;
+    let state = stream
+        .info()
+        .await
+        .with_context(|| format!("cannot read the state of {name}"))?
+        .state
+        .clone();
+    let mut out = Vec::with_capacity(state.messages as usize);
+    if state.messages == 0 {
+        return Ok(out);
+    }
+    for seq in state.first_sequence..=state.last_sequence {
+        // A sequence acked and removed since is a gap, not an error.
+        if let Ok(m) = stream.get_raw_message(seq).await {
+            out.push((m.subject.to_string(), m.payload.to_vec()));
+        }
+    }
+    Ok(out)
+}
+
+/// When the run ended.
+struct End {
+    /// The learner was stopped (the end of training) at this many seconds.
+    training: f64,
+    /// Every role had stopped.
+    run: f64,
+    /// Planned faults that fell after the fault phase.
+    unplanned: usize,
+}
+
 /// One sample row.
 #[derive(Debug, Clone)]
 struct Sample {
@@ -566,10 +595,6 @@ impl Chaos<'_> {
         self.start.elapsed().as_secs_f64()
     }
 
-    fn index(&self, name: &str) -> Option<usize> {
-        self.procs.iter().position(|p| p.name == name)
-    }
-
     fn trained_text(&self) -> String {
         std::fs::read_to_string(self.run_dir.join("trained.jsonl")).unwrap_or_default()
     }
@@ -578,12 +603,8 @@ impl Chaos<'_> {
         (self.spec.groups_per_step * self.spec.group_size) as usize
     }
 
-    fn learner_done(&self) -> bool {
-        self.index("learner").is_some_and(|i| self.procs[i].done)
-    }
-
-    /// Reaps exited roles: a learner at its step target is done; any other
-    /// exit nobody asked for is a crash, and the role is started again.
+    /// Reaps exited roles: an exit nobody asked for is a crash, and the
+    /// role is started again.
     fn reap(&mut self) {
         let t = self.now();
         for i in 0..self.procs.len() {
@@ -593,16 +614,6 @@ impl Chaos<'_> {
             let Some(status) = self.procs[i].poll() else {
                 continue;
             };
-            if self.procs[i].role == "learner" && status.success() {
-                let max = check_trained(&self.trained_text(), self.spec.eta, 0).max_step;
-                if max >= self.spec.steps {
-                    let p = &mut self.procs[i];
-                    p.done = true;
-                    p.note(&format!("finished the step target at t={t:.1}s"));
-                    eprintln!("bench chaos: t={t:.0}s the learner reached step {max}");
-                    continue;
-                }
-            }
             let p = &self.procs[i];
             p.note(&format!("exited on its own with {status} at t={t:.1}s"));
             eprintln!(
@@ -653,7 +664,7 @@ impl Chaos<'_> {
             .collect();
         self.recover.retain(|r| r.1 > t);
         for i in due {
-            if !self.procs[i].is_running() && !self.procs[i].done {
+            if !self.procs[i].is_running() {
                 self.start_proc(i)?;
             }
         }
@@ -686,11 +697,7 @@ impl Chaos<'_> {
             }
             _ if !self.procs[p.target].is_running() => {
                 rec.injected = false;
-                rec.outcome = if self.procs[p.target].done {
-                    "skipped: the learner has finished".into()
-                } else {
-                    "skipped: the role is down".into()
-                };
+                rec.outcome = "skipped: the role is down".into();
                 None
             }
             FaultKind::Kill9 => {
@@ -748,7 +755,7 @@ impl Chaos<'_> {
                 if t < at {
                     return Ok(Some(Next::Restart { role, at }));
                 }
-                if !self.procs[role].is_running() && !self.procs[role].done {
+                if !self.procs[role].is_running() {
                     self.start_proc(role)?;
                 }
                 let _ = write!(self.faults[rec].outcome, "; restarted at t={t:.1}s");
@@ -958,6 +965,67 @@ impl Chaos<'_> {
         Ok(())
     }
 
+    /// The loss invariant, once every role has stopped (nats-server up):
+    /// where each task the coordinator issued is.
+    fn loss_check(&self, tasks: &Path) -> anyhow::Result<LossCheck> {
+        let taskset = asyncrl_coordinator::TaskSet::load(
+            &[asyncrl_config::DatasetConfig::jsonl(
+                "arith",
+                tasks.to_path_buf(),
+            )],
+            None,
+        )
+        .context("cannot load the task file")?;
+        let buffer_config = asyncrl_config::Config::load(&self.spec.out.join("buffer.toml"))
+            .context("cannot load the buffer's config")?
+            .buffer;
+        let held = asyncrl_buffer::held_tasks(&self.run_dir.join("buffer"), &buffer_config)
+            .context("cannot read what the buffer holds")?;
+        let trained = check_trained(&self.trained_text(), self.spec.eta, self.batch()).tasks;
+        let bus = self.bus.clone();
+        let url = self.nats.url();
+        let (state, in_stream, drop_pending) = self.rt.block_on(async move {
+            let kv = bus
+                .kv(CONTROL_BUCKET)
+                .await
+                .context("cannot open the control bucket")?;
+            let entry = kv
+                .get(COORDINATOR_STATE_KEY)
+                .await
+                .context("cannot read the coordinator's state")?
+                .context("the coordinator stored no state")?;
+            let state = CoordinatorState::decode(entry.value.as_ref())
+                .context("cannot decode the coordinator's state")?;
+            let client = async_nats::connect(&url)
+                .await
+                .with_context(|| format!("cannot connect to {url}"))?;
+            let js = async_nats::jetstream::new(client);
+            let prefix = format!("{TRAJECTORY_SUBJECT_PREFIX}.");
+            let in_stream = stream_messages(&js, TRAJECTORY_STREAM)
+                .await?
+                .into_iter()
+                .filter_map(|(subject, _)| subject.strip_prefix(&prefix).map(str::to_owned))
+                .collect();
+            let drop_pending = stream_messages(&js, GROUP_DROP_STREAM)
+                .await?
+                .into_iter()
+                .filter_map(|(_, payload)| GroupDropped::decode(payload.as_slice()).ok())
+                .map(|g| g.task_id)
+                .collect();
+            anyhow::Ok((state, in_stream, drop_pending))
+        })?;
+        Ok(check_loss(
+            &state,
+            |i| taskset.get(i).map(|t| t.id.clone()),
+            &TaskWhereabouts {
+                trained,
+                held,
+                in_stream,
+                drop_pending,
+            },
+        ))
+    }
+
     fn stop_all(&mut self) -> Vec<(String, String, bool)> {
         // The learner (if still running) and the workers first (they
         // drain), then the buffer and the coordinator.
@@ -1034,15 +1102,30 @@ fn role_config(
     let mut c = configs::cluster_role(run_dir, url, tasks);
     c.run.name = "chaos".into();
     c.run.seed = spec.seed;
-    c.run.max_steps = spec.steps;
+    // No step target: the learner trains until the run stops it.
+    c.run.max_steps = 0;
     c.staleness.eta = spec.eta;
     c.staleness.groups_per_step = spec.groups_per_step;
     c.staleness.group_size = spec.group_size;
     c.bus.connect_timeout = Duration::from_secs(30);
     c.buffer.retention = asyncrl_config::RetentionPolicy::default();
     c.buffer.segment_max_bytes = 256 * 1024;
+    // Compacted often, so that a served log growing with the run shows.
+    c.buffer.state_log_compact_bytes = 256 * 1024;
     c.worker.id = worker.map(str::to_owned);
     c
+}
+
+/// How long the run may take, after the fault phase, to end the fault in
+/// flight and bring back the roles it took down.
+const SETTLE_LIMIT: f64 = 120.0;
+
+/// The learner's index in [`role_names`].
+fn learner_index(workers: usize) -> usize {
+    role_names(workers)
+        .iter()
+        .position(|(_, role)| *role == "learner")
+        .unwrap_or(0)
 }
 
 /// The role names of a run with `workers` workers, in target order.
@@ -1067,6 +1150,7 @@ pub fn plan_text(spec: &ChaosBench) -> String {
         spec.duration.as_secs_f64(),
         spec.fault_every.as_secs_f64(),
         names.len(),
+        learner_index(spec.workers),
     );
     let mut out = String::new();
     for p in &plan {
@@ -1090,10 +1174,9 @@ pub fn plan_text(spec: &ChaosBench) -> String {
 /// an invariant does not hold.
 pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<String> {
     anyhow::ensure!(spec.workers >= 2, "--workers must be at least 2");
-    anyhow::ensure!(spec.steps >= 1, "--steps must be at least 1");
     anyhow::ensure!(
-        !spec.sample_every.is_zero() && !spec.fault_every.is_zero(),
-        "--sample-every and --fault-every must be positive"
+        !spec.sample_every.is_zero() && !spec.fault_every.is_zero() && !spec.stall_limit.is_zero(),
+        "--sample-every, --fault-every and --stall-limit must be positive"
     );
     let out = &spec.out;
     let run_dir = out.join("run");
@@ -1109,13 +1192,10 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
     }
     let bin = crate::process::asyncrl_bin()?;
 
-    // Enough tasks that the run never wraps an epoch.
-    let n_tasks = ((spec.steps + u64::from(spec.eta) + 8) * u64::from(spec.groups_per_step) * 2
-        + 200) as usize;
     let tasks = out.join("tasks.jsonl");
     let items = asyncrl_tasks::generate_with(
         asyncrl_tasks::BuiltinTask::Arith,
-        n_tasks,
+        TASKS,
         spec.seed,
         asyncrl_tasks::GenerateOptions { max_operand: 20 },
     );
@@ -1146,7 +1226,6 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
         procs.push(Proc {
             p: RoleProcess::new(&name, role, config, logs.join(format!("{name}.log"))),
             expect_exit: false,
-            done: false,
         });
     }
 
@@ -1169,6 +1248,7 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
         duration,
         spec.fault_every.as_secs_f64(),
         procs.len(),
+        learner_index(spec.workers),
     );
     let start = Instant::now();
     let versions = Arc::new(Mutex::new(VersionLog::default()));
@@ -1196,20 +1276,21 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
     }
     let watcher = rt.spawn(watch_versions(bus, versions.clone(), start));
     eprintln!(
-        "bench chaos: {} roles over {url}, {} faults planned in {duration:.0}s, step target {}; logs in {}",
+        "bench chaos: {} roles over {url}, {} faults planned in {duration:.0}s of training; logs in {}",
         c.procs.len(),
         plan.len(),
-        spec.steps,
         logs.display()
     );
 
-    // The fault phase, then the wait for the step target.
+    // The fault phase, training all along; then the fault in flight ends
+    // and the roles it took down come back (bounded: a role that keeps
+    // crashing is a failed verdict, not a hung bench).
     let sample_every = spec.sample_every.as_secs_f64();
-    let final_deadline = duration + spec.final_wait.as_secs_f64();
+    let settle_deadline = duration + SETTLE_LIMIT;
     let mut next_sample = 0.0;
     let mut planned = plan.iter().peekable();
     let mut in_flight: Option<Next> = None;
-    let reached = loop {
+    loop {
         c.reap();
         c.recover_due()?;
         let t = c.now();
@@ -1229,21 +1310,30 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
             next_sample = t + sample_every;
         }
         if t >= duration && in_flight.is_none() && c.recover.is_empty() {
-            if c.learner_done() {
-                break true;
+            break;
+        }
+        if t >= settle_deadline {
+            eprintln!(
+                "bench chaos: t={t:.0}s the run did not settle within {SETTLE_LIMIT:.0}s of the fault phase's end"
+            );
+            if matches!(in_flight, Some(Next::NatsUp { .. })) {
+                c.nats.restart().context("restart nats-server")?;
             }
-            if t >= final_deadline {
-                break false;
-            }
+            break;
         }
         std::thread::sleep(Duration::from_millis(100));
-    };
+    }
     let unplanned = planned.count();
     c.sample()?;
+    let training_end = c.now();
     let stopped = c.stop_all();
     c.sample()?;
     watcher.abort();
     let end = c.now();
+    let loss = c.loss_check(&tasks);
+    if let Err(e) = &loss {
+        eprintln!("bench chaos: cannot check for loss: {e:#}");
+    }
     let store_parts = store_breakdown(&c.nats.store_dir().join("jetstream"));
     let _ = std::fs::copy(
         c.nats.store_dir().join("nats-server.log"),
@@ -1251,7 +1341,18 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
     );
     c.nats.stop();
 
-    let report = write_report(&c, &stopped, reached, unplanned, end, &logs, &store_parts)?;
+    let report = write_report(
+        &c,
+        &stopped,
+        &End {
+            training: training_end,
+            run: end,
+            unplanned,
+        },
+        &loss,
+        &logs,
+        &store_parts,
+    )?;
     let failed: Vec<&str> = report
         .verdicts
         .iter()
@@ -1276,12 +1377,12 @@ struct Report {
 fn write_report(
     c: &Chaos<'_>,
     stopped: &[(String, String, bool)],
-    reached: bool,
-    unplanned: usize,
-    end: f64,
+    ended: &End,
+    loss: &anyhow::Result<LossCheck>,
     logs: &Path,
     store_parts: &[(String, u64)],
 ) -> anyhow::Result<Report> {
+    let (unplanned, end) = (ended.unplanned, ended.run);
     let spec = c.spec;
     let out = &spec.out;
     let check = check_trained(&c.trained_text(), spec.eta, c.batch());
@@ -1308,8 +1409,9 @@ fn write_report(
         pass: check.exactly_once.is_empty(),
         detail: if check.exactly_once.is_empty() {
             format!(
-                "{} trajectories in {} steps, each in one step, every step B·G = {}; {} steps trained again after a learner crash, on the same trajectories",
+                "{} trajectories of {} tasks in {} steps, each in one step, every step B·G = {}; {} steps trained again after a learner crash, on the same trajectories",
                 check.trajectories,
+                check.tasks.len(),
                 check.max_step,
                 c.batch(),
                 check.retrained
@@ -1361,33 +1463,87 @@ fn write_report(
             list(&check.contiguous)
         },
     });
+    // Training through the fault phase: no stall longer than the limit,
+    // from the start to the learner's stop.
+    let duration = spec.duration.as_secs_f64();
+    let steps_at: Vec<(f64, u64)> = c
+        .samples
+        .iter()
+        .filter(|s| s.t <= ended.training)
+        .map(|s| (s.t, s.step))
+        .collect();
+    let (stall, stall_at) = longest_stall(&steps_at, 0.0, ended.training);
+    let limit = spec.stall_limit.as_secs_f64();
     let kv_last = versions.last();
-    let target_ok = reached && check.max_step == spec.steps && kv_last == Some(spec.steps as i64);
     verdicts.push(Verdict {
-        name: "step target reached",
-        pass: target_ok,
+        name: "training through the fault phase",
+        pass: check.max_step > 0 && stall <= limit && ended.training >= duration,
         detail: format!(
-            "target {}, reached {} (trained.jsonl), policy.version {}, learner {}",
-            spec.steps,
+            "{} steps trained in {:.0} s (the fault phase {duration:.0} s), policy.version {}; longest time without a new step {stall:.1} s (ending at t={stall_at:.0}s), limit {limit:.0} s",
             check.max_step,
+            ended.training,
             kv_last.map_or("unknown".into(), |v| v.to_string()),
-            if reached {
-                "exited 0 at the target".to_owned()
+        ),
+    });
+    let learner_kills: Vec<f64> = c
+        .faults
+        .iter()
+        .filter(|f| f.injected && f.kind == FaultKind::Kill9 && f.target == "learner")
+        .map(|f| f.at)
+        .collect();
+    verdicts.push(Verdict {
+        name: "learner killed while training",
+        pass: !learner_kills.is_empty(),
+        detail: if learner_kills.is_empty() {
+            "no kill -9 of the learner was injected (each was skipped)".into()
+        } else {
+            format!(
+                "kill -9 of the learner at t = {} s, each while it trained",
+                learner_kills
+                    .iter()
+                    .map(|t| format!("{t:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        },
+    });
+    verdicts.push(match loss {
+        Ok(l) => Verdict {
+            name: "nothing lost",
+            pass: l.lost_count == 0 && l.issued > 0,
+            detail: if l.lost_count == 0 {
+                format!(
+                    "{} tasks issued: {} trained, {} held by the buffer, {} in the stream, {} queued to be issued again, {} leased, {} with a drop report pending, {} quarantined",
+                    l.issued,
+                    l.trained,
+                    l.held,
+                    l.in_stream,
+                    l.queued,
+                    l.leased,
+                    l.drop_pending,
+                    l.quarantined
+                )
             } else {
                 format!(
-                    "had not finished {:.0}s after the fault phase",
-                    spec.final_wait.as_secs_f64()
+                    "{} of {} issued tasks are neither trained, held, waiting nor quarantined: {}",
+                    l.lost_count,
+                    l.issued,
+                    l.lost.join(", ")
                 )
-            }
-        ),
+            },
+        },
+        Err(e) => Verdict {
+            name: "nothing lost",
+            pass: false,
+            detail: format!("could not be checked: {e:#}"),
+        },
     });
 
     // Memory.
-    let duration = spec.duration.as_secs_f64();
     let warmup = (0.2 * duration).min(60.0);
     let mut names: Vec<String> = c.procs.iter().map(|p| p.name.clone()).collect();
     names.push("nats-server".into());
-    let trends: Vec<MemoryTrend> = names
+    let trends: Vec<Trend> = names
         .iter()
         .enumerate()
         .map(|(i, name)| {
@@ -1396,7 +1552,7 @@ fn write_report(
                 .iter()
                 .filter_map(|s| s.rss[i].map(|(inc, b)| (s.t, inc, b)))
                 .collect();
-            memory_trend(
+            trend(
                 name,
                 &pts,
                 warmup,
@@ -1431,40 +1587,55 @@ fn write_report(
         },
     });
 
-    // Disk.
+    // Disk: the same rule as memory, on each directory's bytes.
+    let disk_series = |bytes: &dyn Fn(&Sample) -> u64| -> Vec<(f64, u32, u64)> {
+        c.samples.iter().map(|s| (s.t, 0, bytes(s))).collect()
+    };
     let disks = [
-        disk_bound(
+        trend(
             "nats store",
-            &c.samples
-                .iter()
-                .map(|s| (s.t, s.nats_bytes))
-                .collect::<Vec<_>>(),
-            spec.disk_margin,
-            spec.disk_bound_mib,
+            &disk_series(&|s| s.nats_bytes),
+            warmup,
+            duration,
+            5,
+            spec.disk_growth_mib,
+            spec.disk_growth_frac,
         ),
-        disk_bound(
+        trend(
             "buffer data dir",
-            &c.samples
-                .iter()
-                .map(|s| (s.t, s.buffer_bytes))
-                .collect::<Vec<_>>(),
-            spec.disk_margin,
-            spec.disk_bound_mib,
+            &disk_series(&|s| s.buffer_bytes),
+            warmup,
+            duration,
+            5,
+            spec.disk_growth_mib,
+            spec.disk_growth_frac,
         ),
     ];
+    let disk_growing: Vec<String> = disks
+        .iter()
+        .filter(|d| d.flat != Some(true))
+        .map(|d| match d.flat {
+            Some(_) => format!("{} (+{:.1} MiB projected)", d.role, d.projected_mib),
+            None => format!("{} (too few samples to judge)", d.role),
+        })
+        .collect();
     verdicts.push(Verdict {
-        name: "disk bounded",
-        pass: disks.iter().all(|d| d.bounded),
-        detail: disks
-            .iter()
-            .map(|d| {
-                format!(
-                    "{}: max {:.1} MiB then {:.1} MiB ({})",
-                    d.dir, d.max_first_mib, d.max_second_mib, d.by
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("; "),
+        name: "disk flat after warm-up",
+        pass: disk_growing.is_empty(),
+        detail: if disk_growing.is_empty() {
+            disks
+                .iter()
+                .map(|d| {
+                    format!(
+                        "{}: median {:.1} MiB, {:+.2} MiB projected over the run (threshold {:.1})",
+                        d.role, d.median_mib, d.projected_mib, d.threshold_mib
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        } else {
+            format!("growing: {}", disk_growing.join(", "))
+        },
     });
 
     // Exits.
@@ -1557,7 +1728,7 @@ fn write_report(
     let _ = writeln!(w, "# Chaos soak\n");
     let _ = writeln!(
         w,
-        "Every role ran as its own process over a private nats-server while faults were injected at seeded random times: kill -9 of a role (restarted after a delay), SIGTERM of a role (sent once the role has installed its handler, i.e. logged `{READY_LINE}`; it drains and exits, then is restarted), SIGSTOP/SIGCONT of a role for a pause shorter or longer than the heartbeat's dead-after (3 s) and the lease (6 s), and kill -9 of nats-server (restarted on the same port and store). One fault is in flight at a time. The invariants are checked at every sample and at the end from the learner's `trained.jsonl` and `policy.version` in the `{CONTROL_BUCKET}` KV bucket (watched, and read at every sample), never from the trajectory stream (whose messages may be released once stored).\n"
+        "Every role ran as its own process over a private nats-server while faults were injected at seeded random times: kill -9 of a role (restarted after a delay), SIGTERM of a role (sent once the role has installed its handler, i.e. logged `{READY_LINE}`; it drains and exits, then is restarted), SIGSTOP/SIGCONT of a role for a pause shorter or longer than the heartbeat's dead-after (3 s) and the lease (6 s), and kill -9 of nats-server (restarted on the same port and store). One fault is in flight at a time, and every one lands while the learner trains (it trains until the fault phase ends; the schedule's first kill -9 is the learner's). The invariants are checked at every sample and at the end from the learner's `trained.jsonl` and `policy.version` in the `{CONTROL_BUCKET}` KV bucket (watched, and read at every sample); the loss invariant at the end from the coordinator's persisted state, what the stopped buffer holds (its served log and segments) and what the trajectory and drop-report streams still hold.\n"
     );
     let _ = writeln!(w, "- command: `{}`", spec.command);
     let _ = writeln!(
@@ -1570,8 +1741,8 @@ fn write_report(
     );
     let _ = writeln!(
         w,
-        "- config: η = {}, B = {}, G = {}, {} workers, tiny built-in model, step target {}",
-        spec.eta, spec.groups_per_step, spec.group_size, spec.workers, spec.steps
+        "- config: η = {}, B = {}, G = {}, {} workers, tiny built-in model, {TASKS} tasks (several epochs), no step target: the learner trains through the fault phase and is stopped at t={:.0}s",
+        spec.eta, spec.groups_per_step, spec.group_size, spec.workers, ended.training
     );
     let _ = writeln!(w, "- role logs: `{}`\n", logs.display());
     let _ = writeln!(
@@ -1631,18 +1802,25 @@ fn write_report(
     }
     let _ = writeln!(
         w,
-        "\n## Disk\n\nRule: bounded when the maximum in the second half of the run is at most {:.0} % above the first half's maximum plus 4 MiB, or at most {:.0} MiB.\n\n| directory | max first half MiB | max second half MiB | verdict |\n|---|---|---|---|",
-        spec.disk_margin * 100.0,
-        spec.disk_bound_mib
+        "\n## Disk\n\nRule: as for memory, per directory: the samples from {warmup:.0} s on; least-squares slope; flat when slope × {duration:.0} s ≤ max({:.0} % of the median, {:.1} MiB). A directory that grows linearly by a third of its size over the run fails it.\n\n| directory | samples | median MiB | slope MiB/min | projected MiB | threshold MiB | verdict |\n|---|---|---|---|---|---|---|",
+        spec.disk_growth_frac * 100.0,
+        spec.disk_growth_mib
     );
     for d in &disks {
         let _ = writeln!(
             w,
-            "| {} | {:.2} | {:.2} | {} |",
-            d.dir,
-            d.max_first_mib,
-            d.max_second_mib,
-            if d.bounded { d.by } else { "UNBOUNDED" }
+            "| {} | {} | {:.2} | {:.3} | {:.2} | {:.2} | {} |",
+            d.role,
+            d.samples,
+            d.median_mib,
+            d.slope_mib_per_min,
+            d.projected_mib,
+            d.threshold_mib,
+            match d.flat {
+                Some(true) => "flat",
+                Some(false) => "GROWING",
+                None => "not judged",
+            }
         );
     }
     if !store_parts.is_empty() {
@@ -1692,9 +1870,17 @@ mod tests {
 
     #[test]
     fn a_seed_always_means_the_same_schedule_and_every_kind_comes_round() {
-        let a = schedule(7, 600.0, 5.0, 5);
-        assert_eq!(a, schedule(7, 600.0, 5.0, 5));
-        assert_ne!(a, schedule(8, 600.0, 5.0, 5));
+        let a = schedule(7, 600.0, 5.0, 5, 2);
+        assert_eq!(a, schedule(7, 600.0, 5.0, 5, 2));
+        assert_ne!(a, schedule(8, 600.0, 5.0, 5, 2));
+        // The first kill -9 is the learner's, whatever the seed.
+        for seed in 0..20 {
+            let first = schedule(seed, 600.0, 5.0, 5, 2)
+                .into_iter()
+                .find(|p| p.kind == FaultKind::Kill9)
+                .expect("a kill -9 in 600 s");
+            assert_eq!(first.target, 2, "seed {seed}");
+        }
         assert!(a.windows(2).all(|w| w[0].at < w[1].at));
         assert!(a.iter().all(|p| p.at < 600.0 && p.target < 5));
         for round in a.chunks_exact(4) {
@@ -1724,25 +1910,22 @@ mod tests {
                 if i < 5 { 50 * mib } else { 200 * mib },
             )
         }));
-        let m = memory_trend("learner", &s, 12.0, 600.0, 5, 32.0, 0.1);
+        let m = trend("learner", &s, 12.0, 600.0, 5, 32.0, 0.1);
         assert_eq!((m.incarnation, m.flat), (2, Some(true)), "{m:?}");
         // A leak of 1 MiB/s: 600 MiB over the run.
         let leak: Vec<(f64, u32, u64)> = (0..60)
             .map(|i| (i as f64 * 2.0, 1, (100 + 2 * i) * mib))
             .collect();
-        let m = memory_trend("worker-1", &leak, 12.0, 600.0, 5, 32.0, 0.1);
+        let m = trend("worker-1", &leak, 12.0, 600.0, 5, 32.0, 0.1);
         assert_eq!(m.flat, Some(false), "{m:?}");
         assert!((m.slope_mib_per_min - 60.0).abs() < 1e-6);
-        assert_eq!(
-            memory_trend("x", &leak[..4], 0.0, 600.0, 5, 32.0, 0.1).flat,
-            None
-        );
+        assert_eq!(trend("x", &leak[..4], 0.0, 600.0, 5, 32.0, 0.1).flat, None);
         // Growth sampled over 6 s after a 12 s warm-up (a role that exited
         // early) is not extrapolated over the run.
         let short: Vec<(f64, u32, u64)> = (0..30)
             .map(|i| (i as f64 * 0.6, 1, (100 + 4 * i) * mib))
             .collect();
-        let m = memory_trend("learner", &short, 12.0, 600.0, 5, 32.0, 0.1);
+        let m = trend("learner", &short, 12.0, 600.0, 5, 32.0, 0.1);
         assert_eq!((m.samples, m.flat), (10, None), "{m:?}");
     }
 
@@ -1762,13 +1945,48 @@ mod tests {
     }
 
     #[test]
-    fn disk_is_bounded_by_margin_or_bound() {
+    fn linear_growth_fails_the_memory_and_disk_rules_and_a_sawtooth_passes() {
         let mib = MIB as u64;
-        let flat: Vec<(f64, u64)> = (0..10).map(|i| (i as f64, 10 * mib)).collect();
-        assert!(disk_bound("d", &flat, 0.25, 64.0).bounded);
-        let growing: Vec<(f64, u64)> = (0..10).map(|i| (i as f64, i * 20 * mib)).collect();
-        assert!(!disk_bound("d", &growing, 0.25, 64.0).bounded);
-        assert!(disk_bound("d", &growing, 0.25, 1024.0).bounded);
+        // The defaults of `asyncrl-bench chaos`: memory max(5 %, 16 MiB),
+        // disk max(25 %, 1 MiB), over a 30-minute run sampled every 2 s.
+        let run = 1800.0;
+        let times = || (0..900).map(|i| i as f64 * 2.0);
+        // A role of 400 MiB leaking 1 MiB a minute: 30 MiB over the run.
+        let leak: Vec<(f64, u32, u64)> = times()
+            .map(|t| (t, 1, 400 * mib + (t / 60.0 * MIB) as u64))
+            .collect();
+        let m = trend("learner", &leak, 60.0, run, 5, 16.0, 0.05);
+        assert_eq!(m.flat, Some(false), "{m:?}");
+        // The buffer's served log growing 316 bytes a step at 7 steps a
+        // second on 2 MiB of segments: about 4 MiB over the run.
+        let log: Vec<(f64, u32, u64)> = times()
+            .map(|t| (t, 0, 2 * mib + (t * 7.0 * 316.0) as u64))
+            .collect();
+        let d = trend("buffer data dir", &log, 60.0, run, 5, 1.0, 0.25);
+        assert_eq!(d.flat, Some(false), "{d:?}");
+        // Segments written and retired: a sawtooth between 1 and 3 MiB.
+        let saw: Vec<(f64, u32, u64)> = times()
+            .map(|t| (t, 0, mib + ((t % 120.0) / 60.0 * MIB) as u64))
+            .collect();
+        let d = trend("buffer data dir", &saw, 60.0, run, 5, 1.0, 0.25);
+        assert_eq!(d.flat, Some(true), "{d:?}");
+    }
+
+    #[test]
+    fn the_longest_stall_counts_from_the_start_and_to_the_end() {
+        let steps = [
+            (5.0, 0),
+            (10.0, 3),
+            (12.0, 5),
+            (40.0, 5),
+            (70.0, 9),
+            (75.0, 12),
+        ];
+        assert_eq!(longest_stall(&steps, 0.0, 80.0), (58.0, 70.0));
+        // Training that stopped at t=75 of a run stopped at 200.
+        assert_eq!(longest_stall(&steps, 0.0, 200.0), (125.0, 200.0));
+        // No step at all: the whole run.
+        assert_eq!(longest_stall(&[(1.0, 0)], 0.0, 30.0), (30.0, 30.0));
     }
 
     #[test]

@@ -145,7 +145,7 @@ pub enum BenchCommand {
 
 #[derive(Debug, Args)]
 pub struct ChaosArgs {
-    /// How long faults are injected (e.g. 60s, 30m).
+    /// How long the learner trains while faults are injected (e.g. 60s, 30m).
     #[arg(long, value_parser = chaos_duration)]
     duration: std::time::Duration,
     /// Seed of the fault schedule (and of the run).
@@ -154,19 +154,16 @@ pub struct ChaosArgs {
     /// Rollout workers (2 or more).
     #[arg(long, default_value_t = 2)]
     workers: usize,
-    /// Learner steps to reach; default: 4 per second of --duration, at least 20.
-    #[arg(long)]
-    steps: Option<u64>,
     /// Mean gap between faults (each gap uniform in 0.5..1.5 times it).
     #[arg(long, default_value = "20s", value_parser = chaos_duration)]
     fault_every: std::time::Duration,
     /// Sampling interval of memory, disk, step and stream length.
     #[arg(long, default_value = "2s", value_parser = chaos_duration)]
     sample_every: std::time::Duration,
-    /// How long the learner may take to reach --steps after the fault
-    /// phase; default: half of --duration, at least 2 minutes.
-    #[arg(long, value_parser = chaos_duration)]
-    final_wait: Option<std::time::Duration>,
+    /// Training has stalled (a failed invariant) when no step was trained
+    /// for this long.
+    #[arg(long, default_value = "60s", value_parser = chaos_duration)]
+    stall_limit: std::time::Duration,
     #[arg(long, default_value_t = 2)]
     eta: u32,
     #[arg(long, default_value_t = 4)]
@@ -175,17 +172,17 @@ pub struct ChaosArgs {
     group_size: u32,
     /// Memory is flat when its projected growth over --duration is at most
     /// max(this many MiB, --mem-growth-frac × its median).
-    #[arg(long, default_value_t = 32.0)]
+    #[arg(long, default_value_t = 16.0)]
     mem_growth_mib: f64,
-    #[arg(long, default_value_t = 0.10)]
+    #[arg(long, default_value_t = 0.05)]
     mem_growth_frac: f64,
-    /// Disk is bounded when the second half's maximum is at most this
-    /// fraction above the first half's (plus 4 MiB) ...
+    /// A directory's disk use is flat when its projected growth over
+    /// --duration is at most max(this many MiB, --disk-growth-frac × its
+    /// median).
+    #[arg(long, default_value_t = 1.0)]
+    disk_growth_mib: f64,
     #[arg(long, default_value_t = 0.25)]
-    disk_margin: f64,
-    /// ... or at most this many MiB.
-    #[arg(long, default_value_t = 64.0)]
-    disk_bound_mib: f64,
+    disk_growth_frac: f64,
     #[arg(long, default_value = "runs/bench/chaos")]
     out: PathBuf,
     /// Print the fault schedule of these arguments and exit.
@@ -510,12 +507,7 @@ pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
         }
         BenchCommand::Chaos(args) => {
             let spec = chaos::ChaosBench {
-                steps: args
-                    .steps
-                    .unwrap_or_else(|| chaos::default_steps(args.duration)),
-                final_wait: args
-                    .final_wait
-                    .unwrap_or_else(|| chaos::default_final_wait(args.duration)),
+                stall_limit: args.stall_limit,
                 duration: args.duration,
                 seed: args.seed,
                 workers: args.workers,
@@ -526,8 +518,8 @@ pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 group_size: args.group_size,
                 mem_growth_mib: args.mem_growth_mib,
                 mem_growth_frac: args.mem_growth_frac,
-                disk_margin: args.disk_margin,
-                disk_bound_mib: args.disk_bound_mib,
+                disk_growth_mib: args.disk_growth_mib,
+                disk_growth_frac: args.disk_growth_frac,
                 out: args.out,
                 command: std::env::args().collect::<Vec<_>>().join(" "),
             };
