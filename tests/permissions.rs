@@ -10,6 +10,8 @@
 //!   exits with one error line naming the permission and the subject;
 //! - no role reads another's replies: each may subscribe to its own inbox
 //!   prefix only, not to `_INBOX.>` nor to another role's or worker's;
+//! - a worker started before the stores it reads exist waits for their
+//!   owners to create them, and never asks to create one;
 //! - a worker with its own user (nats-worker-user.conf.template) cannot
 //!   register, acquire, heartbeat, complete or return in another worker's
 //!   name, through the real coordinator: the server refuses the other
@@ -377,6 +379,69 @@ async fn worker_credentials_cannot_write_what_other_roles_own() {
         .expect("the refused subscription ends");
     assert!(ended.is_none(), "a worker served {TASKS_ACQUIRE}");
     assert_eq!(metrics.permission_violation_count("subscribe"), 1);
+}
+
+/// A worker may start before the coordinator and the learner have created
+/// the control bucket and the weights store (or reach a cluster node that
+/// does not know them yet): it waits for them, and never asks the server to
+/// create one, which its user may not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_started_first_waits_for_the_stores_and_never_creates_one() {
+    let server = NatsServer::start_with_config(&server_config()).expect("start nats-server");
+    // The observer sees the worker's bucket lookups (JetStream API requests
+    // are plain publishes).
+    let spy =
+        async_nats::ConnectOptions::with_user_and_password(OBSERVER.0.into(), OBSERVER.1.into())
+            .connect(server.url())
+            .await
+            .expect("connect as the observer");
+    let mut lookups = spy
+        .subscribe(format!("$JS.API.STREAM.INFO.KV_{CONTROL_BUCKET}"))
+        .await
+        .expect("subscribe");
+    spy.flush().await.expect("flush");
+
+    let config = BusConfig {
+        user: Some("worker".into()),
+        password: Some(Secret::new(password("worker"))),
+        inbox_prefix: inbox_of("worker"),
+        open_stores_only: true,
+        ..BusConfig::nats(server.url())
+    };
+    let worker = NatsBus::connect(&config, TransportMetrics::new())
+        .await
+        .expect("connect as the worker");
+    let opening = tokio::spawn(async move {
+        let kv = worker.kv(CONTROL_BUCKET).await.map(|_| ());
+        let weights = worker.object_store(WEIGHTS_BUCKET).await.map(|_| ());
+        (kv, weights, worker.refusals())
+    });
+    // It looked, found nothing, and looked again: it is waiting.
+    for n in 1..=2 {
+        tokio::time::timeout(Duration::from_secs(60), lookups.next())
+            .await
+            .unwrap_or_else(|_| panic!("lookup {n} of the control bucket"))
+            .expect("the spy's subscription");
+    }
+    // The owners create the stores.
+    let (coordinator, _) = connect(&server, "coordinator", &password("coordinator")).await;
+    coordinator
+        .kv(CONTROL_BUCKET)
+        .await
+        .expect("the coordinator creates the control bucket");
+    let (learner, _) = connect(&server, "learner", &password("learner")).await;
+    learner
+        .object_store(WEIGHTS_BUCKET)
+        .await
+        .expect("the learner creates the weights store");
+
+    let (kv, weights, refused) = opening.await.expect("the worker's task");
+    kv.expect("the worker opens the control bucket once it exists");
+    weights.expect("the worker opens the weights store once it exists");
+    assert!(
+        refused.is_empty(),
+        "the worker asked for what its user may not do: {refused:?}"
+    );
 }
 
 #[test]

@@ -83,6 +83,9 @@ pub async fn connect(
             if bus.inbox_prefix.is_none() {
                 bus.inbox_prefix = Some(default_inbox_prefix(config, role));
             }
+            // A worker reads the control bucket and the weights; the
+            // coordinator and the learner create them.
+            bus.open_stores_only = role == "worker";
             bus
         }
         BusUser::AllRoles => config.bus.clone(),

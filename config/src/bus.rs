@@ -62,6 +62,12 @@ pub struct BusConfig {
     pub replicas: usize,
     /// How much each JetStream store may hold (`[bus.storage]`).
     pub storage: StorageConfig,
+    /// The process only opens the KV buckets and object stores it uses,
+    /// waiting for their owners to create them, and never creates one (a
+    /// worker: its NATS user may create none). Not a setting: the role
+    /// process sets it.
+    #[serde(skip)]
+    pub open_stores_only: bool,
 }
 
 /// A password or token from the config: never printed (`Debug` shows
@@ -155,6 +161,7 @@ impl Default for BusConfig {
             duplicate_window: Duration::from_secs(600),
             replicas: 1,
             storage: StorageConfig::default(),
+            open_stores_only: false,
         }
     }
 }

@@ -316,6 +316,8 @@ fn bus() -> impl Strategy<Value = BusConfig> {
                 duplicate_window: dw,
                 replicas,
                 storage,
+                // Not a setting (never in a file): its default round-trips.
+                open_stores_only: false,
             },
         )
 }

@@ -71,6 +71,8 @@ pub struct NatsBus {
     /// Byte limits of the KV buckets and object stores this bus creates.
     kv_max_bytes: u64,
     objects_max_bytes: Option<u64>,
+    /// `bus.open_stores_only`: wait for a missing bucket, never create it.
+    open_stores_only: bool,
     metrics: TransportMetrics,
     link: Arc<Link>,
 }
@@ -321,8 +323,19 @@ fn record_event(metrics: &TransportMetrics, link: &Link, event: &Event) {
     metrics.event(name);
 }
 
-/// How long [`Bus::ensure_stream`] and [`Bus::consumer`] ask again when
-/// JetStream does not answer a create (a cluster electing leaders under
+/// Whether opening a KV or object store bucket failed because its stream
+/// does not exist (and not because the lookup went unanswered).
+fn stream_missing(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.source()
+        .and_then(|s| s.downcast_ref::<jetstream::context::GetStreamError>())
+        .is_some_and(|g| {
+            matches!(g.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+        })
+}
+
+/// How long [`Bus::ensure_stream`] and [`Bus::consumer`] (and opening a bucket) ask again when
+/// JetStream does not answer a create or a bucket lookup (a cluster electing leaders under
 /// load).
 const ENSURE_STREAM_PATIENCE: Duration = Duration::from_secs(60);
 
@@ -374,6 +387,7 @@ impl NatsBus {
             replicas: config.replicas,
             request_timeout: config.request_timeout,
             kv_max_bytes: config.storage.kv_max_bytes,
+            open_stores_only: config.open_stores_only,
             objects_max_bytes: (config.storage.object_store_max_bytes > 0)
                 .then_some(config.storage.object_store_max_bytes),
             metrics,
@@ -398,7 +412,7 @@ impl NatsBus {
         self.link.violations.list()
     }
 
-    /// Runs a JetStream create (`attempt`) until it is answered: an error
+    /// Runs a JetStream request (`attempt`: a create, a lookup) until it is answered: an error
     /// that `unanswered` says is one (a timeout) is asked again with
     /// backoff for up to [`ENSURE_STREAM_PATIENCE`]; any other error, a
     /// refusal, or the end of the patience is returned.
@@ -429,7 +443,7 @@ impl NatsBus {
             {
                 return Err(err);
             }
-            tracing::warn!(op, what, error = %err, retry_in = ?delay, "JetStream did not answer a create; asking again");
+            tracing::warn!(op, what, error = %err, retry_in = ?delay, "JetStream did not answer; asking again");
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(5));
         }
@@ -472,6 +486,36 @@ impl NatsBus {
             };
         }
         TransportError::backend(op, e)
+    }
+
+    /// A bucket's `lookup` (None: missing). With `open_stores_only`, a
+    /// missing bucket is looked up again with backoff until its owner has
+    /// created it, for up to [`ENSURE_STREAM_PATIENCE`], and is then an
+    /// error naming its stream; otherwise None is returned at once (the
+    /// caller creates it).
+    async fn await_created<T, F, Fut>(&self, stream: &str, mut lookup: F) -> Result<Option<T>>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>>>,
+    {
+        let deadline = tokio::time::Instant::now() + ENSURE_STREAM_PATIENCE;
+        let mut delay = Duration::from_millis(200);
+        loop {
+            if let Some(found) = lookup().await? {
+                return Ok(Some(found));
+            }
+            if !self.open_stores_only {
+                return Ok(None);
+            }
+            if tokio::time::Instant::now() + delay > deadline {
+                return Err(TransportError::NoStream {
+                    stream: stream.to_owned(),
+                });
+            }
+            tracing::info!(stream, retry_in = ?delay, "waiting for the role that creates this store");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(5));
+        }
     }
 
     async fn get_stream(&self, name: &str) -> Result<stream::Stream> {
@@ -746,9 +790,27 @@ impl Bus for NatsBus {
     }
 
     async fn kv(&self, bucket: &str) -> Result<Arc<dyn KvBucket>> {
-        let store = match self.js.get_key_value(bucket).await {
-            Ok(store) => store,
-            Err(_) => {
+        // Created only when it is missing: a lookup left unanswered (a
+        // cluster electing) is asked again, never taken for "missing" (a
+        // role without the right to create would be refused for nothing).
+        let lookup = || {
+            self.until_answered(
+                "kv",
+                bucket,
+                || async {
+                    match self.js.get_key_value(bucket).await {
+                        Ok(store) => Ok(Some(store)),
+                        Err(e) if stream_missing(&e) => Ok(None),
+                        Err(e) => Err(e),
+                    }
+                },
+                |e| matches!(e.kind(), jetstream::context::KeyValueErrorKind::GetBucket),
+            )
+        };
+        let found = self.await_created(&format!("KV_{bucket}"), lookup).await?;
+        let store = match found {
+            Some(store) => store,
+            None => {
                 let config = kv::Config {
                     bucket: bucket.to_owned(),
                     history: 1,
@@ -777,9 +839,25 @@ impl Bus for NatsBus {
     }
 
     async fn object_store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
-        let store = match self.js.get_object_store(bucket).await {
-            Ok(store) => store,
-            Err(_) => {
+        // As for a KV bucket: created only when it is missing.
+        let lookup = || {
+            self.until_answered(
+                "object_store",
+                bucket,
+                || async {
+                    match self.js.get_object_store(bucket).await {
+                        Ok(store) => Ok(Some(store)),
+                        Err(e) if stream_missing(&e) => Ok(None),
+                        Err(e) => Err(e),
+                    }
+                },
+                |e| matches!(e.kind(), jetstream::context::ObjectStoreErrorKind::GetStore),
+            )
+        };
+        let found = self.await_created(&format!("OBJ_{bucket}"), lookup).await?;
+        let store = match found {
+            Some(store) => store,
+            None => {
                 let config = object_store::Config {
                     bucket: bucket.to_owned(),
                     max_bytes: byte_limit(self.objects_max_bytes),
