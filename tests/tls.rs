@@ -5,86 +5,23 @@
 //! and the run's invariants hold. A client that does not trust the CA, or
 //! has no client certificate, is refused with an error that says so.
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use asyncrl_config::{BusConfig, TlsConfig};
 use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
+use asyncrl_harness::secure::{Pki, make_pki};
 use asyncrl_testkit::{NatsServer, ServerConfig};
 use asyncrl_transport::{NatsBus, TransportError, TransportMetrics};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
-
-/// PEM files of a test PKI.
-struct Pki {
-    ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
-}
-
-fn write(dir: &Path, name: &str, pem: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, pem).unwrap();
-    path
-}
-
-/// A CA and, signed by it, a server certificate for 127.0.0.1 and
-/// localhost and a client certificate.
-fn make_pki(dir: &Path, ca_name: &str) -> Pki {
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, ca_name);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-
-    let server_key = KeyPair::generate().unwrap();
-    let mut server =
-        CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
-    server
-        .distinguished_name
-        .push(DnType::CommonName, "nats-server");
-    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let server_cert = server.signed_by(&server_key, &issuer).unwrap();
-
-    let client_key = KeyPair::generate().unwrap();
-    let mut client = CertificateParams::new(Vec::<String>::new()).unwrap();
-    client
-        .distinguished_name
-        .push(DnType::CommonName, "asyncrl-role");
-    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let client_cert = client.signed_by(&client_key, &issuer).unwrap();
-
-    Pki {
-        ca: write(dir, "ca.pem", &ca_cert.pem()),
-        server_cert: write(dir, "server.pem", &server_cert.pem()),
-        server_key: write(dir, "server-key.pem", &server_key.serialize_pem()),
-        client_cert: write(dir, "client.pem", &client_cert.pem()),
-        client_key: write(dir, "client-key.pem", &client_key.serialize_pem()),
-    }
-}
 
 /// nats-server that speaks TLS only and verifies client certificates.
 fn tls_server(pki: &Pki) -> ServerConfig {
-    ServerConfig::new(format!(
-        "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  ca_file: \"{}\"\n  verify: true\n  timeout: 5\n}}\n",
-        pki.server_cert.display(),
-        pki.server_key.display(),
-        pki.ca.display()
-    ))
+    ServerConfig::new(format!("tls {{\n{}\n}}\n", pki.verifying_tls_block()))
 }
 
 #[test]
 fn the_roles_run_end_to_end_over_mutual_tls() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = make_pki(dir.path(), "asyncrl test CA");
+    let pki = make_pki(dir.path(), "asyncrl test CA").unwrap();
     let mut cluster = Cluster::start_with(
         Spec {
             max_steps: 6,
@@ -117,9 +54,9 @@ async fn connect(config: &BusConfig) -> Result<NatsBus, TransportError> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_do_not_trust_the_ca_or_bring_no_certificate_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = make_pki(dir.path(), "asyncrl test CA");
+    let pki = make_pki(dir.path(), "asyncrl test CA").unwrap();
     let other = tempfile::tempdir().unwrap();
-    let stranger = make_pki(other.path(), "some other CA");
+    let stranger = make_pki(other.path(), "some other CA").unwrap();
     let server = NatsServer::start_with_config(&tls_server(&pki)).expect("start nats-server");
     let url = format!("tls://127.0.0.1:{}", server.port());
     let base = BusConfig {

@@ -18,7 +18,7 @@ use asyncrl_learner::outputs::{TRAINED_JSONL, TrainedStep, read_trained};
 use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
 use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerInfo};
 use asyncrl_protos::{Message as _, Trajectory, WeightAnnouncement};
-use asyncrl_testkit::{NatsCluster, NatsServer, ServerConfig};
+use asyncrl_testkit::{ClusterSecurity, NatsCluster, NatsServer, ServerConfig};
 
 use asyncrl_config::{
     Config, RoleAuth, TinyModelConfig, TlsConfig, TrainerEngineName, TrajectoryRetention,
@@ -120,7 +120,7 @@ pub struct NatsSetup {
     pub server: Option<ServerConfig>,
     /// A JetStream cluster of this many servers (`NatsCluster`) instead of
     /// one server (0 or 1); the roles get the seed list of all of them and
-    /// `bus.replicas` = this. Not with `server` or `tls`.
+    /// `bus.replicas` = this. Each node gets `server` as its client side.
     pub cluster_nodes: usize,
     /// Roles connect to `tls://127.0.0.1:PORT` instead of `nats://`.
     pub tls: bool,
@@ -135,9 +135,48 @@ pub struct NatsSetup {
     pub observer_ca: Option<PathBuf>,
     /// Their client certificate and key (a server that verifies clients).
     pub observer_cert: Option<(PathBuf, PathBuf)>,
+    /// A cluster's route credentials (see [`ClusterSecurity`]).
+    pub route_auth: Option<(String, String)>,
+    /// The body of a cluster's route `tls {}` block.
+    pub route_tls: Option<String>,
 }
 
 impl NatsSetup {
+    /// Starts the servers: a JetStream cluster of `cluster_nodes` (routes
+    /// secured as `route_auth` and `route_tls` say), or one server.
+    pub fn start(&self) -> Result<NatsCluster, asyncrl_testkit::TestkitError> {
+        if self.cluster_nodes > 1 {
+            NatsCluster::start_with(
+                self.cluster_nodes,
+                &ClusterSecurity {
+                    client: self.server.clone().unwrap_or_default(),
+                    route_auth: self.route_auth.clone(),
+                    route_tls: self.route_tls.clone(),
+                },
+            )
+        } else {
+            match &self.server {
+                Some(config) => NatsServer::start_with_config(config),
+                None => NatsServer::start(),
+            }
+            .map(NatsCluster::of_one)
+        }
+    }
+
+    /// The `bus.url` of `nats` for these settings: a seed list of every
+    /// node, `tls://` when TLS is on.
+    pub fn bus_url(&self, nats: &NatsCluster) -> String {
+        if self.tls {
+            nats.nodes()
+                .iter()
+                .map(|n| format!("tls://127.0.0.1:{}", n.port()))
+                .collect::<Vec<_>>()
+                .join(",")
+        } else {
+            nats.urls()
+        }
+    }
+
     /// A connection of the test itself (not a role's).
     pub async fn observe(&self, url: &str) -> Result<async_nats::Client, String> {
         let mut opts = match &self.observer {
@@ -234,20 +273,9 @@ impl Cluster {
             .prefix("asyncrl-e2e-")
             .tempdir()
             .expect("create a temp dir");
-        let nats = if setup.cluster_nodes > 1 {
-            assert!(
-                setup.server.is_none() && !setup.tls,
-                "a NATS cluster runs without a config file of the test's or TLS"
-            );
-            NatsCluster::start(setup.cluster_nodes)
-        } else {
-            match &setup.server {
-                Some(config) => NatsServer::start_with_config(config),
-                None => NatsServer::start(),
-            }
-            .map(NatsCluster::of_one)
-        }
-        .expect("start nats-server (run scripts/setup)");
+        let nats = setup
+            .start()
+            .expect("start nats-server (run scripts/setup)");
         let out = dir.path().join("out");
         let tasks_file = configs::write_arith(dir.path().join("tasks.jsonl"), spec.tasks, 20, 7);
         let model_dir = (spec.trainer == TrainerEngineName::Torch).then(|| {
@@ -348,11 +376,7 @@ impl Cluster {
 
     /// The `bus.url` of the roles (and of the test's own connections).
     pub fn bus_url(&self) -> String {
-        if self.setup.tls {
-            format!("tls://127.0.0.1:{}", self.nats.nodes()[0].port())
-        } else {
-            self.nats.urls()
-        }
+        self.setup.bus_url(&self.nats)
     }
 
     fn add_role(&mut self, name: &str, role: &str, worker_id: Option<&str>) {

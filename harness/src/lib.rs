@@ -19,5 +19,6 @@ pub mod cluster;
 pub mod configs;
 pub mod invariants;
 pub mod process;
+pub mod secure;
 
 pub use process::asyncrl_bin;

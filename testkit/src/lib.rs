@@ -307,6 +307,20 @@ impl Drop for NatsServer {
 /// docs/deploy.md, "NATS storage").
 pub const CLUSTER_SYNC_INTERVAL: &str = "10s";
 
+/// How a [`NatsCluster`]'s nodes are secured (default: not at all).
+#[derive(Debug, Clone, Default)]
+pub struct ClusterSecurity {
+    /// Added to every node's config: the client side (a `tls {}` block,
+    /// `authorization` with users; its files and environment).
+    pub client: ServerConfig,
+    /// The user and password every route authenticates with (the nodes
+    /// accept routes only with them).
+    pub route_auth: Option<(String, String)>,
+    /// The body of the cluster's `tls {}` block (certificate, key, CA,
+    /// `verify: true`): routes speak TLS to each other.
+    pub route_tls: Option<String>,
+}
+
 /// A JetStream cluster of real nats-servers on loopback, owned by a test:
 /// each node has its own client port, route port, monitoring port and
 /// store, a `server_name` (`n0`, `n1`, ...) and routes to every other node.
@@ -322,6 +336,13 @@ impl NatsCluster {
     /// Starts `n` nodes (3 for streams at R3) and waits until the cluster
     /// has a JetStream meta leader.
     pub fn start(n: usize) -> Result<Self, TestkitError> {
+        Self::start_with(n, &ClusterSecurity::default())
+    }
+
+    /// [`NatsCluster::start`] with `security`: every node's config gets
+    /// its client-side text and files (TLS, users), and the routes between
+    /// the nodes authenticate (and speak TLS) as it says.
+    pub fn start_with(n: usize, security: &ClusterSecurity) -> Result<Self, TestkitError> {
         // 3n distinct ports: each held until all are chosen.
         let held = (0..3 * n)
             .map(|_| TcpListener::bind("127.0.0.1:0"))
@@ -335,21 +356,41 @@ impl NatsCluster {
         let (route, http) = rest.split_at(n);
         let http = http.to_vec();
         let mut nodes = Vec::with_capacity(n);
+        let credentials = security
+            .route_auth
+            .as_ref()
+            .map(|(user, password)| format!("{user}:{password}@"))
+            .unwrap_or_default();
+        let mut cluster_extra = String::new();
+        if let Some((user, password)) = &security.route_auth {
+            cluster_extra.push_str(&format!(
+                "  authorization {{\n    user: \"{user}\"\n    password: \"{password}\"\n    timeout: 5\n  }}\n"
+            ));
+        }
+        if let Some(tls) = &security.route_tls {
+            cluster_extra.push_str(&format!("  tls {{\n{tls}\n  }}\n"));
+        }
         for i in 0..n {
             let routes: Vec<String> = (0..n)
                 .filter(|&j| j != i)
-                .map(|j| format!("nats://127.0.0.1:{}", route[j]))
+                .map(|j| format!("nats://{credentials}127.0.0.1:{}", route[j]))
                 .collect();
             let text = format!(
                 "server_name: n{i}\n\
                  http: 127.0.0.1:{http}\n\
                  jetstream {{\n  sync_interval: {CLUSTER_SYNC_INTERVAL}\n}}\n\
-                 cluster {{\n  name: asyncrl-test\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n}}\n",
+                 cluster {{\n  name: asyncrl-test\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n{cluster_extra}}}\n{client}",
                 http = http[i],
                 route = route[i],
                 routes = routes.join(", "),
+                client = security.client.text,
             );
-            nodes.push(NatsServer::prepare(client[i], &ServerConfig::new(text))?);
+            let config = ServerConfig {
+                text,
+                files: security.client.files.clone(),
+                env: security.client.env.clone(),
+            };
+            nodes.push(NatsServer::prepare(client[i], &config)?);
         }
         // Started together: a node that waited for its peers before
         // answering would hold up the next one's start.
