@@ -177,6 +177,7 @@ pub(crate) enum Replier {
     Nats {
         client: async_nats::Client,
         reply: Option<async_nats::Subject>,
+        link: Arc<nats::Link>,
     },
     Local(Option<tokio::sync::oneshot::Sender<Bytes>>),
 }
@@ -186,11 +187,18 @@ impl Request {
     /// timed out meanwhile is not an error.
     pub async fn respond(mut self, payload: Bytes) -> Result<()> {
         match &mut self.replier {
-            Replier::Nats { client, reply } => match reply.take() {
-                Some(reply) => client
-                    .publish(reply, payload)
-                    .await
-                    .map_err(|e| TransportError::backend("reply", e)),
+            Replier::Nats {
+                client,
+                reply,
+                link,
+            } => match reply.take() {
+                Some(reply) => {
+                    link.replying(&reply);
+                    client
+                        .publish(reply, payload)
+                        .await
+                        .map_err(|e| TransportError::backend("reply", e))
+                }
                 None => Ok(()),
             },
             Replier::Local(tx) => {

@@ -79,7 +79,7 @@ pub struct NatsBus {
 
 /// The connection's state as the client's events report it.
 #[derive(Debug, Default)]
-struct Link {
+pub(crate) struct Link {
     connected: AtomicBool,
     /// Unix ms of the last (re)connect.
     since_ms: AtomicI64,
@@ -90,9 +90,35 @@ struct Link {
     /// there (credentials for another inbox prefix), no request can get an
     /// answer, and each fails at once naming the refused subscription.
     inbox: Vec<String>,
+    /// The subjects of the latest replies this connection sent (at most
+    /// [`RECENT_REPLIES`]): a refused publish on one is a reply refused.
+    replies: std::sync::Mutex<std::collections::VecDeque<String>>,
 }
 
+/// How many reply subjects [`Link`] remembers.
+const RECENT_REPLIES: usize = 1024;
+
 impl Link {
+    /// A reply is about to be sent on `subject`.
+    pub(crate) fn replying(&self, subject: &str) {
+        let mut replies = self
+            .replies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if replies.len() == RECENT_REPLIES {
+            replies.pop_front();
+        }
+        replies.push_back(subject.to_owned());
+    }
+
+    fn is_reply(&self, subject: &str) -> bool {
+        self.replies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .any(|r| r == subject)
+    }
+
     /// The server's refusal of this connection's inbox, if it came.
     fn inbox_refused(&self) -> Option<Violation> {
         self.violations.find(0, Denied::Subscribe, &self.inbox)
@@ -296,6 +322,23 @@ fn record_event(metrics: &TransportMetrics, link: &Link, event: &Event) {
                 "NATS subscription fell behind and the client dropped messages; raise bus.subscription_capacity"
             );
             "slow_consumer"
+        }
+        Event::ServerError(async_nats::ServerError::Other(message))
+            if let Some((kind, subject)) = violations::parse(message)
+                && kind == Denied::Publish
+                && link.is_reply(&subject) =>
+        {
+            // Not a permission the role lacks: `allow_responses` lets a
+            // server pass a reply only to a request it delivered itself,
+            // so a reply sent after this connection moved to another
+            // server (one restarting in a cluster), or after the reply's
+            // window, is refused. The requester times out and asks again.
+            tracing::warn!(
+                event = "reply_refused",
+                subject = %subject,
+                "NATS refused a reply on `{subject}`: its request came through a server this connection has left since, or the reply came too late; the requester asks again"
+            );
+            "reply_refused"
         }
         Event::ServerError(async_nats::ServerError::Other(message))
             if let Some((kind, subject)) = violations::parse(message) =>
@@ -612,6 +655,7 @@ impl Bus for NatsBus {
         }
         .map_err(|e| self.err("serve", e))?;
         let client = self.client.clone();
+        let link = self.link.clone();
         let requests = sub
             .map(move |m| Request {
                 subject: m.subject.to_string(),
@@ -619,6 +663,7 @@ impl Bus for NatsBus {
                 replier: Replier::Nats {
                     client: client.clone(),
                     reply: m.reply,
+                    link: link.clone(),
                 },
             })
             .boxed();
