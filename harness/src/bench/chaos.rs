@@ -2,14 +2,19 @@
 //! with its invariants checked while it runs and at the end.
 //!
 //! Every role runs as a child process of this binary (coordinator, buffer,
-//! learner, two or more rollout workers) over a private nats-server, with
-//! the tiny built-in model and short sequences (fast steps). A seeded RNG
+//! learner, two or more rollout workers) over private NATS, by default as
+//! production runs it: a three-node JetStream cluster with every stream at
+//! R3, TLS with verified client certificates, each role its own user of
+//! `deploy/k8s/base/nats-auth.conf`, and routes that authenticate over TLS
+//! (`--nats-nodes 1`, `--plain` for less), with the tiny built-in model
+//! and short sequences (fast steps). A seeded RNG
 //! plans the faults before the run starts (times relative to the start, so
 //! a seed always means the same schedule): kill -9 of a role (restarted
 //! after a short delay), SIGTERM of a role (it drains and exits; restarted),
 //! SIGSTOP of a role and SIGCONT after a pause shorter or longer than the
-//! heartbeat and lease timeouts, and kill -9 of nats-server (restarted on
-//! the same port and store). One fault is in flight at a time; one that is
+//! heartbeat and lease timeouts, and kill -9 of a nats-server (in a
+//! cluster the trajectory stream's leader; restarted on the same ports and
+//! store). One fault is in flight at a time; one that is
 //! due while another is still in flight starts when that one ends.
 //!
 //! The learner trains for the whole fault phase (no step target: the run
@@ -67,9 +72,11 @@ use rand::{Rng as _, rngs::StdRng};
 use asyncrl_app::plot::{Series, line_chart};
 
 use super::stats::median;
+use crate::cluster::NatsSetup;
 use crate::configs;
 use crate::invariants::{LossCheck, TaskWhereabouts, check_loss, check_trained};
 use crate::process::{READY_LINE, RoleProcess};
+use crate::secure::SecureNats;
 
 /// What `asyncrl-bench chaos` runs.
 #[derive(Debug, Clone)]
@@ -94,6 +101,10 @@ pub struct ChaosBench {
     /// max(`disk_growth_frac` × median, `disk_growth_mib`).
     pub disk_growth_mib: f64,
     pub disk_growth_frac: f64,
+    /// nats-servers (1, or 3 for a cluster with every stream at R3).
+    pub nats_nodes: usize,
+    /// TLS, per-role credentials and authenticated routes, as production.
+    pub secure: bool,
     pub out: PathBuf,
     /// The command line, for the report.
     pub command: String,
@@ -124,7 +135,8 @@ pub enum FaultKind {
     Sigterm,
     /// SIGSTOP of a role, SIGCONT after `param` seconds.
     Stop,
-    /// kill -9 of nats-server, restarted after `param` seconds.
+    /// kill -9 of a nats-server (in a cluster, the trajectory stream's
+    /// leader), restarted after `param` seconds.
     NatsKill,
 }
 
@@ -359,6 +371,35 @@ fn store_breakdown(dir: &Path) -> Vec<(String, u64)> {
     out
 }
 
+/// The NATS of a run, in words (the report).
+fn nats_description(spec: &ChaosBench) -> String {
+    let servers = if spec.nats_nodes > 1 {
+        format!(
+            "a private {}-node JetStream cluster (every stream, bucket and object store at R{})",
+            spec.nats_nodes, spec.nats_nodes
+        )
+    } else {
+        "a private nats-server".to_owned()
+    };
+    if spec.secure {
+        format!(
+            "{servers} secured as in production: TLS with verified client certificates (a test CA), each role its own user with the permissions of `deploy/k8s/base/nats-auth.conf`{}",
+            if spec.nats_nodes > 1 {
+                ", routes that authenticate and speak TLS"
+            } else {
+                ""
+            }
+        )
+    } else {
+        format!("{servers}, plain (no TLS, no credentials)")
+    }
+}
+
+/// A nats-server's name in the report: `nats-n0`, `nats-n1`, ...
+fn nats_name(nats: &asyncrl_testkit::NatsCluster, node: usize) -> String {
+    format!("nats-{}", nats.name(node))
+}
+
 /// VmRSS of a process in bytes (None when it is gone or a zombie).
 fn rss_bytes(pid: u32) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -420,6 +461,8 @@ enum Next {
         at: f64,
     },
     NatsUp {
+        /// The node (index in the cluster).
+        node: usize,
         at: f64,
     },
 }
@@ -573,8 +616,13 @@ struct Chaos<'a> {
     rt: &'a tokio::runtime::Runtime,
     bin: PathBuf,
     start: Instant,
-    nats: asyncrl_testkit::NatsServer,
-    nats_starts: u32,
+    nats: asyncrl_testkit::NatsCluster,
+    /// Starts of each node.
+    nats_starts: Vec<u32>,
+    /// How the servers are secured, and how the bench's own connections
+    /// reach them (as the unrestricted observer).
+    nats_setup: NatsSetup,
+    nats_url: String,
     bus: Arc<dyn Bus>,
     procs: Vec<Proc>,
     run_dir: PathBuf,
@@ -675,9 +723,10 @@ impl Chaos<'_> {
     /// over already, e.g. skipped).
     fn inject(&mut self, p: &Planned) -> anyhow::Result<Option<Next>> {
         let t = self.now();
-        let target = match p.kind {
-            FaultKind::NatsKill => "nats-server".to_owned(),
-            _ => self.procs[p.target].name.clone(),
+        let nats_node = (p.kind == FaultKind::NatsKill).then(|| self.nats_target());
+        let target = match nats_node {
+            Some(node) => nats_name(&self.nats, node),
+            None => self.procs[p.target].name.clone(),
         };
         let mut rec = FaultRecord {
             planned: p.at,
@@ -691,9 +740,13 @@ impl Chaos<'_> {
         };
         let next = match p.kind {
             FaultKind::NatsKill => {
-                self.nats.kill();
+                let node = nats_node.unwrap_or(0);
+                self.nats.kill9(node);
                 rec.outcome = format!("killed; restart after {:.1}s", p.param);
-                Some(Next::NatsUp { at: t + p.param })
+                Some(Next::NatsUp {
+                    node,
+                    at: t + p.param,
+                })
             }
             _ if !self.procs[p.target].is_running() => {
                 rec.injected = false;
@@ -859,12 +912,11 @@ impl Chaos<'_> {
                 let _ = write!(self.faults[rec].outcome, "; continued at t={t:.1}s");
                 None
             }
-            Next::NatsUp { at } => {
+            Next::NatsUp { node, at } => {
                 if t < at {
-                    return Ok(Some(Next::NatsUp { at }));
+                    return Ok(Some(Next::NatsUp { node, at }));
                 }
-                self.nats.restart().context("restart nats-server")?;
-                self.nats_starts += 1;
+                self.restart_nats(node)?;
                 let _ = write!(self.faults[rec].outcome, "; restarted at t={t:.1}s");
                 None
             }
@@ -912,17 +964,23 @@ impl Chaos<'_> {
                 Some((p.starts, rss_bytes(pid)?))
             })
             .collect();
-        rss.push(
-            self.nats
-                .pid()
-                .and_then(rss_bytes)
-                .map(|b| (self.nats_starts, b)),
-        );
+        for (i, node) in self.nats.nodes().iter().enumerate() {
+            rss.push(
+                node.pid()
+                    .and_then(rss_bytes)
+                    .map(|b| (self.nats_starts[i], b)),
+            );
+        }
         let s = Sample {
             t,
             step: check.max_step,
             stream_messages,
-            nats_bytes: dir_bytes(&self.nats.store_dir().join("jetstream")),
+            nats_bytes: self
+                .nats
+                .nodes()
+                .iter()
+                .map(|n| dir_bytes(&n.store_dir().join("jetstream")))
+                .sum(),
             buffer_bytes: dir_bytes(&self.run_dir.join("buffer")),
             rss,
         };
@@ -983,7 +1041,7 @@ impl Chaos<'_> {
             .context("cannot read what the buffer holds")?;
         let trained = check_trained(&self.trained_text(), self.spec.eta, self.batch()).tasks;
         let bus = self.bus.clone();
-        let url = self.nats.url();
+        let (setup, url) = (&self.nats_setup, &self.nats_url);
         let (state, in_stream, drop_pending) = self.rt.block_on(async move {
             let kv = bus
                 .kv(CONTROL_BUCKET)
@@ -996,9 +1054,10 @@ impl Chaos<'_> {
                 .context("the coordinator stored no state")?;
             let state = CoordinatorState::decode(entry.value.as_ref())
                 .context("cannot decode the coordinator's state")?;
-            let client = async_nats::connect(&url)
+            let client = setup
+                .observe(url)
                 .await
-                .with_context(|| format!("cannot connect to {url}"))?;
+                .map_err(|e| anyhow::anyhow!("cannot connect to {url}: {e}"))?;
             let js = async_nats::jetstream::new(client);
             let prefix = format!("{TRAJECTORY_SUBJECT_PREFIX}.");
             let in_stream = stream_messages(&js, TRAJECTORY_STREAM)
@@ -1024,6 +1083,20 @@ impl Chaos<'_> {
                 drop_pending,
             },
         ))
+    }
+
+    /// The node a NATS fault kills: the trajectory stream's leader (in a
+    /// cluster: the fault that moves the stream's leadership), else node 0.
+    fn nats_target(&mut self) -> usize {
+        self.nats.stream_leader(TRAJECTORY_STREAM).unwrap_or(0)
+    }
+
+    fn restart_nats(&mut self, node: usize) -> anyhow::Result<()> {
+        self.nats
+            .restart(node)
+            .with_context(|| format!("restart {}", nats_name(&self.nats, node)))?;
+        self.nats_starts[node] += 1;
+        Ok(())
     }
 
     fn stop_all(&mut self) -> Vec<(String, String, bool)> {
@@ -1097,9 +1170,15 @@ fn role_config(
     run_dir: &Path,
     tasks: &Path,
     url: &str,
+    nats: &NatsSetup,
     worker: Option<&str>,
 ) -> asyncrl_config::Config {
     let mut c = configs::cluster_role(run_dir, url, tasks);
+    // Every stream, bucket and object store on every server; the roles'
+    // own users and TLS when the servers are secured.
+    c.bus.replicas = nats.cluster_nodes.max(1);
+    c.bus.tls = nats.bus_tls.clone();
+    c.bus.roles = nats.bus_roles.clone();
     c.run.name = "chaos".into();
     c.run.seed = spec.seed;
     // No step target: the learner trains until the run stops it.
@@ -1155,7 +1234,7 @@ pub fn plan_text(spec: &ChaosBench) -> String {
     let mut out = String::new();
     for p in &plan {
         let target = match p.kind {
-            FaultKind::NatsKill => "nats-server",
+            FaultKind::NatsKill => "nats (leader)",
             _ => names[p.target].0.as_str(),
         };
         let _ = writeln!(
@@ -1201,10 +1280,30 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
     );
     asyncrl_tasks::write_jsonl(&tasks, &items).context("cannot write the task file")?;
 
-    let nats = asyncrl_testkit::NatsServer::start().context("cannot start a nats-server")?;
-    let url = nats.url();
+    let nats_setup = if spec.secure {
+        let pki = out.join("pki");
+        std::fs::create_dir_all(&pki)
+            .with_context(|| format!("cannot create {}", pki.display()))?;
+        let tag = format!("{}-{}", spec.seed, std::process::id());
+        SecureNats::new(&pki, &tag)?.setup(spec.nats_nodes)?
+    } else {
+        NatsSetup {
+            cluster_nodes: spec.nats_nodes,
+            ..NatsSetup::default()
+        }
+    };
+    let nats = nats_setup
+        .start()
+        .context("cannot start the nats-servers (run scripts/setup)")?;
+    let url = nats_setup.bus_url(&nats);
+    // The bench's own connection: the observer, unrestricted.
+    let (user, password) = nats_setup.observer.clone().unzip();
     let mut bus_config = asyncrl_config::BusConfig {
         url: url.clone(),
+        user,
+        password: password.map(asyncrl_config::Secret::new),
+        tls: nats_setup.bus_tls.clone(),
+        replicas: nats.len(),
         ..Default::default()
     };
     bus_config.connect_timeout = Duration::from_secs(10);
@@ -1220,7 +1319,7 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
     for (name, role) in role_names(spec.workers) {
         let config = out.join(format!("{name}.toml"));
         let worker = (role == "worker").then_some(name.as_str());
-        role_config(spec, &run_dir, &tasks, &url, worker)
+        role_config(spec, &run_dir, &tasks, &url, &nats_setup, worker)
             .write(&config)
             .with_context(|| format!("cannot write the config of {name}"))?;
         procs.push(Proc {
@@ -1233,7 +1332,12 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
         .with_context(|| format!("cannot create {}", out.join("samples.csv").display()))?;
     let mut header =
         String::from("t_s,learner_step,stream_messages,nats_store_bytes,buffer_dir_bytes");
-    for p in procs.iter().map(|p| p.name.as_str()).chain(["nats-server"]) {
+    let node_names: Vec<String> = (0..nats.len()).map(|i| nats_name(&nats, i)).collect();
+    for p in procs
+        .iter()
+        .map(|p| p.name.as_str())
+        .chain(node_names.iter().map(String::as_str))
+    {
         let _ = write!(header, ",{p}_start,{p}_rss_bytes");
     }
     writeln!(samples_csv, "{header}").context("cannot write samples.csv")?;
@@ -1257,8 +1361,10 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
         rt,
         bin,
         start,
+        nats_starts: vec![1; nats.len()],
         nats,
-        nats_starts: 1,
+        nats_setup,
+        nats_url: url.clone(),
         bus: bus.clone(),
         procs,
         run_dir: run_dir.clone(),
@@ -1316,8 +1422,8 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
             eprintln!(
                 "bench chaos: t={t:.0}s the run did not settle within {SETTLE_LIMIT:.0}s of the fault phase's end"
             );
-            if matches!(in_flight, Some(Next::NatsUp { .. })) {
-                c.nats.restart().context("restart nats-server")?;
+            if let Some(Next::NatsUp { node, .. }) = in_flight {
+                c.restart_nats(node)?;
             }
             break;
         }
@@ -1334,12 +1440,21 @@ pub fn chaos(rt: &tokio::runtime::Runtime, spec: &ChaosBench) -> anyhow::Result<
     if let Err(e) = &loss {
         eprintln!("bench chaos: cannot check for loss: {e:#}");
     }
-    let store_parts = store_breakdown(&c.nats.store_dir().join("jetstream"));
-    let _ = std::fs::copy(
-        c.nats.store_dir().join("nats-server.log"),
-        logs.join("nats-server.log"),
-    );
-    c.nats.stop();
+    // Per stream, summed over the nodes (each holds a replica at R3).
+    let mut store_parts: BTreeMap<String, u64> = BTreeMap::new();
+    for i in 0..c.nats.len() {
+        let dir = c.nats.nodes()[i].store_dir().to_path_buf();
+        for (stream, bytes) in store_breakdown(&dir.join("jetstream")) {
+            *store_parts.entry(stream).or_default() += bytes;
+        }
+        let _ = std::fs::copy(
+            dir.join("nats-server.log"),
+            logs.join(format!("{}.log", nats_name(&c.nats, i))),
+        );
+        c.nats.node(i).stop();
+    }
+    let mut store_parts: Vec<(String, u64)> = store_parts.into_iter().collect();
+    store_parts.sort_by_key(|p| std::cmp::Reverse(p.1));
 
     let report = write_report(
         &c,
@@ -1542,7 +1657,7 @@ fn write_report(
     // Memory.
     let warmup = (0.2 * duration).min(60.0);
     let mut names: Vec<String> = c.procs.iter().map(|p| p.name.clone()).collect();
-    names.push("nats-server".into());
+    names.extend((0..c.nats.len()).map(|i| nats_name(&c.nats, i)));
     let trends: Vec<Trend> = names
         .iter()
         .enumerate()
@@ -1563,9 +1678,9 @@ fn write_report(
             )
         })
         .collect();
-    // nats-server is sampled and shown, but judged are the roles: its
-    // file-store caches follow the write rate (see the report).
-    let role_trends = &trends[..trends.len() - 1];
+    // The nats-servers are sampled and shown, but judged are the roles:
+    // their file-store caches follow the write rate (see the report).
+    let role_trends = &trends[..c.procs.len()];
     let growing: Vec<String> = role_trends
         .iter()
         .filter(|m| m.flat == Some(false))
@@ -1728,7 +1843,13 @@ fn write_report(
     let _ = writeln!(w, "# Chaos soak\n");
     let _ = writeln!(
         w,
-        "Every role ran as its own process over a private nats-server while faults were injected at seeded random times: kill -9 of a role (restarted after a delay), SIGTERM of a role (sent once the role has installed its handler, i.e. logged `{READY_LINE}`; it drains and exits, then is restarted), SIGSTOP/SIGCONT of a role for a pause shorter or longer than the heartbeat's dead-after (3 s) and the lease (6 s), and kill -9 of nats-server (restarted on the same port and store). One fault is in flight at a time, and every one lands while the learner trains (it trains until the fault phase ends; the schedule's first kill -9 is the learner's). The invariants are checked at every sample and at the end from the learner's `trained.jsonl` and `policy.version` in the `{CONTROL_BUCKET}` KV bucket (watched, and read at every sample); the loss invariant at the end from the coordinator's persisted state, what the stopped buffer holds (its served log and segments) and what the trajectory and drop-report streams still hold.\n"
+        "Every role ran as its own process over {} while faults were injected at seeded random times: kill -9 of a role (restarted after a delay), SIGTERM of a role (sent once the role has installed its handler, i.e. logged `{READY_LINE}`; it drains and exits, then is restarted), SIGSTOP/SIGCONT of a role for a pause shorter or longer than the heartbeat's dead-after (3 s) and the lease (6 s), and kill -9 of {} (restarted on the same ports and store). One fault is in flight at a time, and every one lands while the learner trains (it trains until the fault phase ends; the schedule's first kill -9 is the learner's). The invariants are checked at every sample and at the end from the learner's `trained.jsonl` and `policy.version` in the `{CONTROL_BUCKET}` KV bucket (watched, and read at every sample); the loss invariant at the end from the coordinator's persisted state, what the stopped buffer holds (its served log and segments) and what the trajectory and drop-report streams still hold.\n",
+        nats_description(spec),
+        if spec.nats_nodes > 1 {
+            "the node that led the trajectory stream"
+        } else {
+            "nats-server"
+        }
     );
     let _ = writeln!(w, "- command: `{}`", spec.command);
     let _ = writeln!(
@@ -1772,7 +1893,7 @@ fn write_report(
     );
     let _ = writeln!(
         w,
-        "## Memory\n\nRule: per process, the samples of its longest-lived start, from {warmup:.0} s (20 % of the fault phase, at most 60 s) after that start on; least-squares slope; flat when slope × {duration:.0} s (the fault phase) ≤ max({:.0} % of the median, {:.0} MiB). Fewer than 5 samples: not judged. nats-server is sampled and shown but not judged: it is not one of ours, and its file store caches blocks in memory as the write rate asks.\n",
+        "## Memory\n\nRule: per process, the samples of its longest-lived start, from {warmup:.0} s (20 % of the fault phase, at most 60 s) after that start on; least-squares slope; flat when slope × {duration:.0} s (the fault phase) ≤ max({:.0} % of the median, {:.0} MiB). Fewer than 5 samples: not judged. The nats-servers are sampled and shown but not judged: they are not ours, and its file store caches blocks in memory as the write rate asks.\n",
         spec.mem_growth_frac * 100.0,
         spec.mem_growth_mib
     );
@@ -1791,9 +1912,9 @@ fn write_report(
             m.slope_mib_per_min,
             m.projected_mib,
             m.threshold_mib,
-            match (m.role.as_str(), m.flat) {
-                ("nats-server", Some(true)) => "flat (shown, not judged)",
-                ("nats-server", Some(false)) => "growing (shown, not judged)",
+            match (m.role.starts_with("nats-"), m.flat) {
+                (true, Some(true)) => "flat (shown, not judged)",
+                (true, Some(false)) => "growing (shown, not judged)",
                 (_, Some(true)) => "flat",
                 (_, Some(false)) => "GROWING",
                 (_, None) => "not judged",

@@ -183,6 +183,17 @@ pub struct ChaosArgs {
     disk_growth_mib: f64,
     #[arg(long, default_value_t = 0.25)]
     disk_growth_frac: f64,
+    /// nats-servers: 3 is a JetStream cluster with every stream at R3 (a
+    /// NATS fault kills one node, the trajectory stream's leader); 1 is a
+    /// single server.
+    #[arg(long, default_value_t = 3)]
+    nats_nodes: usize,
+    /// Plain NATS: no TLS, no per-role credentials, routes that do not
+    /// authenticate (the default is production's: TLS with verified client
+    /// certificates, the roles' users of deploy/k8s/base/nats-auth.conf,
+    /// authenticated TLS routes).
+    #[arg(long)]
+    plain: bool,
     #[arg(long, default_value = "runs/bench/chaos")]
     out: PathBuf,
     /// Print the fault schedule of these arguments and exit.
@@ -520,6 +531,8 @@ pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
                 mem_growth_frac: args.mem_growth_frac,
                 disk_growth_mib: args.disk_growth_mib,
                 disk_growth_frac: args.disk_growth_frac,
+                nats_nodes: args.nats_nodes,
+                secure: !args.plain,
                 out: args.out,
                 command: std::env::args().collect::<Vec<_>>().join(" "),
             };
