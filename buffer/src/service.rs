@@ -1251,11 +1251,13 @@ impl Server {
         }
     }
 
-    /// Compaction: one snapshot instead of the history. Runs after a plan is
-    /// committed, so that the snapshot includes what was just appended.
+    /// Compaction: one snapshot instead of the history, once the log has
+    /// grown by `state_log_compact_bytes` past the last snapshot. Runs after
+    /// a plan is committed, so that the snapshot includes what was just
+    /// appended.
     async fn maybe_compact(&mut self) {
         let compact_at = self.config.state_log_compact_bytes;
-        if self.log.as_ref().is_none_or(|l| l.bytes() <= compact_at) {
+        if self.log.as_ref().is_none_or(|l| l.growth() <= compact_at) {
             return;
         }
         let snapshot = self.shared.core().snapshot();

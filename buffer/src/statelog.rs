@@ -156,6 +156,11 @@ pub struct StateLog {
     path: PathBuf,
     file: File,
     len: u64,
+    /// Bytes of the leading snapshot (what the last compaction wrote):
+    /// compaction is due when the log has grown past it by
+    /// `state_log_compact_bytes`, so a snapshot larger than that is not
+    /// rewritten at every append.
+    base: u64,
     /// A failed append left bytes past `len` that could not be cut off yet:
     /// the next append cuts them first (a line after garbage would be lost
     /// on the next open, which stops at the first bad line).
@@ -181,12 +186,17 @@ impl StateLog {
         }
         let valid = kept.len() as u64;
         sync_dir(dir)?;
+        let base = match records.first() {
+            Some(first @ Record::Snapshot { .. }) => encode_line(first)?.len() as u64,
+            _ => 0,
+        };
         Ok((
             Self {
                 dir: dir.to_owned(),
                 path,
                 file,
                 len: valid,
+                base: base.min(valid),
                 torn: false,
                 fsync,
             },
@@ -197,6 +207,12 @@ impl StateLog {
     /// Bytes in the file.
     pub fn bytes(&self) -> u64 {
         self.len
+    }
+
+    /// Bytes appended after the leading snapshot (the whole file when it
+    /// has none): what compaction would fold.
+    pub fn growth(&self) -> u64 {
+        self.len - self.base
     }
 
     /// Appends records with one write and (per the fsync policy) one fsync.
@@ -232,8 +248,12 @@ impl StateLog {
     pub fn rewrite(&mut self, records: &[Record]) -> Result<(), BufferError> {
         let tmp = self.dir.join(format!("{STATE_LOG}.tmp"));
         let mut bytes = Vec::new();
+        let mut base = 0;
         for r in records {
             bytes.extend_from_slice(&encode_line(r)?);
+            if base == 0 && matches!(r, Record::Snapshot { .. }) {
+                base = bytes.len() as u64;
+            }
         }
         // Opened for appending before the rename: the handle follows the
         // file, so no append can go to the replaced one.
@@ -258,6 +278,7 @@ impl StateLog {
         fs::rename(&tmp, &self.path).map_err(|e| BufferError::io("rename", &tmp, e))?;
         self.file = file;
         self.len = bytes.len() as u64;
+        self.base = base;
         self.torn = false;
         sync_dir(&self.dir)?;
         Ok(())
@@ -364,6 +385,32 @@ mod tests {
         let (_, back) = StateLog::open(dir.path(), FsyncPolicy::Always).unwrap();
         assert_eq!(back, vec![records()[2].clone(), records()[0].clone()]);
         assert!(!dir.path().join(format!("{STATE_LOG}.tmp")).exists());
+    }
+
+    /// Compaction is due on growth past the last snapshot, not on the
+    /// file's size: a snapshot larger than the threshold (a long run's
+    /// history) is not rewritten at every append.
+    #[test]
+    fn growth_counts_from_the_leading_snapshot_across_rewrites_and_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, _) = StateLog::open(dir.path(), FsyncPolicy::Never).unwrap();
+        log.append(&records()[..2]).unwrap();
+        // No snapshot yet: everything is growth.
+        assert_eq!(log.growth(), log.bytes());
+        let snapshot = &records()[2..];
+        let snapshot_bytes = encode_line(&snapshot[0]).unwrap().len() as u64;
+        log.rewrite(snapshot).unwrap();
+        assert_eq!(log.bytes(), snapshot_bytes);
+        assert_eq!(log.growth(), 0);
+        log.append(&records()[..1]).unwrap();
+        let appended = encode_line(&records()[0]).unwrap().len() as u64;
+        assert_eq!(log.growth(), appended);
+        drop(log);
+        // Reopened: the leading snapshot is still not growth.
+        let (log, back) = StateLog::open(dir.path(), FsyncPolicy::Never).unwrap();
+        assert_eq!(back.len(), 2);
+        assert_eq!(log.bytes(), snapshot_bytes + appended);
+        assert_eq!(log.growth(), appended);
     }
 
     proptest::proptest! {
