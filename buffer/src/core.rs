@@ -408,14 +408,21 @@ impl Core {
             if let Some((kept, consumed)) = self.task_done.get(&m.task) {
                 if *kept != m.group {
                     out.superseded += 1;
-                    let of_task = self.superseded.entry(m.task.clone()).or_default();
-                    if !of_task.contains(&m.group) {
-                        of_task.push(m.group.clone());
+                    // Only an open task's superseded attempts matter (the
+                    // records of its kept group's drop name them); a
+                    // consumed task's are history.
+                    if !*consumed {
+                        let of_task = self.superseded.entry(m.task.clone()).or_default();
+                        if !of_task.contains(&m.group) {
+                            of_task.push(m.group.clone());
+                        }
                     }
                     if !replay {
                         let n = self.late.entry(m.group.clone()).or_insert(0);
                         *n += 1;
                         if *n == m.group_size {
+                            // Reported once; its count is no longer needed.
+                            self.late.remove(&m.group);
                             out.dropped.push(DroppedGroup {
                                 task: m.task.to_string(),
                                 group: m.group.to_string(),
@@ -703,23 +710,84 @@ impl Core {
             step: refusal.step,
             groups,
             reason: reasons.join("; "),
+            stale: self
+                .unserved_stale(refusal)
+                .into_iter()
+                .filter_map(|id| self.groups.get(&id))
+                .map(|g| Quarantined {
+                    group: g.gref(),
+                    trajectories: g.members.len() as u32,
+                    closed: self
+                        .superseded
+                        .get(&g.task)
+                        .map(|groups| groups.iter().map(|x| x.to_string()).collect())
+                        .unwrap_or_default(),
+                })
+                .collect(),
         }
+    }
+
+    /// The groups of a refused step, other than the refused ones, that had
+    /// expired and whose one serve was this step's: taking it back leaves
+    /// a group never trained, so [`Core::commit_refusal`] drops them as
+    /// stale.
+    fn unserved_stale(&self, refusal: &Refusal) -> Vec<Arc<str>> {
+        let Some(step) = self.served.get(&refusal.step) else {
+            return Vec::new();
+        };
+        step.groups
+            .iter()
+            .filter(|id| !refusal.groups.iter().any(|(r, _)| r == *id))
+            .filter(|id| {
+                self.groups.get(*id).is_some_and(|g| {
+                    g.state == GroupState::Exhausted && g.serves == 1 && g.serves < self.max_serves
+                })
+            })
+            .cloned()
+            .collect()
     }
 
     /// Applies a refusal whose record is durable: the refused groups are
     /// released and their tasks reopened (the coordinator issues them
     /// again), the step's other groups count one serve fewer (servable
-    /// again), and the step is forgotten, to be served anew. Returns the
-    /// quarantined groups.
+    /// again; one that expired meanwhile is a stale drop when no serve of it
+    /// is left), and the step is forgotten, to be served anew. Returns the
+    /// groups dropped: the quarantined and those stale drops.
     pub fn commit_refusal(&mut self, refusal: Refusal) -> Vec<DroppedGroup> {
         let Some(step) = self.served.remove(&refusal.step) else {
             return Vec::new();
         };
         let refused: HashSet<&Arc<str>> = refusal.groups.iter().map(|(id, _)| id).collect();
+        let mut dropped = Vec::new();
         for id in step.groups.iter().filter(|id| !refused.contains(id)) {
             self.unserve(id);
+            let Some(g) = self.groups.get(id) else {
+                continue;
+            };
+            if g.state != GroupState::Exhausted {
+                continue;
+            }
+            if g.serves > 0 {
+                // Expired, and trained at an earlier step: final once that
+                // step is (it may be already).
+                self.settle(id);
+                continue;
+            }
+            // Expired, and its one serve was this step's (the record's
+            // `stale`): never trained, so a stale drop, and its task is
+            // issued again.
+            let task = g.task.clone();
+            let closed = self.superseded.get(&task).cloned().unwrap_or_default();
+            if let Some(g) = self.release(id) {
+                dropped.push(DroppedGroup {
+                    task: g.task.to_string(),
+                    group: g.id.to_string(),
+                    reason: GroupDropReason::Stale,
+                    trajectories: g.members.len() as u32,
+                });
+            }
+            self.reopen(&task, id, closed);
         }
-        let mut dropped = Vec::new();
         for (id, _) in &refusal.groups {
             let Some(g) = self.groups.get(id) else {
                 continue;
@@ -743,9 +811,21 @@ impl Core {
     /// servable again if that serve was what exhausted it.
     fn unserve(&mut self, id: &Arc<str>) {
         let max_serves = self.max_serves;
+        // The latest step still holding it (the forgotten step is out of
+        // `served` already); none: only trained steps did, so a settle can
+        // release it (else a group that expires later would wait for a
+        // settle that never comes, holding its rows and its segment).
+        let latest = self
+            .served
+            .iter()
+            .filter(|(_, s)| s.groups.contains(id))
+            .map(|(step, _)| *step)
+            .max();
+        let done_through = self.done_through;
         let Some(g) = self.groups.get_mut(id) else {
             return;
         };
+        g.last_step = latest.unwrap_or(g.last_step.min(done_through));
         let was_exhausted_by_serving = g.state == GroupState::Exhausted && g.serves >= max_serves;
         g.serves = g.serves.saturating_sub(1);
         if was_exhausted_by_serving && g.serves < max_serves {
@@ -1173,7 +1253,12 @@ impl Core {
                         },
                     );
                 }
-                Record::Refused { step, groups, .. } => {
+                Record::Refused {
+                    step,
+                    groups,
+                    stale,
+                    ..
+                } => {
                     let quarantined: HashSet<&str> =
                         groups.iter().map(|q| q.group.group.as_str()).collect();
                     steps.remove(step);
@@ -1182,6 +1267,25 @@ impl Core {
                             && let Some(e) = serves.get_mut(&g)
                         {
                             e.serves = e.serves.saturating_sub(1);
+                            // As `unserve`: the latest step still holding it.
+                            e.last_step = step_refs
+                                .iter()
+                                .filter(|(_, gs)| gs.contains(&g))
+                                .map(|(s, _)| *s)
+                                .max()
+                                .unwrap_or(e.last_step.min(self.done_through));
+                        }
+                    }
+                    for q in stale {
+                        let e = serves.entry(q.group.clone()).or_default();
+                        e.expired = true;
+                        e.serves = e.serves.max(self.max_serves);
+                        stale_drops.push(q.group.clone());
+                        for c in &q.closed {
+                            stale_drops.push(GroupRef {
+                                task: q.group.task.clone(),
+                                group: c.clone(),
+                            });
                         }
                     }
                     for q in groups {

@@ -1311,14 +1311,20 @@ impl Server {
             .await
             .map_err(|e| format!("buffer cannot persist its served log: {e}"))?;
         let dropped = self.shared.core().commit_refusal(refusal);
+        let mut quarantined = 0;
         for d in &dropped {
-            tracing::warn!(step, task = %d.task, group = %d.group, trajectories = d.trajectories, "the learner refused a group: quarantined (dead-lettered; its task is issued again)");
+            if d.reason == GroupDropReason::Quarantined {
+                quarantined += 1;
+                tracing::warn!(step, task = %d.task, group = %d.group, trajectories = d.trajectories, "the learner refused a group: quarantined (dead-lettered; its task is issued again)");
+            } else {
+                tracing::info!(step, task = %d.task, group = %d.group, trajectories = d.trajectories, "a group expired whose every serve was refused: dropped as stale (its task is issued again)");
+            }
         }
         self.shared
             .metrics
             .dead_lettered
             .get_or_create(&BufferMetrics::reason("quarantined"))
-            .inc_by(dropped.len() as u64);
+            .inc_by(quarantined);
         self.maybe_compact().await;
         self.shared.report_dropped(&dropped).await;
         self.shared.update_gauges();

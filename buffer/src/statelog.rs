@@ -74,6 +74,11 @@ pub enum Record {
         step: u64,
         groups: Vec<Quarantined>,
         reason: String,
+        /// Other groups of the step that had expired and whose one serve
+        /// was this step's: never trained, so dropped as stale (their tasks
+        /// issued again, `closed` as for a stale drop).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stale: Vec<Quarantined>,
     },
     /// A group will never be served (again).
     Dropped {

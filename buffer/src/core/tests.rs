@@ -674,8 +674,17 @@ proptest::proptest! {
                     let refusal = refusal.expect("a group of the last step is refusable");
                     log.push(c.refusal_record(&refusal));
                     let dropped = c.commit_refusal(refusal);
-                    proptest::prop_assert_eq!(dropped.len(), 1);
-                    proptest::prop_assert_eq!(dropped[0].reason, GroupDropReason::Quarantined);
+                    // The refused group is quarantined; a group of the step
+                    // that expired with every serve refused is a stale drop.
+                    let quarantined_now: Vec<&DroppedGroup> = dropped
+                        .iter()
+                        .filter(|d| d.reason == GroupDropReason::Quarantined)
+                        .collect();
+                    proptest::prop_assert_eq!(quarantined_now.len(), 1);
+                    proptest::prop_assert_eq!(&quarantined_now[0].group, &refused);
+                    proptest::prop_assert!(dropped
+                        .iter()
+                        .all(|d| d.reason == GroupDropReason::Quarantined || d.reason == GroupDropReason::Stale));
                     quarantined.insert(refused.clone());
                     for g in groups.iter().filter(|g| **g != refused) {
                         if let Some(s) = serves.get_mut(g) {
@@ -749,6 +758,44 @@ fn copies_of_trained_trajectories_are_known_before_they_are_stored() {
     // ... a trajectory of another attempt of the task is not.
     let other = traj_of("task-0", "lease-9", 99, 0, 2, 0, 4);
     assert!(!c.is_known(&meta(&other)));
+}
+
+/// A late attempt of a task already trained on is dropped and reported
+/// once, and leaves nothing behind: a long run sees many, and per-attempt
+/// bookkeeping of tasks that are done would grow with it.
+#[test]
+fn a_late_attempt_of_a_trained_task_leaves_no_bookkeeping_behind() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    feed(&mut c, &groups(0, 2, 2, 0), 1);
+    let (outcome, _) = serve(&mut c, ask(1, 0, 4, 1));
+    assert_eq!(served(&outcome), names(&[0]));
+    // Step 2 served: step 1 is trained, its group consumed.
+    let (outcome, _) = serve(&mut c, ask(2, 1, 4, 1));
+    assert_eq!(served(&outcome), names(&[1]));
+    assert_eq!(
+        c.task_done.get("task-0").map(|(_, consumed)| *consumed),
+        Some(true)
+    );
+    let late = [
+        traj_of("task-0", "lease-9", 90, 0, 2, 0, 4),
+        traj_of("task-0", "lease-9", 91, 1, 2, 0, 4),
+    ];
+    let a = feed(&mut c, &late[..1], 1);
+    assert_eq!((a.stored, a.superseded), (0, 1));
+    assert!(a.dropped.is_empty());
+    let a = feed(&mut c, &late[1..], 1);
+    assert_eq!((a.stored, a.superseded), (0, 1));
+    assert_eq!(
+        a.dropped,
+        vec![DroppedGroup {
+            task: "task-0".into(),
+            group: "lease-9".into(),
+            reason: GroupDropReason::DuplicateAttempt,
+            trajectories: 2,
+        }]
+    );
+    assert!(c.superseded.is_empty(), "{:?}", c.superseded);
+    assert!(c.late.is_empty(), "{:?}", c.late);
 }
 
 /// A refusal, planned, recorded and committed as the server does; the
@@ -876,4 +923,114 @@ fn with_reuse_a_refused_step_gives_its_other_groups_their_serve_back() {
         c.plan(ask(2, 1, 4, 1)).outcome,
         Outcome::Serve(vec![Arc::from("lease-0")])
     );
+}
+
+/// Found by `random_histories_keep_the_serving_invariants` (reuse): a group
+/// served again at a step that is then refused, which later expires, is
+/// released once its earlier step is trained. It waited for a settle that
+/// never came (its last step still named the refused one), holding its
+/// rows and its segment, while a restart released it.
+#[test]
+fn a_group_whose_later_serve_was_refused_is_released_when_it_expires() {
+    let mut c = core(SamplingPolicy::Reuse, 2);
+    let mut log: Vec<Record> = Vec::new();
+    let mut written: Vec<Vec<Trajectory>> = Vec::new();
+    let serve_logged = |c: &mut Core, log: &mut Vec<Record>, a: Ask| {
+        let plan = c.plan(a);
+        log.extend(c.records(&plan, 0));
+        let outcome = plan.outcome.clone();
+        c.commit(plan);
+        served(&outcome)
+    };
+    let x = groups(0, 1, 2, 0);
+    feed(&mut c, &x, 1);
+    written.push(x);
+    assert_eq!(serve_logged(&mut c, &mut log, ask(1, 0, 0, 1)), names(&[0]));
+    let y = groups(1, 1, 2, 0);
+    feed(&mut c, &y, 1);
+    written.push(y);
+    // Step 2 at version 1 serves both; then the learner refuses the new one.
+    let step2 = serve_logged(&mut c, &mut log, ask(2, 1, 1, 2));
+    assert_eq!(step2.len(), 2);
+    let refusal = c
+        .plan_refusal(2, &[("lease-1".into(), "bad".into())])
+        .expect("lease-1 was served for step 2");
+    log.push(c.refusal_record(&refusal));
+    c.commit_refusal(refusal);
+    // Step 2 again, η = 0: lease-0 (version 0) has expired; a fresh group is served.
+    let z = groups(2, 1, 2, 1);
+    feed(&mut c, &z, 1);
+    written.push(z);
+    assert_eq!(serve_logged(&mut c, &mut log, ask(2, 1, 0, 1)), names(&[2]));
+    // Step 3: step 2 (and so step 1) is trained.
+    serve_logged(&mut c, &mut log, ask(3, 1, 0, 1));
+    assert!(
+        !c.groups.contains_key("lease-0"),
+        "the expired group is released"
+    );
+    let before = c.stats();
+    let mut back = recover(SamplingPolicy::Reuse, 2, &log, &written);
+    assert!(back.finish_recovery().is_empty());
+    let after = back.stats();
+    assert_eq!(
+        (before.exhausted_groups, before.live_trajectories),
+        (after.exhausted_groups, after.live_trajectories)
+    );
+}
+
+/// Reuse: a group that expired while its one serve was pending, at a step
+/// the learner then refuses (for another group), was never trained. It is
+/// dropped as stale and its task issued again, live and after a restart;
+/// it was left exhausted and never released (its task lost).
+#[test]
+fn an_expired_group_whose_only_serve_is_refused_is_a_stale_drop() {
+    let mut c = core(SamplingPolicy::Reuse, 2);
+    let mut log: Vec<Record> = Vec::new();
+    let rows = groups(0, 2, 2, 2);
+    feed(&mut c, &rows, 1);
+    let plan = c.plan(ask(1, 2, 0, 2));
+    log.extend(c.records(&plan, 0));
+    c.commit(plan);
+    // Version 3, η = 0: both groups have expired; nothing to serve.
+    let plan = c.plan(ask(2, 3, 0, 2));
+    log.extend(c.records(&plan, 0));
+    assert!(
+        matches!(plan.outcome, Outcome::NotReady { .. }),
+        "{:?}",
+        plan.outcome
+    );
+    c.commit(plan);
+    let refusal = c
+        .plan_refusal(1, &[("lease-1".into(), "bad".into())])
+        .expect("lease-1 was served for step 1");
+    log.push(c.refusal_record(&refusal));
+    let mut dropped = c.commit_refusal(refusal);
+    dropped.sort_by(|a, b| a.group.cmp(&b.group));
+    let reasons: Vec<(&str, GroupDropReason)> = dropped
+        .iter()
+        .map(|d| (d.group.as_str(), d.reason))
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            ("lease-0", GroupDropReason::Stale),
+            ("lease-1", GroupDropReason::Quarantined)
+        ]
+    );
+    let open = |c: &Core| -> Vec<(String, String)> {
+        c.stale_drops()
+            .into_iter()
+            .map(|(t, g)| (t.to_string(), g.to_string()))
+            .collect()
+    };
+    let expected = vec![
+        ("task-0".to_string(), "lease-0".to_string()),
+        ("task-1".to_string(), "lease-1".to_string()),
+    ];
+    assert_eq!(open(&c), expected);
+    assert_eq!(c.stats().live_trajectories, 0);
+    let mut back = recover(SamplingPolicy::Reuse, 2, &log, &[rows]);
+    assert!(back.finish_recovery().is_empty());
+    assert_eq!(open(&back), expected);
+    assert_eq!(back.stats().live_trajectories, 0);
 }
