@@ -14,6 +14,7 @@ use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use asyncrl_learner::outputs::{TRAINED_JSONL, TrainedStep, read_trained};
 use asyncrl_protos::v1::coordinator_admin_client::CoordinatorAdminClient;
 use asyncrl_protos::v1::{ListWorkersRequest, StatusReply, StatusRequest, WorkerInfo};
@@ -178,7 +179,7 @@ impl NatsSetup {
     }
 
     /// A connection of the test itself (not a role's).
-    pub async fn observe(&self, url: &str) -> Result<async_nats::Client, String> {
+    pub async fn observe(&self, url: &str) -> anyhow::Result<async_nats::Client> {
         let mut opts = match &self.observer {
             Some((user, password)) => {
                 async_nats::ConnectOptions::with_user_and_password(user.clone(), password.clone())
@@ -196,8 +197,10 @@ impl NatsSetup {
             .split(',')
             .map(|s| s.trim().parse::<async_nats::ServerAddr>())
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("{url}: {e}"))?;
-        opts.connect(servers).await.map_err(|e| e.to_string())
+            .with_context(|| format!("the server list {url}"))?;
+        opts.connect(servers)
+            .await
+            .with_context(|| format!("cannot connect to {url}"))
     }
 }
 
@@ -667,9 +670,9 @@ impl Cluster {
         self.watcher = Some(self.rt.spawn(async move {
             loop {
                 if let Err(e) = watch_once(&setup, &url, &seen).await
-                    && !e.contains("not found")
+                    && !format!("{e:#}").contains("not found")
                 {
-                    tracing_note(&format!("policy.version watch: {e}; reopening"));
+                    tracing_note(&format!("policy.version watch: {e:#}; reopening"));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -691,7 +694,7 @@ impl Cluster {
                 .setup
                 .observe(&url)
                 .await
-                .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+                .unwrap_or_else(|e| panic!("{e:#}"));
             let js = async_nats::jetstream::new(client);
             let mut stream = js
                 .get_stream(asyncrl_protos::subjects::TRAJECTORY_STREAM)
@@ -1275,23 +1278,24 @@ async fn watch_once(
     setup: &NatsSetup,
     url: &str,
     seen: &Arc<Mutex<Vec<WeightAnnouncement>>>,
-) -> Result<(), String> {
+) -> anyhow::Result<()> {
     let client = setup.observe(url).await?;
     let js = async_nats::jetstream::new(client);
     let kv = js
         .get_key_value(asyncrl_protos::subjects::CONTROL_BUCKET)
         .await
-        .map_err(|e| e.to_string())?;
+        .context("open the control bucket")?;
     let mut watch = kv
         .watch_with_history(asyncrl_protos::subjects::POLICY_VERSION_KEY)
         .await
-        .map_err(|e| e.to_string())?;
+        .context("watch policy.version")?;
     while let Some(entry) = watch.next().await {
-        let entry = entry.map_err(|e| e.to_string())?;
+        let entry = entry.context("the watch of policy.version")?;
         if entry.operation != async_nats::jetstream::kv::Operation::Put {
             continue;
         }
-        let a = WeightAnnouncement::decode(entry.value.as_ref()).map_err(|e| e.to_string())?;
+        let a =
+            WeightAnnouncement::decode(entry.value.as_ref()).context("decode policy.version")?;
         let mut seen = seen
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -1300,7 +1304,7 @@ async fn watch_once(
             seen.push(a);
         }
     }
-    Err("the watch ended".into())
+    anyhow::bail!("the watch ended")
 }
 
 fn tracing_note(msg: &str) {

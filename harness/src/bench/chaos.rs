@@ -1054,10 +1054,7 @@ impl Chaos<'_> {
                 .context("the coordinator stored no state")?;
             let state = CoordinatorState::decode(entry.value.as_ref())
                 .context("cannot decode the coordinator's state")?;
-            let client = setup
-                .observe(url)
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot connect to {url}: {e}"))?;
+            let client = setup.observe(url).await?;
             let js = async_nats::jetstream::new(client);
             let prefix = format!("{TRAJECTORY_SUBJECT_PREFIX}.");
             let in_stream = stream_messages(&js, TRAJECTORY_STREAM)
