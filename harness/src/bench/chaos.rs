@@ -1890,7 +1890,7 @@ fn write_report(
     );
     let _ = writeln!(
         w,
-        "## Memory\n\nRule: per process, the samples of its longest-lived start, from {warmup:.0} s (20 % of the fault phase, at most 60 s) after that start on; least-squares slope; flat when slope × {duration:.0} s (the fault phase) ≤ max({:.0} % of the median, {:.0} MiB). Fewer than 5 samples: not judged. The nats-servers are sampled and shown but not judged: they are not ours, and its file store caches blocks in memory as the write rate asks.\n",
+        "## Memory\n\nRule: per process, the samples of its longest-lived start, from {warmup:.0} s (20 % of the fault phase, at most 60 s) after that start on; least-squares slope; flat when slope × {duration:.0} s (the fault phase) ≤ max({:.0} % of the median, {:.0} MiB). Fewer than 5 samples: not judged. The nats-servers are sampled and shown but not judged: they are not ours, and their file stores cache blocks in memory as the write rate asks.\n",
         spec.mem_growth_frac * 100.0,
         spec.mem_growth_mib
     );
