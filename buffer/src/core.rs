@@ -776,34 +776,27 @@ impl Core {
             // Expired, and its one serve was this step's (the record's
             // `stale`): never trained, so a stale drop, and its task is
             // issued again.
-            let task = g.task.clone();
-            let closed = self.superseded.get(&task).cloned().unwrap_or_default();
-            if let Some(g) = self.release(id) {
-                dropped.push(DroppedGroup {
-                    task: g.task.to_string(),
-                    group: g.id.to_string(),
-                    reason: GroupDropReason::Stale,
-                    trajectories: g.members.len() as u32,
-                });
-            }
-            self.reopen(&task, id, closed);
+            dropped.extend(self.drop_and_reopen(id, GroupDropReason::Stale));
         }
         for (id, _) in &refusal.groups {
-            let Some(g) = self.groups.get(id) else {
-                continue;
-            };
-            let task = g.task.clone();
-            let closed = self.superseded.get(&task).cloned().unwrap_or_default();
-            if let Some(g) = self.release(id) {
-                dropped.push(DroppedGroup {
-                    task: g.task.to_string(),
-                    group: g.id.to_string(),
-                    reason: GroupDropReason::Quarantined,
-                    trajectories: g.members.len() as u32,
-                });
-            }
-            self.reopen(&task, id, closed);
+            dropped.extend(self.drop_and_reopen(id, GroupDropReason::Quarantined));
         }
+        dropped
+    }
+
+    /// Releases a group and reopens its task for the attempt the
+    /// coordinator issues next (the attempts superseded so far stay
+    /// superseded); the drop to report.
+    fn drop_and_reopen(&mut self, id: &Arc<str>, reason: GroupDropReason) -> Option<DroppedGroup> {
+        let task = self.groups.get(id)?.task.clone();
+        let closed = self.superseded.get(&task).cloned().unwrap_or_default();
+        let dropped = self.release(id).map(|g| DroppedGroup {
+            task: g.task.to_string(),
+            group: g.id.to_string(),
+            reason,
+            trajectories: g.members.len() as u32,
+        });
+        self.reopen(&task, id, closed);
         dropped
     }
 
@@ -1276,19 +1269,9 @@ impl Core {
                                 .unwrap_or(e.last_step.min(self.done_through));
                         }
                     }
-                    for q in stale {
-                        let e = serves.entry(q.group.clone()).or_default();
-                        e.expired = true;
-                        e.serves = e.serves.max(self.max_serves);
-                        stale_drops.push(q.group.clone());
-                        for c in &q.closed {
-                            stale_drops.push(GroupRef {
-                                task: q.group.task.clone(),
-                                group: c.clone(),
-                            });
-                        }
-                    }
-                    for q in groups {
+                    // Quarantined, and the step's groups that became stale
+                    // drops: both as a stale drop.
+                    for q in groups.iter().chain(stale) {
                         let e = serves.entry(q.group.clone()).or_default();
                         e.expired = true;
                         e.serves = e.serves.max(self.max_serves);

@@ -330,14 +330,7 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
-    let (c, metrics, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
-    let w = Worker::new(&bus, "w");
-    w.register(8).await;
-    let got = w.acquire(5).await.tasks;
-    assert_eq!(got.len(), 2);
-    for t in &got {
-        assert!(w.complete(t).await.accepted);
-    }
+    let (c, metrics, w, got) = two_tasks_completed(dir.path(), &tasks, &bus).await;
     assert!(w.acquire(5).await.tasks.is_empty());
     let drop = |kind: GroupDropReason, t: &asyncrl_protos::v1::Task| GroupDropped {
         task_id: t.task_id.clone(),
@@ -380,6 +373,24 @@ async fn a_stale_group_drop_returns_capacity_and_reissues_the_task() {
     c.join().await.unwrap();
 }
 
+/// A coordinator (B = 2, η = 0) over `bus`, and a worker that was granted
+/// two tasks and completed both: the admission bound is reached.
+async fn two_tasks_completed(
+    dir: &std::path::Path,
+    tasks: &std::path::Path,
+    bus: &Arc<dyn Bus>,
+) -> (Coordinator, Metrics, Worker, Vec<asyncrl_protos::v1::Task>) {
+    let (c, metrics, _, _) = start_paused(config(dir, tasks, 2, 0), bus).await;
+    let w = Worker::new(bus, "w");
+    w.register(8).await;
+    let got = w.acquire(5).await.tasks;
+    assert_eq!(got.len(), 2);
+    for t in &got {
+        assert!(w.complete(t).await.accepted);
+    }
+    (c, metrics, w, got)
+}
+
 /// Stores a drop report in the GROUP_DROPS stream, as the buffer does.
 async fn report(bus: &Arc<dyn Bus>, g: GroupDropped) {
     let id = format!("dropped.{}.{}", g.group_id, g.kind().label());
@@ -393,14 +404,7 @@ async fn a_drop_reported_while_the_coordinator_is_down_is_applied_when_it_starts
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
-    let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
-    let w = Worker::new(&bus, "w");
-    w.register(8).await;
-    let got = w.acquire(5).await.tasks;
-    assert_eq!(got.len(), 2);
-    for t in &got {
-        assert!(w.complete(t).await.accepted);
-    }
+    let (c, _, _, got) = two_tasks_completed(dir.path(), &tasks, &bus).await;
     c.shutdown();
     c.join().await.unwrap();
     // The buffer drops a group as stale while no coordinator runs.
