@@ -709,15 +709,22 @@ mod tests {
 
     /// Creates stream `name` at R3 through the JetStream API, over the
     /// plain NATS protocol. A request the cluster does not answer yet (no
-    /// JetStream leader for it) is sent again: creating the same stream
-    /// twice is no change.
+    /// JetStream leader for it), or answers with "no suitable peers" (a
+    /// cluster just started, its peers not all known to the meta leader
+    /// yet: err_code 10005), is sent again: creating the same stream twice
+    /// is no change.
     fn create_r3_stream(port: u16, name: &str) -> String {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Some(reply) = try_create_r3_stream(port, name) {
-                return reply;
+            let reply = try_create_r3_stream(port, name);
+            match reply {
+                Some(r) if !r.contains("\"err_code\":10005") => return r,
+                other => assert!(
+                    Instant::now() < deadline,
+                    "stream {name} was never created: {other:?}"
+                ),
             }
-            assert!(Instant::now() < deadline, "stream {name} was never created");
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 

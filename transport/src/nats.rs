@@ -706,18 +706,22 @@ impl Bus for NatsBus {
             ));
         }
         // A cluster forming a stream's replica group, electing a leader or
-        // busy can leave a create unanswered within the request timeout:
-        // it is asked again (the create is idempotent).
+        // busy can leave a create unanswered within the request timeout, or
+        // answer that it has too few peers for the replicas yet: it is asked
+        // again (the create is idempotent).
         self.until_answered(
             "ensure_stream",
             &spec.name,
             || self.js.create_or_update_stream(config.clone()),
-            |e| {
-                matches!(
-                    e.kind(),
-                    jetstream::context::CreateStreamErrorKind::TimedOut
-                        | jetstream::context::CreateStreamErrorKind::JetStreamUnavailable
-                )
+            |e| match e.kind() {
+                jetstream::context::CreateStreamErrorKind::TimedOut
+                | jetstream::context::CreateStreamErrorKind::JetStreamUnavailable => true,
+                // Not enough peers to place the replicas yet (a cluster
+                // starting, or a node restarting).
+                jetstream::context::CreateStreamErrorKind::JetStream(j) => {
+                    j.error_code() == jetstream::ErrorCode::CLUSTER_NO_PEERS
+                }
+                _ => false,
             },
         )
         .await?;
