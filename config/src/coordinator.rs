@@ -48,7 +48,8 @@ pub struct CoordinatorConfig {
     /// How many recent completions the coordinator remembers (persisted):
     /// a completion retried after a coordinator restart is recognised, and a
     /// group the buffer drops as stale returns its capacity and is re-issued.
-    /// Keep it above (η + 1) · B.
+    /// Keep it above (η + 1) · B. An epoch closes (and the buffer forgets
+    /// its trained tasks) once none of its completions is remembered.
     pub completed_memory: usize,
     /// Failed attempts after which a task is quarantined: never issued
     /// again (counted in `asyncrl_tasks_quarantined_total`, logged). A

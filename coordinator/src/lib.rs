@@ -136,6 +136,11 @@ impl Coordinator {
             tx.clone(),
             shutdown.clone(),
         ));
+        tasks.push(service::spawn_epochs_closed(
+            bus.clone(),
+            actor.closed_epochs(),
+            shutdown.clone(),
+        ));
         let admin_addr = match config.coordinator.admin_addr()? {
             Some(addr) => {
                 let (bound, handle) =

@@ -393,6 +393,24 @@ impl Scheduler {
         self.cursor
     }
 
+    /// The highest data set epoch that is closed: none of its tasks is
+    /// queued, leased or among the remembered completions, and the cursor
+    /// is past it. No attempt of a closed epoch is issued again, nor is a
+    /// completion or drop of one acted on, so a group of it the buffer has
+    /// not kept is a late copy. None while epoch 0 is open. It only rises
+    /// while this state is kept: a task goes back to the queue only from a
+    /// live lease or a remembered completion.
+    pub fn closed_epoch(&self) -> Option<u64> {
+        let open = self
+            .queue
+            .iter()
+            .map(|t| t.epoch)
+            .chain(self.leases.values().map(|l| l.task.epoch))
+            .chain(self.completed.values().map(|c| c.task.epoch))
+            .fold(self.epoch, u64::min);
+        open.checked_sub(1)
+    }
+
     pub fn queue_len(&self) -> usize {
         self.queue.len()
     }

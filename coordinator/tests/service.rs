@@ -771,3 +771,57 @@ async fn grant_replies_fit_the_servers_max_payload() {
     c.shutdown();
     c.join().await.unwrap();
 }
+
+/// The coordinator publishes in the KV bucket which epochs are closed (no
+/// task of them queued, leased or among its remembered completions), once
+/// the state that closes them is stored: the buffer forgets the trained
+/// tasks of those epochs and drops late copies of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_closed_epochs_are_published_once_no_task_of_them_can_count_again() {
+    use asyncrl_protos::subjects::{CONTROL_BUCKET, EPOCHS_CLOSED_KEY};
+    use asyncrl_protos::v1::EpochsClosed;
+
+    let server = NatsServer::start().unwrap();
+    let bus = nats_bus(&server.url()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 3);
+    let mut cfg = config(dir.path(), &tasks, 3, 0);
+    cfg.coordinator.completed_memory = 3;
+    let (c, _, _) = start(cfg, &bus).await;
+    let kv = bus.kv(CONTROL_BUCKET).await.unwrap();
+    let closed = || async {
+        kv.get(EPOCHS_CLOSED_KEY)
+            .await
+            .unwrap()
+            .map(|e| EpochsClosed::decode(e.value).unwrap().through)
+    };
+    let learner = Learner::new(&bus).await;
+    let w = Worker::new(&bus, "w1");
+    w.register(8).await;
+    // Epoch 0, completed: its completions are remembered (a stale drop
+    // would issue them again), so it is open.
+    let epoch0 = w.acquire(3).await.tasks;
+    assert_eq!(epoch0.len(), 3);
+    for t in &epoch0 {
+        assert!(w.complete(t).await.accepted);
+    }
+    learner.announce(1).await;
+    wait_version(&c, 1).await;
+    let epoch1 = w.acquire(3).await.tasks;
+    assert_eq!(epoch1.len(), 3);
+    assert_eq!(closed().await, None);
+    // Two of epoch 1 complete: one completion of epoch 0 is remembered.
+    for t in &epoch1[..2] {
+        assert!(w.complete(t).await.accepted);
+    }
+    assert_eq!(closed().await, None);
+    assert!(w.complete(&epoch1[2]).await.accepted);
+    eventually(
+        "epoch 0 published as closed",
+        Duration::from_secs(10),
+        || async { (closed().await == Some(0)).then_some(()) },
+    )
+    .await;
+    c.shutdown();
+    c.join().await.unwrap();
+}

@@ -103,6 +103,9 @@ pub const LEARNER_STATUS_KEY: &str = "learner.status";
 /// The run's learner lease (`LearnerLease`): the learner that may seal steps
 /// and announce versions.
 pub const LEARNER_LEASE_KEY: &str = "learner.lease";
+/// KV key of the coordinator's `asyncrl.v1.EpochsClosed`: the data set
+/// epochs no attempt of which will be issued or counted again.
+pub const EPOCHS_CLOSED_KEY: &str = "coordinator.closed_epoch";
 /// KV key of the knob schedule (`asyncrl.v1.KnobSchedule`).
 pub const KNOBS_KEY: &str = "knobs";
 /// Queue group of the coordinator's request subjects.

@@ -28,6 +28,7 @@ fn exact_literals() -> Vec<(&'static str, &'static str)> {
         (COORDINATOR_STATE_KEY, "COORDINATOR_STATE_KEY"),
         (LEARNER_STATUS_KEY, "LEARNER_STATUS_KEY"),
         (KNOBS_KEY, "KNOBS_KEY"),
+        (EPOCHS_CLOSED_KEY, "EPOCHS_CLOSED_KEY"),
         (COORDINATOR_QUEUE_GROUP, "COORDINATOR_QUEUE_GROUP"),
         (BUFFER_QUEUE_GROUP, "BUFFER_QUEUE_GROUP"),
     ]

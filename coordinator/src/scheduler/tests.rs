@@ -558,3 +558,60 @@ fn a_stale_drop_reported_before_the_completion_still_reissues_the_task() {
     let again = s.acquire("w", 1, 0, 0);
     assert_eq!(again[0].task, g[0].task);
 }
+
+/// An epoch closes once none of its tasks is queued, leased or remembered
+/// as completed: a lease that expires, a completion the buffer may still
+/// drop, keep it open; the persisted state gives the same answer.
+#[test]
+fn an_epoch_closes_once_no_task_of_it_is_queued_leased_or_remembered() {
+    let mut p = params(64);
+    p.completed_memory = 2;
+    let mut s = Scheduler::new(p.clone(), 2, "fp", "L0");
+    assert_eq!(s.closed_epoch(), None);
+    // Epoch 0's two tasks, and the first of epoch 1.
+    let g = s.acquire("w", 3, 4, 0);
+    assert_eq!(s.closed_epoch(), None, "epoch 0's leases are live");
+    s.complete("w", &g[0].lease_id, Some(0), 4).unwrap();
+    // Task 1 of epoch 0 expires: it is queued again, epoch 0 stays open.
+    assert!(s.heartbeat("w", &[g[2].lease_id.clone()], 500).is_empty());
+    assert_eq!(s.expire_due(1_000).len(), 1);
+    assert_eq!(s.closed_epoch(), None, "epoch 0 has a queued task");
+    let again = s.acquire("w", 1, 4, 1_000);
+    assert_eq!(again[0].task, TaskRef { index: 1, epoch: 0 });
+    s.complete("w", &again[0].lease_id, Some(1), 4).unwrap();
+    assert_eq!(
+        s.closed_epoch(),
+        None,
+        "its completions are remembered: a stale drop would issue them again"
+    );
+    // A stale drop of a remembered completion queues its task again.
+    assert_eq!(
+        s.on_group_dropped(&again[0].lease_id, true, true),
+        Dropped::Requeued(TaskRef { index: 1, epoch: 0 })
+    );
+    let third = s.acquire("w", 1, 4, 1_000);
+    assert_eq!(third[0].task, TaskRef { index: 1, epoch: 0 });
+    s.complete("w", &third[0].lease_id, Some(1), 4).unwrap();
+    assert_eq!(s.closed_epoch(), None);
+    // Two later completions push epoch 0's out of the memory of two.
+    s.complete("w", &g[2].lease_id, Some(0), 4).unwrap();
+    assert_eq!(
+        s.closed_epoch(),
+        None,
+        "one completion of epoch 0 is remembered"
+    );
+    let more = s.acquire("w", 1, 4, 1_000);
+    assert_eq!(more[0].task.epoch, 1);
+    s.complete("w", &more[0].lease_id, Some(1), 4).unwrap();
+    assert_eq!(s.closed_epoch(), Some(0));
+    // Restarted from the persisted state: the same.
+    let r = Scheduler::from_proto(p, &s.to_proto(), 2, "fp", 1_000).unwrap();
+    assert_eq!(r.closed_epoch(), Some(0));
+    // The cursor's epoch is open even with nothing of it issued yet.
+    assert_eq!(s.epoch(), 2);
+    assert_eq!(
+        s.closed_epoch(),
+        Some(0),
+        "epoch 1's completions are remembered"
+    );
+}

@@ -64,6 +64,9 @@ pub(crate) struct Actor {
     bus: Arc<dyn Bus>,
     metrics: CoordinatorMetrics,
     health: Health,
+    /// The highest closed epoch of the state last written, for the
+    /// publisher of `coordinator.closed_epoch` (`spawn_epochs_closed`).
+    closed_epoch: tokio::sync::watch::Sender<Option<u64>>,
     /// The only source of wall-clock time (lease deadlines, heartbeat
     /// silence, journal times): the system clock, or paused tokio time in
     /// tests.
@@ -133,7 +136,10 @@ impl Actor {
         .await?;
         let knobs =
             KnobAdmin::load(kv, config, sched.version(), metrics.clone(), clock.clone()).await?;
+        // The loaded state is the stored one.
+        let closed_epoch = tokio::sync::watch::Sender::new(sched.closed_epoch());
         Ok(Self {
+            closed_epoch,
             settings,
             tasks,
             sched,
@@ -145,6 +151,11 @@ impl Actor {
             health,
             clock,
         })
+    }
+
+    /// The highest closed epoch of the stored state, as it changes.
+    pub(crate) fn closed_epochs(&self) -> tokio::sync::watch::Receiver<Option<u64>> {
+        self.closed_epoch.subscribe()
     }
 
     pub(crate) fn tick_interval(&self) -> Duration {
@@ -257,6 +268,14 @@ impl Actor {
         match self.store.end_write(&write, outcome) {
             Ok(recovered) => {
                 ack_later(acks);
+                // Published only once the state that closes it is stored.
+                self.closed_epoch.send_if_modified(|e| {
+                    let rise = write.closed_epoch > *e;
+                    if rise {
+                        *e = write.closed_epoch;
+                    }
+                    rise
+                });
                 if recovered {
                     tracing::info!("coordinator state written again");
                     self.health.set_ready("coordinator");

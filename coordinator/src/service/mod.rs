@@ -40,4 +40,6 @@ mod watch;
 pub(crate) use actor::Actor;
 pub(crate) use events::{AdminCommand, ControlAction, Event, Unauthorized};
 pub(crate) use inputs::{group_drop_consumer, spawn_group_dropped, spawn_request_forwarders};
-pub(crate) use watch::{map_knobs, map_learner_status, map_version, spawn_ticker, spawn_watch};
+pub(crate) use watch::{
+    map_knobs, map_learner_status, map_version, spawn_epochs_closed, spawn_ticker, spawn_watch,
+};

@@ -61,6 +61,8 @@ pub(super) struct StateStore {
 pub(super) struct StateWrite {
     pub(super) done: BoxFuture<'static, Result<u64, PersistError>>,
     started: Instant,
+    /// The highest closed epoch of the state it writes.
+    pub(super) closed_epoch: Option<u64>,
 }
 
 impl StateStore {
@@ -148,6 +150,7 @@ impl StateStore {
         StateWrite {
             done: Box::pin(done),
             started: Instant::now(),
+            closed_epoch: sched.closed_epoch(),
         }
     }
 

@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use asyncrl_common::Backoff;
 use asyncrl_control::kv as follow;
-use asyncrl_protos::subjects::{CONTROL_BUCKET, LEARNER_STATUS_KEY, POLICY_VERSION_KEY};
-use asyncrl_protos::v1::{LearnerStatus, WeightAnnouncement};
+use asyncrl_protos::subjects::{
+    CONTROL_BUCKET, EPOCHS_CLOSED_KEY, LEARNER_STATUS_KEY, POLICY_VERSION_KEY,
+};
+use asyncrl_protos::v1::{EpochsClosed, LearnerStatus, WeightAnnouncement};
 use asyncrl_transport::Bus;
 use bytes::Bytes;
 use prost::Message;
@@ -103,6 +105,55 @@ pub(crate) fn spawn_ticker(
                 .is_err()
             {
                 return;
+            }
+        }
+    })
+}
+
+/// Writes `coordinator.closed_epoch` (`asyncrl.v1.EpochsClosed`) whenever
+/// the stored state closes a later epoch, retrying with backoff until the
+/// write lands (a later value replaces one still waiting). Only the
+/// coordinator writes the key; the buffer follows it.
+pub(crate) fn spawn_epochs_closed(
+    bus: Arc<dyn Bus>,
+    mut closed: tokio::sync::watch::Receiver<Option<u64>>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let (min, max) = follow::FOLLOW_BACKOFF;
+        let mut backoff = Backoff::new(min, max);
+        let mut written: Option<u64> = None;
+        loop {
+            let through = *closed.borrow_and_update();
+            if let Some(through) = through.filter(|t| Some(*t) != written) {
+                let value = Bytes::from(EpochsClosed { through }.encode_to_vec());
+                let put = async {
+                    bus.kv(CONTROL_BUCKET)
+                        .await?
+                        .put(EPOCHS_CLOSED_KEY, value)
+                        .await
+                };
+                match shutdown.run_until_cancelled(put).await {
+                    None => return,
+                    Some(Ok(_)) => {
+                        tracing::debug!(through, "closed epochs published");
+                        written = Some(through);
+                        backoff.reset();
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(key = EPOCHS_CLOSED_KEY, through, error = %e, "cannot write the closed epochs; retrying");
+                        let wait = tokio::time::sleep(backoff.next_delay());
+                        if shutdown.run_until_cancelled(wait).await.is_none() {
+                            return;
+                        }
+                        continue;
+                    }
+                }
+            }
+            match shutdown.run_until_cancelled(closed.changed()).await {
+                Some(Ok(())) => {}
+                // Cancelled, or the actor is gone.
+                None | Some(Err(_)) => return,
             }
         }
     })
