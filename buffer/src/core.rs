@@ -19,6 +19,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use asyncrl_config::SamplingPolicy;
+use asyncrl_protos::subjects::split_wire_task_id;
 use asyncrl_protos::{GroupDropReason, Trajectory};
 
 use crate::statelog::{DropReason, GroupRef, Quarantined, Record};
@@ -269,6 +270,29 @@ pub struct Stats {
     pub done_through: u64,
     pub pending_steps: usize,
     pub completed_tasks: usize,
+    pub closed_epoch: Option<u64>,
+}
+
+/// A completed task's entry in `Core::task_done`.
+#[derive(Debug, Clone)]
+struct Done {
+    /// The group kept for the task.
+    kept: Arc<str>,
+    /// The kept group will never be served again and is released.
+    consumed: bool,
+    /// The segment of the task's latest row applied (any attempt); 0 when
+    /// none was applied since a restart (all in deleted segments).
+    seg: u64,
+}
+
+impl Done {
+    fn consumed(group: &str) -> Self {
+        Self {
+            kept: Arc::from(group),
+            consumed: true,
+            seg: 0,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -286,9 +310,14 @@ pub struct Core {
     groups: HashMap<Arc<str>, Group>,
     /// Incomplete groups of each task that has not completed.
     task_groups: HashMap<Arc<str>, Vec<Arc<str>>>,
-    /// Completed tasks: the group kept for it, and whether that group is
-    /// consumed (will never be served again and is released).
-    task_done: HashMap<Arc<str>, (Arc<str>, bool)>,
+    /// Completed tasks: the group kept for each, whether that group is
+    /// consumed, and the segment of the task's latest row. A consumed task
+    /// of a closed epoch is forgotten once that segment is deleted: no row
+    /// of it is left to replay, and a late one is dropped at ingest.
+    task_done: HashMap<Arc<str>, Done>,
+    /// Every data set epoch up to this one is closed (the coordinator's
+    /// `coordinator.closed_epoch`): none of its tasks will be issued again.
+    closed_epoch: Option<u64>,
     /// Per task, its groups dropped as stale before they were served, while
     /// no other attempt of it has been trained on: the coordinator issued
     /// the task again, so the task stays open for that attempt (it is not
@@ -325,6 +354,7 @@ impl Core {
             groups: HashMap::new(),
             task_groups: HashMap::new(),
             task_done: HashMap::new(),
+            closed_epoch: None,
             stale: HashMap::new(),
             live_uuids: HashSet::new(),
             late: HashMap::new(),
@@ -361,7 +391,82 @@ impl Core {
             || self
                 .task_done
                 .get(&m.task)
-                .is_some_and(|(kept, consumed)| *consumed && *kept == m.group)
+                .is_some_and(|d| d.consumed && d.kept == m.group)
+    }
+
+    /// Whether this trajectory is a late copy of a closed epoch's task that
+    /// the buffer holds nothing of: no attempt of that task will be counted
+    /// or trained again, so ingest drops it without storing it. (A task
+    /// still remembered is judged by [`Core::apply`], as before its epoch
+    /// closed.)
+    pub fn is_late(&self, m: &RowMeta) -> bool {
+        self.closed(&m.task)
+            && !self.task_done.contains_key(&m.task)
+            && !self.task_groups.contains_key(&m.task)
+            && !self.stale.contains_key(&m.task)
+    }
+
+    /// Whether `task`'s epoch is closed (false for an id without one).
+    fn closed(&self, task: &str) -> bool {
+        self.closed_epoch.is_some_and(|through| {
+            split_wire_task_id(task).is_some_and(|(_, epoch)| epoch <= through)
+        })
+    }
+
+    /// The highest closed epoch known.
+    pub fn closed_epoch(&self) -> Option<u64> {
+        self.closed_epoch
+    }
+
+    /// Every epoch up to `through` is closed (the highest value seen is
+    /// kept: a lower one changes nothing). Attempts of closed epochs still
+    /// collecting are late copies and released (returned for the drop
+    /// report), and the consumed tasks whose rows are all deleted are
+    /// forgotten. Ingest calls it between batches, so a batch is judged
+    /// [`Core::is_late`] under one closed epoch throughout.
+    pub fn close_epochs(&mut self, through: u64) -> Vec<DroppedGroup> {
+        self.closed_epoch = self.closed_epoch.max(Some(through));
+        let late: Vec<Arc<str>> = self
+            .task_groups
+            .iter()
+            .filter(|(task, _)| self.closed(task))
+            .flat_map(|(_, groups)| groups.iter().cloned())
+            .collect();
+        let mut dropped = Vec::new();
+        for id in late {
+            if let Some(g) = self.release(&id) {
+                dropped.push(DroppedGroup {
+                    task: g.task.to_string(),
+                    group: g.id.to_string(),
+                    reason: GroupDropReason::DuplicateAttempt,
+                    trajectories: g.members.len() as u32,
+                });
+            }
+        }
+        self.forget_closed();
+        dropped
+    }
+
+    /// Forgets the consumed tasks of closed epochs whose latest row is in a
+    /// deleted segment (older than every segment still known).
+    fn forget_closed(&mut self) {
+        if self.closed_epoch.is_none() {
+            return;
+        }
+        let oldest = self
+            .seg_live
+            .keys()
+            .next()
+            .copied()
+            .unwrap_or(self.active_segment)
+            .min(self.active_segment);
+        let closed_epoch = self.closed_epoch;
+        self.task_done.retain(|task, d| {
+            let closed = closed_epoch.is_some_and(|through| {
+                split_wire_task_id(task).is_some_and(|(_, epoch)| epoch <= through)
+            });
+            !(d.consumed && closed && d.seg < oldest)
+        });
     }
 
     /// Registers a segment (so that it is reported deletable once nothing
@@ -405,13 +510,15 @@ impl Core {
                 out.duplicates += 1;
                 continue;
             }
-            if let Some((kept, consumed)) = self.task_done.get(&m.task) {
-                if *kept != m.group {
+            if let Some(d) = self.task_done.get_mut(&m.task) {
+                d.seg = d.seg.max(segment);
+                let (kept, consumed) = (d.kept.clone(), d.consumed);
+                if kept != m.group {
                     out.superseded += 1;
                     // Only an open task's superseded attempts matter (the
                     // records of its kept group's drop name them); a
                     // consumed task's are history.
-                    if !*consumed {
+                    if !consumed {
                         let of_task = self.superseded.entry(m.task.clone()).or_default();
                         if !of_task.contains(&m.group) {
                             of_task.push(m.group.clone());
@@ -431,7 +538,7 @@ impl Core {
                             });
                         }
                     }
-                } else if *consumed {
+                } else if consumed {
                     // A copy of a trajectory of a group already trained on.
                     out.duplicates += 1;
                 } else {
@@ -510,7 +617,14 @@ impl Core {
                 group.order = order;
                 group.members.sort_by_key(|x| x.index);
                 let (task, id) = (group.task.clone(), group.id.clone());
-                self.task_done.insert(task.clone(), (id.clone(), false));
+                self.task_done.insert(
+                    task.clone(),
+                    Done {
+                        kept: id.clone(),
+                        consumed: false,
+                        seg: segment,
+                    },
+                );
                 self.ready.insert(group);
                 out.newly_ready += 1;
                 if !replay && self.sampling == SamplingPolicy::Reuse {
@@ -657,10 +771,12 @@ impl Core {
             .collect()
     }
 
-    /// Forgets a deleted segment.
+    /// Forgets a deleted segment, and the consumed tasks of closed epochs
+    /// whose rows it was the last to hold.
     pub fn forget_segment(&mut self, id: u64) {
         if self.seg_live.get(&id) == Some(&0) {
             self.seg_live.remove(&id);
+            self.forget_closed();
         }
     }
 
@@ -1105,7 +1221,15 @@ impl Core {
             self.stale.remove(&task);
         }
         self.superseded.remove(&task);
-        self.task_done.insert(task, (group, true));
+        let seg = self.task_done.get(&task).map_or(0, |d| d.seg);
+        self.task_done.insert(
+            task,
+            Done {
+                kept: group,
+                consumed: true,
+                seg,
+            },
+        );
     }
 
     /// The groups dropped as stale whose task is still open (no attempt of
@@ -1124,11 +1248,7 @@ impl Core {
     /// `group` of `task` was dropped as stale before it was served: the
     /// coordinator issues the task again, and that attempt must be kept.
     fn reopen(&mut self, task: &Arc<str>, group: &Arc<str>, closed: Vec<Arc<str>>) {
-        if self
-            .task_done
-            .get(task)
-            .is_some_and(|(kept, _)| kept == group)
-        {
+        if self.task_done.get(task).is_some_and(|d| d.kept == *group) {
             self.task_done.remove(task);
         }
         let groups = self.stale.entry(task.clone()).or_default();
@@ -1201,13 +1321,14 @@ impl Core {
                     consumed,
                     reused,
                     stale,
+                    closed_epoch,
                 } => {
                     self.done_through = self.done_through.max(*done_through);
+                    self.closed_epoch = self.closed_epoch.max(*closed_epoch);
                     for g in consumed {
-                        self.task_done.insert(
-                            Arc::from(g.task.as_str()),
-                            (Arc::from(g.group.as_str()), true),
-                        );
+                        // Its segment is learnt from the rows replayed.
+                        self.task_done
+                            .insert(Arc::from(g.task.as_str()), Done::consumed(&g.group));
                     }
                     for g in stale {
                         stale_drops.push(g.clone());
@@ -1315,7 +1436,7 @@ impl Core {
             serves.remove(&g);
             let (task, group) = (Arc::from(g.task.as_str()), Arc::from(g.group.as_str()));
             match self.task_done.get(&task) {
-                Some((kept, true)) if *kept != group => {}
+                Some(d) if d.consumed && d.kept != group => {}
                 _ => self.reopen(&task, &group, Vec::new()),
             }
         }
@@ -1323,10 +1444,8 @@ impl Core {
             let exhausted = r.expired || r.serves >= self.max_serves;
             if exhausted && r.last_step <= self.done_through {
                 // Final: never served again, rows not needed.
-                self.task_done.insert(
-                    Arc::from(g.task.as_str()),
-                    (Arc::from(g.group.as_str()), true),
-                );
+                self.task_done
+                    .insert(Arc::from(g.task.as_str()), Done::consumed(&g.group));
             } else {
                 self.restore.insert(Arc::from(g.group.as_str()), r);
             }
@@ -1379,10 +1498,10 @@ impl Core {
         let mut consumed: Vec<GroupRef> = self
             .task_done
             .iter()
-            .filter(|(_, (_, c))| *c)
-            .map(|(t, (g, _))| GroupRef {
+            .filter(|(_, d)| d.consumed)
+            .map(|(t, d)| GroupRef {
                 task: t.to_string(),
-                group: g.to_string(),
+                group: d.kept.to_string(),
             })
             .collect();
         consumed.sort_by(|a, b| a.group.cmp(&b.group));
@@ -1418,6 +1537,7 @@ impl Core {
             consumed,
             reused,
             stale,
+            closed_epoch: self.closed_epoch,
         }];
         for (step, s) in &self.served {
             out.push(Record::Served {
@@ -1446,6 +1566,7 @@ impl Core {
             done_through: self.done_through,
             pending_steps: self.served.len(),
             completed_tasks: self.task_done.len(),
+            closed_epoch: self.closed_epoch,
             ..Default::default()
         };
         for g in self.groups.values() {

@@ -102,6 +102,12 @@ pub struct BufferMetrics {
     pub stale_dropped: Counter,
     pub ready_groups: Gauge,
     pub collecting_groups: Gauge,
+    /// Completed tasks the buffer remembers (to drop late and repeated
+    /// copies); bounded by the open epochs' tasks once the coordinator
+    /// publishes closed epochs.
+    pub remembered_tasks: Gauge,
+    /// The highest data set epoch the coordinator has closed (-1: none).
+    pub closed_epoch: Gauge,
     pub groups_served: Counter,
     pub batches_served: Counter,
     pub batches_replayed: Counter,
@@ -172,6 +178,16 @@ impl BufferMetrics {
             collecting_groups: m.get_or_register(
                 "buffer_collecting_groups",
                 "Groups with fewer than G trajectories so far",
+                Gauge::default,
+            )?,
+            remembered_tasks: m.get_or_register(
+                "buffer_remembered_tasks",
+                "Completed tasks the buffer remembers to drop late and repeated copies of",
+                Gauge::default,
+            )?,
+            closed_epoch: m.get_or_register(
+                "buffer_closed_epoch",
+                "The highest data set epoch the coordinator has closed (-1: none)",
                 Gauge::default,
             )?,
             groups_served: m.get_or_register(

@@ -12,10 +12,12 @@ use tokio::sync::watch;
 use asyncrl_config::{BufferConfig, Config, RetentionPolicy};
 use asyncrl_protos::arrow_schema::{from_record_batch, to_record_batch, trajectory_schema};
 use asyncrl_protos::subjects::{
-    BUFFER_BATCH, BUFFER_GROUP_DROPPED, DEAD_LETTER_PAYLOAD_MAX, DEAD_LETTER_SUBJECT,
-    TRAJECTORY_STREAM, TRAJECTORY_SUBJECT_PREFIX,
+    BUFFER_BATCH, BUFFER_GROUP_DROPPED, CONTROL_BUCKET, DEAD_LETTER_PAYLOAD_MAX,
+    DEAD_LETTER_SUBJECT, EPOCHS_CLOSED_KEY, TRAJECTORY_STREAM, TRAJECTORY_SUBJECT_PREFIX,
 };
-use asyncrl_protos::v1::{BatchReply, BatchRequest, DeadLetter, GroupDropped, RefusedGroup};
+use asyncrl_protos::v1::{
+    BatchReply, BatchRequest, DeadLetter, EpochsClosed, GroupDropped, RefusedGroup,
+};
 use asyncrl_protos::{ContractError, GroupDropReason, Message, Trajectory, decode_trajectory};
 use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_transport::{Bus, Consumer, ConsumerSpec, DeliverFrom, Delivery, ObjectStore, Request};
@@ -103,6 +105,11 @@ impl Shared {
         let m = &self.metrics;
         m.ready_groups.set(s.ready_groups as i64);
         m.collecting_groups.set(s.collecting_groups as i64);
+        m.remembered_tasks.set(s.completed_tasks as i64);
+        m.closed_epoch.set(
+            s.closed_epoch
+                .map_or(-1, |e| i64::try_from(e).unwrap_or(i64::MAX)),
+        );
         m.resident_bytes.set(s.resident_bytes as i64);
         m.resident_bytes_per_token.set(if s.live_tokens > 0 {
             s.resident_bytes as f64 / s.live_tokens as f64
@@ -414,10 +421,17 @@ impl Buffer {
         shared.report_open_stale_drops();
         shared.health.set_ready(HEALTH_CONDITION);
         let stop = shutdown.child_token();
+        let (closed_tx, closed) = watch::channel(None);
+        tokio::spawn(follow_closed_epochs(
+            shared.bus.clone(),
+            closed_tx,
+            stop.clone(),
+        ));
         let ingest = Ingest {
             shared: shared.clone(),
             config: config.clone(),
             writer: Some(writer),
+            closed,
         };
         let server = Server {
             shared: shared.clone(),
@@ -466,6 +480,35 @@ impl Buffer {
         tracing::info!("buffer stopped");
         Ok(())
     }
+}
+
+/// Follows `coordinator.closed_epoch` (the coordinator's `EpochsClosed`)
+/// for as long as the buffer runs, passing each value to ingest.
+async fn follow_closed_epochs(
+    bus: Arc<dyn Bus>,
+    closed: watch::Sender<Option<u64>>,
+    stop: CancellationToken,
+) {
+    let (min, max) = asyncrl_control::kv::FOLLOW_BACKOFF;
+    asyncrl_control::kv::follow(
+        bus,
+        CONTROL_BUCKET,
+        EPOCHS_CLOSED_KEY,
+        Backoff::new(min, max),
+        stop,
+        move |value, _| {
+            match EpochsClosed::decode(value.as_ref()) {
+                Ok(e) => {
+                    closed.send_replace(Some(e.through));
+                }
+                Err(e) => {
+                    tracing::warn!(key = EPOCHS_CLOSED_KEY, error = %e, "the closed epochs do not decode as asyncrl.v1.EpochsClosed; ignored");
+                }
+            }
+            std::future::ready(std::ops::ControlFlow::Continue(()))
+        },
+    )
+    .await;
 }
 
 /// Delivers the buffer's drop reports to the [`GROUP_DROP_STREAM`] stream,
@@ -653,6 +696,9 @@ struct Ingest {
     config: BufferConfig,
     /// `None` only while a blocking write holds it.
     writer: Option<SegmentWriter>,
+    /// The closed epochs the coordinator published ([`follow_closed_epochs`]),
+    /// applied between batches.
+    closed: watch::Receiver<Option<u64>>,
 }
 
 /// JetStream delivers a trajectory message at most this many times (a
@@ -800,7 +846,12 @@ impl Ingest {
                         held.push_back(d);
                     }
                 }
-                Ok(_) => {}
+                Ok(_) => {
+                    // Idle: nothing else would apply a closure now.
+                    if self.closed.has_changed().unwrap_or(false) {
+                        self.close_epochs().await;
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "fetching trajectories failed; retrying");
                     tokio::select! {
@@ -850,7 +901,36 @@ impl Ingest {
         Ok(())
     }
 
+    /// Applies the closed epochs published since the last batch: releases
+    /// the late attempts still collecting and forgets what may be.
+    async fn close_epochs(&mut self) {
+        let Some(through) = *self.closed.borrow_and_update() else {
+            return;
+        };
+        let dropped = {
+            let mut core = self.shared.core();
+            if core.closed_epoch().is_some_and(|known| known > through) {
+                tracing::warn!(
+                    published = through,
+                    known = core.closed_epoch(),
+                    "the coordinator's closed epoch went down (its state was reset?); keeping the higher one"
+                );
+            }
+            core.close_epochs(through)
+        };
+        self.shared.report_dropped(&dropped).await;
+        self.shared.update_gauges();
+        if !dropped.is_empty()
+            && let Err(e) = self.shared.retire_segments().await
+        {
+            tracing::warn!(error = %e, "cannot delete the segments the late attempts held; retrying later");
+        }
+    }
+
     async fn process(&mut self, deliveries: Vec<Delivery>) -> Result<Taken, BufferError> {
+        if self.closed.has_changed().unwrap_or(false) {
+            self.close_epochs().await;
+        }
         let payloads: Vec<Bytes> = deliveries.iter().map(|d| d.payload.clone()).collect();
         let decoded: Vec<Result<Trajectory, ContractError>> =
             tokio::task::spawn_blocking(move || {
@@ -860,6 +940,7 @@ impl Ingest {
         // Dead letters (index, kind, reason), duplicates, and the rest.
         let mut dead: Vec<(usize, &'static str, String)> = Vec::new();
         let mut duplicates = 0u64;
+        let mut late = 0u64;
         // The stored ones: delivery index and row metadata, and (apart, to
         // move them into the writer without a copy) the trajectories.
         let mut fresh: Vec<(usize, RowMeta)> = Vec::new();
@@ -875,6 +956,7 @@ impl Ingest {
                         Some(m) if core.is_known(&m) || !seen.insert(m.uuid) => {
                             duplicates += 1;
                         }
+                        Some(m) if core.is_late(&m) => late += 1,
                         Some(m) => {
                             fresh.push((i, m));
                             trajs.push(t);
@@ -1013,11 +1095,13 @@ impl Ingest {
         let m = &self.shared.metrics;
         m.ingested.inc_by(applied.stored as u64);
         m.duplicates.inc_by(duplicates + applied.duplicates as u64);
-        m.superseded_trajectories.inc_by(applied.superseded as u64);
+        m.superseded_trajectories
+            .inc_by(late + applied.superseded as u64);
         tracing::debug!(
             messages = deliveries.len(),
             stored = applied.stored,
             duplicates = duplicates + applied.duplicates as u64,
+            late_of_closed_epochs = late,
             dead_lettered = dead_idx.len(),
             newly_ready = applied.newly_ready,
             "ingested a batch"

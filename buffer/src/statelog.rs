@@ -106,6 +106,12 @@ pub enum Record {
         /// is kept.
         #[serde(default)]
         stale: Vec<GroupRef>,
+        /// Every data set epoch up to this one is closed: a row of such an
+        /// epoch whose task `consumed` does not name is a late copy (the
+        /// consumed tasks of closed epochs are forgotten once their rows
+        /// are deleted).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        closed_epoch: Option<u64>,
     },
 }
 
@@ -327,6 +333,7 @@ mod tests {
                     expired: false,
                 }],
                 stale: vec![g(9)],
+                closed_epoch: Some(3),
             },
         ]
     }

@@ -16,9 +16,10 @@ use asyncrl_buffer::segment::{list_segments, read_segment};
 use asyncrl_buffer::segment_dir;
 use asyncrl_protos::arrow_schema::trajectory_schema;
 use asyncrl_protos::subjects::{
-    BUFFER_GROUP_DROPPED, DEAD_LETTER_PAYLOAD_MAX, DEAD_LETTER_STREAM, trajectory_subject,
+    BUFFER_GROUP_DROPPED, CONTROL_BUCKET, DEAD_LETTER_PAYLOAD_MAX, DEAD_LETTER_STREAM,
+    EPOCHS_CLOSED_KEY, trajectory_subject, wire_task_id,
 };
-use asyncrl_protos::v1::{BatchRequest, DeadLetter, GroupDropped, RefusedGroup};
+use asyncrl_protos::v1::{BatchRequest, DeadLetter, EpochsClosed, GroupDropped, RefusedGroup};
 use asyncrl_protos::{GroupDropReason, Message, Trajectory};
 use asyncrl_testkit::NatsServer;
 use asyncrl_transport::{Bus, ConsumerSpec, LocalBus};
@@ -476,5 +477,103 @@ async fn a_malformed_message_near_the_payload_limit_is_dead_lettered_truncated()
     assert_eq!(letter.payload_size, size as u64);
     assert_eq!(letter.payload.len(), DEAD_LETTER_PAYLOAD_MAX);
     assert_eq!(letter.msg_id, "junk-big");
+    buffer.shutdown().await;
+}
+
+/// The four groups of epoch `epoch` of tasks `q-0` … `q-3`, attempt
+/// `lease-<epoch>-<i>`.
+fn epoch_groups(epoch: u64, lease: &str) -> Vec<Trajectory> {
+    (0..4u32)
+        .flat_map(|i| {
+            let task = wire_task_id(&format!("q-{i}"), epoch);
+            let group = format!("{lease}-{epoch}-{i}");
+            let first = (epoch as u32) * 1000 + i * 10;
+            (0..4u32).map(move |k| traj_of(&task, &group, first + k, k, 4, 0, 64))
+        })
+        .collect()
+}
+
+/// A buffer remembers the tasks it trained so that no late or repeated
+/// copy is trained again; over a long run that memory would grow without
+/// end. Once the coordinator publishes that an epoch is closed, the buffer
+/// forgets the trained tasks of it whose rows are deleted, drops a late
+/// copy of one without storing it, and keeps both across a restart (the
+/// closed epoch is in its snapshot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_epochs_bound_the_tasks_the_buffer_remembers() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(&server.url(), dir.path());
+    config.buffer.state_log_compact_bytes = 1;
+    let bus = nats(&server.url()).await;
+    let kv = bus.kv(CONTROL_BUCKET).await.unwrap();
+    let buffer = Running::start(&config, bus.clone()).await;
+    publish(bus.as_ref(), &epoch_groups(0, "lease")).await;
+    eventually("epoch 0 ready", WAIT, || {
+        buffer.handle.stats().ready_groups == 4
+    })
+    .await;
+    ask(bus.as_ref(), 1, 0, 4, 4, 0).await.unwrap();
+    // A restart starts a new segment: epoch 1's rows are apart.
+    buffer.shutdown().await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    publish(bus.as_ref(), &epoch_groups(1, "lease")).await;
+    eventually("epoch 1 ready", WAIT, || {
+        buffer.handle.stats().ready_groups == 4
+    })
+    .await;
+    // Step 2 served: step 1 is trained, epoch 0 consumed and its segments
+    // deleted.
+    ask(bus.as_ref(), 2, 1, 4, 4, 0).await.unwrap();
+    assert!(buffer.metric("buffer_segments_deleted_total") >= 1.0);
+    assert_eq!(buffer.handle.stats().completed_tasks, 8);
+    assert_eq!(buffer.handle.stats().closed_epoch, None);
+
+    // The coordinator closes epoch 0: its four tasks are forgotten.
+    kv.put(
+        EPOCHS_CLOSED_KEY,
+        Bytes::from(EpochsClosed { through: 0 }.encode_to_vec()),
+    )
+    .await
+    .unwrap();
+    eventually("epoch 0 forgotten", WAIT, || {
+        let s = buffer.handle.stats();
+        s.closed_epoch == Some(0) && s.completed_tasks == 4
+    })
+    .await;
+    assert_eq!(buffer.metric("buffer_remembered_tasks"), 4.0);
+    assert_eq!(buffer.metric("buffer_closed_epoch"), 0.0);
+    // A late attempt of an epoch-0 task (a worker that was taken for dead)
+    // is dropped without being stored or served.
+    let stored = buffer.metric("buffer_ingested_trajectories_total");
+    publish(bus.as_ref(), &epoch_groups(0, "late")[..4]).await;
+    eventually("the late copy dropped", WAIT, || {
+        buffer.metric("buffer_superseded_trajectories_total") == 4.0
+    })
+    .await;
+    assert_eq!(buffer.metric("buffer_ingested_trajectories_total"), stored);
+    let s = buffer.handle.stats();
+    assert_eq!((s.ready_groups, s.collecting_groups), (0, 0));
+    // Epoch 2's groups and step 3: a compaction writes the closed epoch.
+    publish(bus.as_ref(), &epoch_groups(2, "lease")).await;
+    eventually("epoch 2 ready", WAIT, || {
+        buffer.handle.stats().ready_groups == 4
+    })
+    .await;
+    ask(bus.as_ref(), 3, 2, 4, 4, 0).await.unwrap();
+    buffer.shutdown().await;
+
+    // Restarted with the key gone: the snapshot alone says epoch 0 is
+    // closed, and a late copy of another epoch-0 task is dropped.
+    kv.delete(EPOCHS_CLOSED_KEY).await.unwrap();
+    let buffer = Running::start(&config, bus.clone()).await;
+    assert_eq!(buffer.handle.stats().closed_epoch, Some(0));
+    publish(bus.as_ref(), &epoch_groups(0, "later")[4..8]).await;
+    eventually("the late copy dropped after the restart", WAIT, || {
+        buffer.metric("buffer_superseded_trajectories_total") == 4.0
+    })
+    .await;
+    let s = buffer.handle.stats();
+    assert_eq!((s.ready_groups, s.collecting_groups), (0, 0));
     buffer.shutdown().await;
 }

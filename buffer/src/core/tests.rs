@@ -772,10 +772,7 @@ fn a_late_attempt_of_a_trained_task_leaves_no_bookkeeping_behind() {
     // Step 2 served: step 1 is trained, its group consumed.
     let (outcome, _) = serve(&mut c, ask(2, 1, 4, 1));
     assert_eq!(served(&outcome), names(&[1]));
-    assert_eq!(
-        c.task_done.get("task-0").map(|(_, consumed)| *consumed),
-        Some(true)
-    );
+    assert_eq!(c.task_done.get("task-0").map(|d| d.consumed), Some(true));
     let late = [
         traj_of("task-0", "lease-9", 90, 0, 2, 0, 4),
         traj_of("task-0", "lease-9", 91, 1, 2, 0, 4),
@@ -1033,4 +1030,107 @@ fn an_expired_group_whose_only_serve_is_refused_is_a_stale_drop() {
     assert!(back.finish_recovery().is_empty());
     assert_eq!(open(&back), expected);
     assert_eq!(back.stats().live_trajectories, 0);
+}
+
+/// A group of `task` (a wire task id) whose attempt is `lease`: `g`
+/// members, uuids from `first`.
+fn group_of(task: &str, lease: &str, first: u32, g: u32) -> Vec<Trajectory> {
+    (0..g)
+        .map(|i| traj_of(task, lease, first + i, i, g, 0, 4))
+        .collect()
+}
+
+/// A long run completes tasks for ever, so remembering every one would
+/// grow without end. Once the coordinator closes an epoch, a consumed task
+/// of it is forgotten as soon as no segment holds a row of it; a copy of it
+/// arriving later is a late one, and an attempt of it still collecting is
+/// released. The snapshot carries the closed epoch to a restart.
+#[test]
+fn a_consumed_task_of_a_closed_epoch_is_forgotten_once_its_rows_are_deleted() {
+    let mut c = core(SamplingPolicy::Fifo, 1);
+    let mut epoch0 = group_of("q-0-e0", "lease-0", 0, 2);
+    epoch0.extend(group_of("q-1-e0", "lease-1", 10, 2));
+    epoch0.extend(group_of("q-0-e1", "lease-2", 20, 2));
+    // One member of an attempt whose worker died before it published the
+    // other.
+    epoch0.push(traj_of("q-2-e0", "lease-8", 80, 0, 2, 0, 4));
+    feed(&mut c, &epoch0, 1);
+    assert_eq!(served(&serve(&mut c, ask(1, 0, 4, 2)).0), names(&[0, 1]));
+    assert_eq!(served(&serve(&mut c, ask(2, 1, 4, 1)).0), names(&[2]));
+    assert_eq!(c.stats().completed_tasks, 3);
+    let late_row =
+        |task: &str, n: u32| RowMeta::of(&traj_of(task, "lease-99", 990 + n, 0, 2, 0, 4)).unwrap();
+    assert!(!c.is_late(&late_row("q-5-e0", 0)), "no epoch is closed yet");
+
+    // Epoch 0 closes: the attempt still collecting is a late copy.
+    let dropped = c.close_epochs(0);
+    assert_eq!(
+        dropped,
+        vec![DroppedGroup {
+            task: "q-2-e0".into(),
+            group: "lease-8".into(),
+            reason: GroupDropReason::DuplicateAttempt,
+            trajectories: 1,
+        }]
+    );
+    assert_eq!(c.stats().collecting_groups, 0);
+    assert_eq!(c.closed_epoch(), Some(0));
+    // Segment 1 still holds rows of the closed tasks: they are remembered
+    // (a restart replays those rows and must know them for consumed).
+    assert_eq!(c.stats().completed_tasks, 3);
+    assert!(!c.is_late(&late_row("q-0-e0", 0)));
+    let a = feed(&mut c, &[traj_of("q-0-e0", "lease-98", 900, 0, 2, 0, 4)], 1);
+    assert_eq!((a.stored, a.superseded), (0, 1));
+    assert!(
+        c.is_late(&late_row("q-2-e0", 0)),
+        "a closed task held nowhere"
+    );
+    assert!(!c.is_late(&late_row("q-7-e1", 0)), "epoch 1 is open");
+
+    // The next segment takes new rows; step 3 trains step 2's group, and
+    // segment 1 holds nothing live any more.
+    c.add_segment(2, true);
+    feed(&mut c, &group_of("q-1-e1", "lease-3", 30, 2), 2);
+    assert_eq!(served(&serve(&mut c, ask(3, 2, 4, 1)).0), names(&[3]));
+    assert_eq!(c.deletable_segments(), vec![1]);
+    c.forget_segment(1);
+    // Epoch 0's consumed tasks are forgotten, epoch 1's kept.
+    assert_eq!(c.stats().completed_tasks, 2);
+    assert!(c.task_done.contains_key("q-0-e1") && c.task_done.contains_key("q-1-e1"));
+    // A late copy of a forgotten task is late: ingest drops it unstored.
+    assert!(c.is_late(&late_row("q-0-e0", 0)));
+    assert!(c.is_late(&late_row("q-1-e0", 1)));
+    assert!(!c.is_late(&late_row("q-0-e1", 2)));
+
+    // The snapshot names the closed epoch and only what is remembered; a
+    // restart from it judges the same.
+    let snapshot = c.snapshot();
+    let Record::Snapshot {
+        consumed,
+        closed_epoch,
+        ..
+    } = &snapshot[0]
+    else {
+        panic!("{snapshot:?}")
+    };
+    assert_eq!(*closed_epoch, Some(0));
+    assert_eq!(
+        consumed.iter().map(|g| g.task.as_str()).collect::<Vec<_>>(),
+        ["q-0-e1"]
+    );
+    let r = recover(
+        SamplingPolicy::Fifo,
+        1,
+        &snapshot,
+        &[group_of("q-1-e1", "lease-3", 30, 2)],
+    );
+    assert_eq!(r.closed_epoch(), Some(0));
+    assert!(r.is_late(&late_row("q-0-e0", 0)));
+    assert!(!r.is_late(&late_row("q-0-e1", 0)));
+    // A lower value (a coordinator whose state was reset) changes nothing.
+    let mut r = r;
+    assert!(r.close_epochs(0).is_empty());
+    r.closed_epoch = Some(3);
+    r.close_epochs(1);
+    assert_eq!(r.closed_epoch(), Some(3));
 }
