@@ -44,6 +44,7 @@ from torch import nn
 
 from .generate import GenerateParams, generate
 from .checkpoint import export_weights, load_checkpoint, load_weights, read_learner_meta, save_checkpoint
+from .distributed import close_process_group
 from .objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
 from .step import StepBatch, StepError, Trainer, TrainerOptions
 
@@ -558,6 +559,14 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    code = run(args)
+    close_process_group()
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve (rank 0) or follow until the learner shuts the group down; the
+    exit code. The engine is gone when this returns."""
     pb2, pb2_grpc = load_stubs()
     try:
         check_same_args(args)
@@ -570,7 +579,6 @@ def main(argv: list[str] | None = None) -> int:
         ok = serve(engine, pb2_grpc, args.socket)
     else:
         ok = follow(engine)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl_trainer.checkpoint import export_weights, load_checkpoint, save_checkpoint
+from asyncrl_trainer.distributed import close_process_group
 from asyncrl_trainer.objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
 from asyncrl_trainer.step import StepBatch, Trainer, TrainerOptions
 
@@ -70,6 +71,12 @@ def batch(step: int, learner_version: int) -> StepBatch:
 
 
 def main() -> None:
+    dist.init_process_group("gloo")
+    run()
+    close_process_group()
+
+
+def run() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=5)
@@ -83,7 +90,6 @@ def main() -> None:
     parser.add_argument("--export", type=Path, default=None, help="export the weights here at the end")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model = tiny_qwen3()
@@ -127,7 +133,6 @@ def main() -> None:
         torch.save(weights, args.out / "weights.pt")
         (args.out / "steps.json").write_text(json.dumps(steps), encoding="utf-8")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
