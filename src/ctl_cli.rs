@@ -47,8 +47,10 @@ enum CtlCliCommand {
     Knobs,
     /// Change knobs: `set eta=2 lr=1e-6 [--at-step N]`.
     Set {
-        /// name=value pairs: eta, eps_low, eps_high, clip_mode, adaptive_quantile,
-        /// adaptive_temperature, importance_weight_cap, learning_rate (lr), paused.
+        /// name=value pairs: eta, eps_low, eps_high, clip_mode (ppo, adaptive,
+        /// m2po, gspo), adaptive_quantile, adaptive_temperature,
+        /// importance_weight_cap, importance_correction (mask, truncate,
+        /// icepop), importance_weight_floor, learning_rate (lr), paused.
         #[arg(required = true)]
         assignments: Vec<String>,
         /// The learner step from which the change applies (default: the next

@@ -269,17 +269,24 @@ pub struct AdminTlsConfig {
 #[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum ClipModeName {
+    /// PPO clipping of each token's ratio.
     Ppo,
+    /// Staleness-adaptive clipping of each token's ratio.
     #[default]
     Adaptive,
+    /// Second-moment masking, then PPO clipping (M2PO).
     M2po,
+    /// GSPO: one length-normalised ratio per sequence, clipped as in PPO
+    /// (Zheng et al. 2025, arXiv:2507.18071).
+    Gspo,
 }
 
 impl ClipModeName {
-    pub const ALL: [ClipModeName; 3] = [
+    pub const ALL: [ClipModeName; 4] = [
         ClipModeName::Ppo,
         ClipModeName::Adaptive,
         ClipModeName::M2po,
+        ClipModeName::Gspo,
     ];
 
     /// The name in configs, knob assignments, metrics and reports.
@@ -288,6 +295,7 @@ impl ClipModeName {
             ClipModeName::Ppo => "ppo",
             ClipModeName::Adaptive => "adaptive",
             ClipModeName::M2po => "m2po",
+            ClipModeName::Gspo => "gspo",
         }
     }
 }
@@ -300,7 +308,7 @@ impl std::fmt::Display for ClipModeName {
 
 /// A clip mode name that is none of [`ClipModeName::ALL`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown clip mode `{0}` (known: ppo, adaptive, m2po)")]
+#[error("unknown clip mode `{0}` (known: ppo, adaptive, m2po, gspo)")]
 pub struct UnknownClipMode(pub String);
 
 impl std::str::FromStr for ClipModeName {
@@ -315,6 +323,66 @@ impl std::str::FromStr for ClipModeName {
     }
 }
 
+/// How the learner corrects the off-policy importance weight
+/// `w = π_prox / π_behav` of a token (of a sequence, under GSPO).
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ImportanceCorrectionName {
+    /// Decoupled PPO: a token whose weight exceeds the cap is masked.
+    #[default]
+    Mask,
+    /// Truncated importance sampling (TIS): the weight is `min(w, cap)`.
+    Truncate,
+    /// Masked importance sampling (IcePop): a token whose weight is outside
+    /// `[floor, cap]` is masked; the rest keep `w`.
+    Icepop,
+}
+
+impl ImportanceCorrectionName {
+    pub const ALL: [ImportanceCorrectionName; 3] = [
+        ImportanceCorrectionName::Mask,
+        ImportanceCorrectionName::Truncate,
+        ImportanceCorrectionName::Icepop,
+    ];
+
+    /// The name in configs, knob assignments, metrics and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImportanceCorrectionName::Mask => "mask",
+            ImportanceCorrectionName::Truncate => "truncate",
+            ImportanceCorrectionName::Icepop => "icepop",
+        }
+    }
+}
+
+impl std::fmt::Display for ImportanceCorrectionName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An importance correction name that is none of
+/// [`ImportanceCorrectionName::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown importance correction `{0}` (known: mask, truncate, icepop)")]
+pub struct UnknownImportanceCorrection(pub String);
+
+impl std::str::FromStr for ImportanceCorrectionName {
+    type Err = UnknownImportanceCorrection;
+
+    /// Case-insensitive; `tis` names `truncate`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("tis") {
+            return Ok(ImportanceCorrectionName::Truncate);
+        }
+        ImportanceCorrectionName::ALL
+            .into_iter()
+            .find(|m| m.as_str().eq_ignore_ascii_case(s))
+            .ok_or_else(|| UnknownImportanceCorrection(s.to_owned()))
+    }
+}
+
 /// Starting values of the live knobs.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -325,6 +393,9 @@ pub struct InitialKnobs {
     pub adaptive_quantile: f64,
     pub adaptive_temperature: f64,
     pub importance_weight_cap: f64,
+    pub importance_correction: ImportanceCorrectionName,
+    /// IcePop's lower bound on the importance weight.
+    pub importance_weight_floor: f64,
     pub learning_rate: f64,
     pub paused: bool,
 }
@@ -338,6 +409,8 @@ impl Default for InitialKnobs {
             adaptive_quantile: 0.9,
             adaptive_temperature: 0.1,
             importance_weight_cap: 5.0,
+            importance_correction: ImportanceCorrectionName::Mask,
+            importance_weight_floor: 0.5,
             learning_rate: 1e-6,
             paused: false,
         }
@@ -393,6 +466,11 @@ pub mod knob_ranges {
         name: "importance_weight_cap",
         lo: 1.0,
         hi: 1000.0,
+    };
+    pub const IMPORTANCE_WEIGHT_FLOOR: KnobRange = KnobRange {
+        name: "importance_weight_floor",
+        lo: 0.0,
+        hi: 1.0,
     };
     pub const LEARNING_RATE: KnobRange = KnobRange {
         name: "learning_rate",
@@ -520,6 +598,10 @@ impl CoordinatorConfig {
             (knob_ranges::ADAPTIVE_QUANTILE, k.adaptive_quantile),
             (knob_ranges::ADAPTIVE_TEMPERATURE, k.adaptive_temperature),
             (knob_ranges::IMPORTANCE_WEIGHT_CAP, k.importance_weight_cap),
+            (
+                knob_ranges::IMPORTANCE_WEIGHT_FLOOR,
+                k.importance_weight_floor,
+            ),
             (knob_ranges::LEARNING_RATE, k.learning_rate),
         ] {
             if !range.contains(value) {

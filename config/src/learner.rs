@@ -41,6 +41,10 @@ pub enum AdvantageNormName {
     /// (reward − group mean) / group std.
     #[default]
     MeanStd,
+    /// RLOO: reward − the mean of the group's other rewards (Ahmadian et
+    /// al. 2024, arXiv:2402.14740).
+    #[serde(alias = "rloo")]
+    LeaveOneOut,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]

@@ -27,7 +27,8 @@ pub use buffer::{
 pub use bus::{BUS_ROLES, BusConfig, BusKind, RoleAuth, Secret, TlsConfig};
 pub use coordinator::{
     AdminTlsConfig, BUILTIN_VERIFIERS, ClipModeName, CoordinatorConfig, DatasetConfig,
-    DatasetFormat, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode, knob_ranges,
+    DatasetFormat, ImportanceCorrectionName, InitialKnobs, KnobRange, LongPrompts, UnknownClipMode,
+    UnknownImportanceCorrection, knob_ranges,
 };
 pub use environment::{BUILTIN_ENV_PREFIX, BUILTIN_ENVS, EnvironmentConfig, EnvironmentKind};
 pub use eval::{EvalConfig, EvalEngineName, MAX_EVAL_SAMPLES};

@@ -13,12 +13,12 @@ use std::time::Duration;
 use asyncrl_config::{
     AdminTlsConfig, AdvantageNormName, BUS_ROLES, BatchingMode, BufferConfig, BusConfig,
     ClipModeName, Config, CoordinatorConfig, DatasetConfig, DatasetFormat, DeviceName, EngineApi,
-    EngineConfig, EngineKind, EvalConfig, EvalEngineName, FsyncPolicy, InitialKnobs, LearnerConfig,
-    LogFormat, LongPrompts, LossAggregationName, MixedPrecisionName, ModelConfig, PauseMode,
-    ProximalName, RetentionPolicy, RoleAuth, RunConfig, SamplingPolicy, Secret, SegmentCompression,
-    StalenessConfig, StorageConfig, TelemetryConfig, TinyModelConfig, TlsConfig, TorchEngineConfig,
-    TrainerEngineName, TrajectoryRetention, WeightDtypeName, WeightTransportName, WorkerConfig,
-    WorkerRewardConfig,
+    EngineConfig, EngineKind, EvalConfig, EvalEngineName, FsyncPolicy, ImportanceCorrectionName,
+    InitialKnobs, LearnerConfig, LogFormat, LongPrompts, LossAggregationName, MixedPrecisionName,
+    ModelConfig, PauseMode, ProximalName, RetentionPolicy, RoleAuth, RunConfig, SamplingPolicy,
+    Secret, SegmentCompression, StalenessConfig, StorageConfig, TelemetryConfig, TinyModelConfig,
+    TlsConfig, TorchEngineConfig, TrainerEngineName, TrajectoryRetention, WeightDtypeName,
+    WeightTransportName, WorkerConfig, WorkerRewardConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
@@ -442,19 +442,27 @@ fn knobs() -> impl Strategy<Value = InitialKnobs> {
         0.01f64..=0.999,
         1e-4f64..=100.0,
         1.0f64..=1000.0,
+        (
+            proptest::sample::select(ImportanceCorrectionName::ALL.to_vec()),
+            0.0f64..=1.0,
+        ),
         1e-9f64..=1.0,
         any::<bool>(),
     )
-        .prop_map(|(lo, hi, clip_mode, q, t, cap, lr, paused)| InitialKnobs {
-            eps_low: lo,
-            eps_high: hi,
-            clip_mode,
-            adaptive_quantile: q,
-            adaptive_temperature: t,
-            importance_weight_cap: cap,
-            learning_rate: lr,
-            paused,
-        })
+        .prop_map(
+            |(lo, hi, clip_mode, q, t, cap, (correction, floor), lr, paused)| InitialKnobs {
+                eps_low: lo,
+                eps_high: hi,
+                clip_mode,
+                adaptive_quantile: q,
+                adaptive_temperature: t,
+                importance_weight_cap: cap,
+                importance_correction: correction,
+                importance_weight_floor: floor,
+                learning_rate: lr,
+                paused,
+            },
+        )
 }
 
 fn coordinator() -> impl Strategy<Value = CoordinatorConfig> {
@@ -608,7 +616,8 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
             ],
             prop_oneof![
                 Just(AdvantageNormName::Mean),
-                Just(AdvantageNormName::MeanStd)
+                Just(AdvantageNormName::MeanStd),
+                Just(AdvantageNormName::LeaveOneOut)
             ],
             prop_oneof![
                 Just(LossAggregationName::Token),

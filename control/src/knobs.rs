@@ -14,8 +14,11 @@
 //! works on step ≥ N (v + 1 ≥ N). A change that only pauses or resumes
 //! admission may name the learner's current step (it needs no seal).
 
-use asyncrl_config::{ClipModeName, Config, InitialKnobs, KnobRange, StalenessConfig, knob_ranges};
-use asyncrl_protos::v1::{ClipMode, KnobChange, KnobSchedule, Knobs};
+use asyncrl_config::{
+    ClipModeName, Config, ImportanceCorrectionName, InitialKnobs, KnobRange, StalenessConfig,
+    knob_ranges,
+};
+use asyncrl_protos::v1::{ClipMode, ImportanceCorrection, KnobChange, KnobSchedule, Knobs};
 use asyncrl_transport::{KvBucket, TransportError};
 
 use crate::kv::{Change, EditError};
@@ -34,12 +37,14 @@ pub enum KnobError {
         lo: f64,
         hi: f64,
     },
-    #[error("knob `clip_mode` must be ppo, adaptive or m2po")]
+    #[error("knob `clip_mode` must be ppo, adaptive, m2po or gspo")]
     ClipMode,
+    #[error("knob `importance_correction` must be mask, truncate (tis) or icepop")]
+    ImportanceCorrection,
     #[error("the change sets no knob")]
     Empty,
     #[error(
-        "unknown knob `{0}` (known: eta, eps_low, eps_high, clip_mode, adaptive_quantile, adaptive_temperature, importance_weight_cap, learning_rate (lr), paused)"
+        "unknown knob `{0}` (known: eta, eps_low, eps_high, clip_mode, adaptive_quantile, adaptive_temperature, importance_weight_cap, importance_correction, importance_weight_floor, learning_rate (lr), paused)"
     )]
     Unknown(String),
     #[error("`{0}` is not a knob assignment; write name=value, e.g. eta=2")]
@@ -72,6 +77,7 @@ pub fn clip_mode_to_wire(name: ClipModeName) -> ClipMode {
         ClipModeName::Ppo => ClipMode::Ppo,
         ClipModeName::Adaptive => ClipMode::Adaptive,
         ClipModeName::M2po => ClipMode::M2po,
+        ClipModeName::Gspo => ClipMode::Gspo,
     }
 }
 
@@ -81,6 +87,7 @@ pub fn clip_mode_from_wire(mode: i32) -> Option<ClipModeName> {
         Ok(ClipMode::Ppo) => Some(ClipModeName::Ppo),
         Ok(ClipMode::Adaptive) => Some(ClipModeName::Adaptive),
         Ok(ClipMode::M2po) => Some(ClipModeName::M2po),
+        Ok(ClipMode::Gspo) => Some(ClipModeName::Gspo),
         Ok(ClipMode::Unspecified) | Err(_) => None,
     }
 }
@@ -88,6 +95,25 @@ pub fn clip_mode_from_wire(mode: i32) -> Option<ClipModeName> {
 /// The name of a wire clip mode (`unspecified` for none).
 pub fn clip_mode_name(mode: i32) -> &'static str {
     clip_mode_from_wire(mode).map_or("unspecified", ClipModeName::as_str)
+}
+
+/// The wire value of an importance correction.
+pub fn importance_correction_to_wire(name: ImportanceCorrectionName) -> ImportanceCorrection {
+    match name {
+        ImportanceCorrectionName::Mask => ImportanceCorrection::Mask,
+        ImportanceCorrectionName::Truncate => ImportanceCorrection::Truncate,
+        ImportanceCorrectionName::Icepop => ImportanceCorrection::Icepop,
+    }
+}
+
+/// The importance correction of a wire value (None: unspecified or unknown).
+pub fn importance_correction_from_wire(value: i32) -> Option<ImportanceCorrectionName> {
+    match ImportanceCorrection::try_from(value) {
+        Ok(ImportanceCorrection::Mask) => Some(ImportanceCorrectionName::Mask),
+        Ok(ImportanceCorrection::Truncate) => Some(ImportanceCorrectionName::Truncate),
+        Ok(ImportanceCorrection::Icepop) => Some(ImportanceCorrectionName::Icepop),
+        Ok(ImportanceCorrection::Unspecified) | Err(_) => None,
+    }
 }
 
 /// The knobs a new run starts with: η from `[staleness]`, the rest from
@@ -102,6 +128,8 @@ pub fn initial_knobs(config: &Config) -> Knobs {
         adaptive_quantile: Some(k.adaptive_quantile as f32),
         adaptive_temperature: Some(k.adaptive_temperature as f32),
         importance_weight_cap: Some(k.importance_weight_cap as f32),
+        importance_correction: Some(importance_correction_to_wire(k.importance_correction) as i32),
+        importance_weight_floor: Some(k.importance_weight_floor as f32),
         learning_rate: Some(k.learning_rate),
         paused: Some(k.paused),
     }
@@ -139,14 +167,20 @@ pub fn validate(k: &Knobs) -> Result<(), KnobError> {
         knob_ranges::IMPORTANCE_WEIGHT_CAP,
         k.importance_weight_cap.map(f64::from),
     )?;
+    check(
+        knob_ranges::IMPORTANCE_WEIGHT_FLOOR,
+        k.importance_weight_floor.map(f64::from),
+    )?;
     check(knob_ranges::LEARNING_RATE, k.learning_rate)?;
-    if let Some(m) = k.clip_mode
-        && !matches!(
-            ClipMode::try_from(m),
-            Ok(ClipMode::Ppo | ClipMode::Adaptive | ClipMode::M2po)
-        )
+    if k.clip_mode
+        .is_some_and(|m| clip_mode_from_wire(m).is_none())
     {
         return Err(KnobError::ClipMode);
+    }
+    if k.importance_correction
+        .is_some_and(|m| importance_correction_from_wire(m).is_none())
+    {
+        return Err(KnobError::ImportanceCorrection);
     }
     Ok(())
 }
@@ -169,6 +203,8 @@ pub fn merge(base: &mut Knobs, change: &Knobs) {
         adaptive_quantile,
         adaptive_temperature,
         importance_weight_cap,
+        importance_correction,
+        importance_weight_floor,
         learning_rate,
         paused
     );
@@ -281,6 +317,8 @@ pub struct StepKnobs {
     pub adaptive_quantile: f32,
     pub adaptive_temperature: f32,
     pub importance_weight_cap: f32,
+    pub importance_correction: ImportanceCorrectionName,
+    pub importance_weight_floor: f32,
     pub learning_rate: f64,
     pub paused: bool,
     /// Write a checkpoint before training this step.
@@ -311,6 +349,13 @@ impl StepKnobs {
             importance_weight_cap: k
                 .importance_weight_cap
                 .unwrap_or(d.importance_weight_cap as f32),
+            importance_correction: k
+                .importance_correction
+                .and_then(importance_correction_from_wire)
+                .unwrap_or(d.importance_correction),
+            importance_weight_floor: k
+                .importance_weight_floor
+                .unwrap_or(d.importance_weight_floor as f32),
             learning_rate: k.learning_rate.unwrap_or(d.learning_rate),
             paused: k.paused.unwrap_or(d.paused),
             checkpoint: s.checkpoint_steps.contains(&step),
@@ -383,6 +428,14 @@ pub fn parse_assignment(text: &str, into: &mut Knobs) -> Result<(), KnobError> {
         "importance_weight_cap" | "iw_cap" => {
             into.importance_weight_cap = Some(num("importance_weight_cap", value)?)
         }
+        "importance_correction" | "is_correction" => {
+            let mode: ImportanceCorrectionName =
+                value.parse().map_err(|_| KnobError::ImportanceCorrection)?;
+            into.importance_correction = Some(importance_correction_to_wire(mode) as i32);
+        }
+        "importance_weight_floor" | "iw_floor" => {
+            into.importance_weight_floor = Some(num("importance_weight_floor", value)?)
+        }
         "learning_rate" | "lr" => into.learning_rate = Some(num("learning_rate", value)?),
         "paused" => {
             into.paused = Some(match value.to_ascii_lowercase().as_str() {
@@ -434,6 +487,17 @@ pub fn knob_rows(k: &Knobs) -> Vec<(&'static str, String)> {
     if let Some(v) = k.importance_weight_cap {
         rows.push(("importance_weight_cap", v.to_string()));
     }
+    if let Some(v) = k.importance_correction {
+        rows.push((
+            "importance_correction",
+            importance_correction_from_wire(v)
+                .map_or("unspecified", ImportanceCorrectionName::as_str)
+                .to_owned(),
+        ));
+    }
+    if let Some(v) = k.importance_weight_floor {
+        rows.push(("importance_weight_floor", v.to_string()));
+    }
     if let Some(v) = k.learning_rate {
         rows.push(("learning_rate", format!("{v:e}")));
     }
@@ -443,7 +507,8 @@ pub fn knob_rows(k: &Knobs) -> Vec<(&'static str, String)> {
     rows
 }
 
-/// `(name, numeric value)` of every set field (clip mode as its enum number).
+/// `(name, numeric value)` of every set field (clip mode and importance
+/// correction as their enum numbers).
 pub fn knob_values(k: &Knobs) -> Vec<(&'static str, f64)> {
     let mut out = Vec::new();
     let mut push = |n, v: Option<f64>| {
@@ -463,6 +528,14 @@ pub fn knob_values(k: &Knobs) -> Vec<(&'static str, f64)> {
     push(
         "importance_weight_cap",
         k.importance_weight_cap.map(f64::from),
+    );
+    push(
+        "importance_correction",
+        k.importance_correction.map(f64::from),
+    );
+    push(
+        "importance_weight_floor",
+        k.importance_weight_floor.map(f64::from),
     );
     push("learning_rate", k.learning_rate);
     push("paused", k.paused.map(|p| if p { 1.0 } else { 0.0 }));
@@ -558,6 +631,27 @@ mod tests {
                     ..Default::default()
                 },
                 "`importance_weight_cap`",
+            ),
+            (
+                Knobs {
+                    importance_weight_floor: Some(1.5),
+                    ..Default::default()
+                },
+                "`importance_weight_floor` = 1.5",
+            ),
+            (
+                Knobs {
+                    importance_correction: Some(0),
+                    ..Default::default()
+                },
+                "importance_correction",
+            ),
+            (
+                Knobs {
+                    importance_correction: Some(9),
+                    ..Default::default()
+                },
+                "mask, truncate (tis) or icepop",
             ),
             (
                 Knobs {
@@ -674,12 +768,25 @@ mod tests {
             "paused=yes",
             "iw_cap = 4",
             "eps-high=0.3",
+            "clip_mode=gspo",
+            "importance_correction=TIS",
+            "iw_floor=0.25",
         ] {
             parse_assignment(a, &mut k).unwrap();
         }
         assert_eq!(k.eta, Some(2));
         assert_eq!(k.learning_rate, Some(3e-6));
-        assert_eq!(k.clip_mode, Some(ClipMode::M2po as i32));
+        assert_eq!(k.clip_mode, Some(ClipMode::Gspo as i32));
+        assert_eq!(
+            k.importance_correction,
+            Some(ImportanceCorrection::Truncate as i32)
+        );
+        assert_eq!(k.importance_weight_floor, Some(0.25));
+        parse_assignment("is_correction=icepop", &mut k).unwrap();
+        assert_eq!(
+            k.importance_correction,
+            Some(ImportanceCorrection::Icepop as i32)
+        );
         assert_eq!(k.paused, Some(true));
         assert_eq!(k.importance_weight_cap, Some(4.0));
         assert_eq!(k.eps_high, Some(0.3));
@@ -690,7 +797,12 @@ mod tests {
             ("eta=-1", "whole number"),
             ("lr=fast", "`learning_rate`"),
             ("paused=maybe", "true or false"),
-            ("clip_mode=x", "ppo, adaptive or m2po"),
+            ("clip_mode=x", "ppo, adaptive, m2po or gspo"),
+            (
+                "importance_correction=clip",
+                "mask, truncate (tis) or icepop",
+            ),
+            ("iw_floor=low", "`importance_weight_floor`"),
         ] {
             let err = parse_assignment(a, &mut k).unwrap_err().to_string();
             assert!(err.contains(want), "{a}: {err}");

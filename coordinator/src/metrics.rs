@@ -186,7 +186,7 @@ impl CoordinatorMetrics {
             )?,
             knob: m.register(
                 "knob_value",
-                "Live knob values in effect for the learner's current step (clip_mode: 1 ppo, 2 adaptive, 3 m2po)",
+                "Live knob values in effect for the learner's current step (clip_mode: 1 ppo, 2 adaptive, 3 m2po, 4 gspo; importance_correction: 1 mask, 2 truncate, 3 icepop)",
                 Family::default(),
             )?,
             knob_requests: m.register(

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use asyncrl_config::{ClipModeName, Config};
+use asyncrl_config::{ClipModeName, Config, ImportanceCorrectionName};
 use asyncrl_coordinator::ctl::{CtlArgs, CtlCommand, CtlError, ctl};
 use asyncrl_coordinator::journal::Journal;
 use asyncrl_coordinator::{Coordinator, seal_step};
@@ -106,7 +106,15 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
         &cfg,
         &args(
             &c,
-            set(&["lr=2e-6", "clip_mode=m2po"], Some(4)),
+            set(
+                &[
+                    "lr=2e-6",
+                    "clip_mode=gspo",
+                    "importance_correction=icepop",
+                    "iw_floor=0.25",
+                ],
+                Some(4),
+            ),
             Some(TOKEN),
         ),
     )
@@ -189,7 +197,15 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
         (k3.learning_rate, k3.clip_mode),
         (5e-6, ClipModeName::Adaptive)
     );
-    assert_eq!((k4.learning_rate, k4.clip_mode), (2e-6, ClipModeName::M2po));
+    assert_eq!((k4.learning_rate, k4.clip_mode), (2e-6, ClipModeName::Gspo));
+    assert_eq!(
+        (k4.importance_correction, k4.importance_weight_floor),
+        (ImportanceCorrectionName::Icepop, 0.25)
+    );
+    assert_eq!(
+        (k3.importance_correction, k3.importance_weight_floor),
+        (ImportanceCorrectionName::Mask, 0.5)
+    );
     assert_eq!(k4.eta, 2);
     wait_sealed(&c, 4).await;
 
@@ -250,7 +266,8 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
         (at4.who.as_str(), at4.action.as_str()),
         ("alice", "set_knobs")
     );
-    assert_eq!(at4.request["knobs"]["clip_mode"], "m2po");
+    assert_eq!(at4.request["knobs"]["clip_mode"], "gspo");
+    assert_eq!(at4.request["knobs"]["importance_correction"], "icepop");
     assert!(
         at4.peer
             .as_deref()

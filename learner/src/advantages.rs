@@ -1,4 +1,5 @@
-//! GRPO advantages: each completion's reward relative to its group.
+//! Group advantages: each completion's reward relative to its group (GRPO,
+//! Dr. GRPO, RLOO).
 
 /// How rewards are normalised within a group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
@@ -10,6 +11,10 @@ pub enum AdvantageNorm {
     /// original GRPO).
     #[default]
     MeanStd,
+    /// `A_i = r_i − mean_{j≠i} r_j` over the group's other scored
+    /// completions (RLOO's leave-one-out baseline, Ahmadian et al. 2024,
+    /// arXiv:2402.14740); equal to `n/(n − 1)·(r_i − mean(r))`.
+    LeaveOneOut,
 }
 
 /// Group-normalised advantages. A completion whose reward failed (`None`)
@@ -25,6 +30,7 @@ pub fn grpo_advantages(rewards: &[Option<f32>], norm: AdvantageNorm) -> Vec<Opti
     let mean = scored.iter().sum::<f64>() / n;
     let scale = match norm {
         AdvantageNorm::Mean => 1.0,
+        AdvantageNorm::LeaveOneOut => n / (n - 1.0),
         AdvantageNorm::MeanStd => {
             let var = scored.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n;
             1.0 / (var.sqrt() + 1e-6)
@@ -80,6 +86,21 @@ mod tests {
         // One scored completion: nothing to compare with.
         check(&[s(1.0), None], MeanStd, &[s(0.0), None]);
         check(&[], Mean, &[]);
+        // Leave-one-out: the mean of the others is the baseline.
+        // r = [1, 0, 0, 1]: the others of r_0 average 1/3, so A_0 = 2/3.
+        check(
+            &[s(1.0), s(0.0), s(0.0), s(1.0)],
+            LeaveOneOut,
+            &[s(2.0 / 3.0), s(-2.0 / 3.0), s(-2.0 / 3.0), s(2.0 / 3.0)],
+        );
+        // r = [3, 1, 2]: baselines 1.5, 2.5, 2; a failed reward is not
+        // among the others.
+        check(
+            &[s(3.0), s(1.0), None, s(2.0)],
+            LeaveOneOut,
+            &[s(1.5), s(-1.5), None, s(0.0)],
+        );
+        check(&[s(1.0), None], LeaveOneOut, &[s(0.0), None]);
         // Fractional rewards (the long-tailed task).
         check(&[s(0.25), s(0.75)], Mean, &[s(-0.25), s(0.25)]);
     }

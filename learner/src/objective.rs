@@ -20,11 +20,24 @@
 //! `κ = exp(−max(0, d − q)/τ)`; `A > 0` contracts only `hi = 1 + ε_hi·κ`,
 //! `A < 0` only `lo = 1 − ε_lo·κ`); `m2po` (mask the tokens with the largest
 //! `(b − p)²` until the mean of the rest is at most a threshold, then plain
-//! PPO clipping on the rest).
+//! PPO clipping on the rest); `gspo` (GSPO, Zheng et al. 2025,
+//! arXiv:2507.18071: one length-normalised ratio per sequence
+//! `s = exp(mean_t (c − p))`, clipped as in PPO, and one off-policy weight
+//! per sequence `w = exp(mean_t (p − b))`; every valid token of the
+//! sequence carries `w · min(s·A, clip(s, lo, hi)·A)`, so the sequence
+//! aggregation is GSPO's objective exactly and the token aggregation weighs
+//! each sequence by its length).
 //!
-//! Masked tokens (weight cap, m2po) contribute nothing but stay in the
-//! denominator of the mean, so masking removes a token's gradient without
-//! rescaling the others.
+//! Importance corrections of `w` (of a token, of a sequence under gspo):
+//! `mask` (decoupled PPO: `w > cap` masks); `truncate` (TIS, Yao et al.
+//! 2025, "Your efficient RL framework secretly brings you off-policy RL
+//! training": the weight is `min(w, cap)`); `icepop` (masked importance
+//! sampling, IcePop, Ling Team 2025, arXiv:2510.18855: `w` outside
+//! `[floor, cap]` masks).
+//!
+//! Masked tokens (importance correction, m2po) contribute nothing but stay
+//! in the denominator of the mean, so masking removes a token's gradient
+//! without rescaling the others.
 //!
 //! The loss is computed in two parts so that a mini-batch can run as several
 //! micro-batches with gradient accumulation: an [`ObjectivePlan`] holds what
@@ -39,6 +52,9 @@ use tch::{Kind, Tensor};
 
 /// The clipping mode (the one enum of config, knobs and objective).
 pub use asyncrl_config::ClipModeName as ClipMode;
+/// How the off-policy weight is corrected (the one enum of config, knobs
+/// and objective).
+pub use asyncrl_config::ImportanceCorrectionName as ImportanceCorrection;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -70,8 +86,13 @@ pub struct ObjectiveConfig {
     pub eps_low: f64,
     pub eps_high: f64,
     pub clip_mode: ClipMode,
-    /// Tokens whose off-policy weight `exp(p − b)` exceeds this are masked.
+    /// The upper bound of the off-policy weight `exp(p − b)`: above it a
+    /// token is masked (`mask`, `icepop`) or its weight truncated to it
+    /// (`truncate`).
     pub importance_weight_cap: f64,
+    pub importance_correction: ImportanceCorrection,
+    /// `icepop`: below this weight a token is masked.
+    pub importance_weight_floor: f64,
     /// Batch quantile `q` of `|p − b|` above which `κ < 1` (adaptive).
     pub adaptive_quantile: f64,
     /// Temperature `τ` of the contraction (adaptive).
@@ -88,6 +109,8 @@ impl Default for ObjectiveConfig {
             eps_high: 0.2,
             clip_mode: ClipMode::Adaptive,
             importance_weight_cap: 5.0,
+            importance_correction: ImportanceCorrection::Mask,
+            importance_weight_floor: 0.5,
             adaptive_quantile: 0.9,
             adaptive_temperature: 0.1,
             m2po_threshold: 0.04,
@@ -127,7 +150,8 @@ pub struct ObjectiveStats {
     /// Tokens whose ratio hit the lower / upper bound.
     pub clip_low_fraction: f64,
     pub clip_high_fraction: f64,
-    /// Tokens masked by the importance-weight cap.
+    /// Tokens whose off-policy weight the importance correction acted on:
+    /// masked (`mask`, `icepop`) or truncated (`truncate`).
     pub weight_masked_fraction: f64,
     /// Tokens masked by m2po.
     pub m2po_masked_fraction: f64,
@@ -258,6 +282,18 @@ fn m2po_keep(m2: &Tensor, valid: &Tensor, threshold: f64) -> Tensor {
         .to_device(valid.device())
 }
 
+/// The weights the importance correction masks (`mask`: above the cap;
+/// `icepop`: outside `[floor, cap]`; `truncate`: none).
+fn correction_masks(w: &Tensor, cfg: &ObjectiveConfig) -> Tensor {
+    match cfg.importance_correction {
+        ImportanceCorrection::Mask => w.gt(cfg.importance_weight_cap),
+        ImportanceCorrection::Icepop => w
+            .gt(cfg.importance_weight_cap)
+            .logical_or(&w.lt(cfg.importance_weight_floor)),
+        ImportanceCorrection::Truncate => w.zeros_like().to_kind(Kind::Bool),
+    }
+}
+
 fn check_shape(name: &'static str, t: &Tensor, want: &[i64]) -> Result<(), ObjectiveError> {
     if t.size() != want {
         return Err(ObjectiveError::Shape {
@@ -385,7 +421,7 @@ impl ObjectivePlan {
     /// or [`PlanInputs::current`] for approx): adaptive's quantile and
     /// m2po's mask are statistics of `p` over the whole mini-batch.
     pub fn needs_proximal(cfg: &ObjectiveConfig) -> bool {
-        cfg.clip_mode != ClipMode::Ppo
+        matches!(cfg.clip_mode, ClipMode::Adaptive | ClipMode::M2po)
     }
 
     /// Plans the objective of a mini-batch at learner version
@@ -435,11 +471,8 @@ impl ObjectivePlan {
             let log_w = (p - &b).detach();
             match cfg.clip_mode {
                 ClipMode::M2po => {
-                    let over_cap = log_w
-                        .exp()
-                        .gt(cfg.importance_weight_cap)
-                        .logical_and(&valid);
-                    let unmasked = valid.logical_and(&over_cap.logical_not());
+                    let masked = correction_masks(&log_w.exp(), cfg).logical_and(&valid);
+                    let unmasked = valid.logical_and(&masked.logical_not());
                     let kept = m2po_keep(&log_w.square(), &unmasked, cfg.m2po_threshold);
                     m2po_masked = fraction(
                         &unmasked.logical_and(&kept.logical_not()).sum(Kind::Double),
@@ -457,7 +490,7 @@ impl ObjectivePlan {
                             .double_value(&[]);
                     }
                 }
-                ClipMode::Ppo => {}
+                ClipMode::Ppo | ClipMode::Gspo => {}
             }
         }
         let lag = (-inputs.versions.to_kind(Kind::Double) + learner_version as f64)
@@ -517,19 +550,39 @@ impl ObjectivePlan {
             Some(p) => pick(p).to_kind(kind).detach(),
             None => approx_proximal(&b, c, &pick(&self.versions), self.learner_version),
         };
-        let log_w = (&p - &b).detach();
+        // Per token, or (gspo) the sequence's mean broadcast to its tokens.
+        let level = |x: Tensor| -> Tensor {
+            if cfg.clip_mode == ClipMode::Gspo {
+                let n = valid_f.sum_dim_intlist(-1, true, kind).clamp_min(1.0);
+                (x.where_self(&valid, &x.zeros_like())
+                    .sum_dim_intlist(-1, true, kind)
+                    / n)
+                    .expand_as(&valid_f)
+            } else {
+                x
+            }
+        };
+        let log_w = level((&p - &b).detach()).detach();
         let w = log_w.exp();
-        let over_cap = w.gt(cfg.importance_weight_cap).logical_and(&valid);
+        let masked = correction_masks(&w, cfg).logical_and(&valid);
+        let corrected = match cfg.importance_correction {
+            ImportanceCorrection::Truncate => w.gt(cfg.importance_weight_cap).logical_and(&valid),
+            ImportanceCorrection::Mask | ImportanceCorrection::Icepop => masked.shallow_clone(),
+        };
+        let w_applied = match cfg.importance_correction {
+            ImportanceCorrection::Truncate => w.clamp_max(cfg.importance_weight_cap),
+            ImportanceCorrection::Mask | ImportanceCorrection::Icepop => w.shallow_clone(),
+        };
         let keep = match &self.keep {
             Some(k) => pick(k),
-            None => valid.logical_and(&over_cap.logical_not()),
+            None => valid.logical_and(&masked.logical_not()),
         };
         let keep_f = keep.to_kind(kind);
 
-        let u = (c - &p).exp();
+        let u = level(c - &p).exp();
         let ones = u.ones_like().detach();
         let (lo, hi) = match cfg.clip_mode {
-            ClipMode::Ppo | ClipMode::M2po => {
+            ClipMode::Ppo | ClipMode::M2po | ClipMode::Gspo => {
                 (&ones * (1.0 - cfg.eps_low), &ones * (1.0 + cfg.eps_high))
             }
             ClipMode::Adaptive => {
@@ -545,7 +598,7 @@ impl ObjectivePlan {
         };
         let clipped = u.clamp_tensor(Some(&lo), Some(&hi));
         let surrogate = (&u * &a).minimum(&(&clipped * &a));
-        let per_token = &w * surrogate * &keep_f;
+        let per_token = &w_applied * surrogate * &keep_f;
 
         let objective = match cfg.aggregation {
             LossAggregation::Token => per_token.sum(kind) / self.n_valid.max(1.0),
@@ -563,7 +616,7 @@ impl ObjectivePlan {
         let sums = ObjectiveSums {
             clip_low: count(keep.logical_and(&a.lt(0.0)).logical_and(&u.lt_tensor(&lo))),
             clip_high: count(keep.logical_and(&a.gt(0.0)).logical_and(&u.gt_tensor(&hi))),
-            weight_masked: count(over_cap),
+            weight_masked: count(corrected),
             approx_kl: count((c.detach() - &p).square() * 0.5 * &valid_f),
             importance_weight: count(&w * &valid_f),
         };
@@ -1170,7 +1223,8 @@ mod tests {
                 ..Default::default()
             };
             let got = ObjectivePlan::new(&inputs, 0, &cfg).map(|_| ());
-            if clip_mode == ClipMode::Ppo {
+            // PPO's and GSPO's terms need only their own rows.
+            if matches!(clip_mode, ClipMode::Ppo | ClipMode::Gspo) {
                 assert_eq!(got, Ok(()));
             } else {
                 assert_eq!(got, Err(ObjectiveError::ProximalNeeded(clip_mode)));
@@ -1242,5 +1296,342 @@ mod tests {
         );
         // Nothing at the version: nothing compared.
         check_gap(&[-1.0], &[-5.0], &[1], &[t], 3, LogprobGap::default());
+    }
+
+    /// The objectives added from their papers, computed token by token in
+    /// plain f64 straight from the published formulas (loss, statistics
+    /// and the analytic gradient `∂loss/∂c`), against the tensor objective.
+    mod published {
+        use super::*;
+
+        /// Ragged rows of (b, p, c) and a sequence advantage per row.
+        struct Rows {
+            b: Vec<Vec<f64>>,
+            p: Vec<Vec<f64>>,
+            c: Vec<Vec<f64>>,
+            a: Vec<f64>,
+        }
+
+        /// SplitMix64, so that the inputs are the same everywhere.
+        fn rows(seed: u64) -> Rows {
+            let mut state = seed;
+            let mut uniform = |lo: f64, hi: f64| {
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                lo + ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 * (hi - lo)
+            };
+            let mut r = Rows {
+                b: vec![],
+                p: vec![],
+                c: vec![],
+                a: vec![],
+            };
+            for len in [5, 2, 7, 1, 4, 6] {
+                let (mut b, mut p, mut c) = (vec![], vec![], vec![]);
+                for _ in 0..len {
+                    let bt = uniform(-3.0, -0.1);
+                    // Some tokens far above or below the behaviour policy.
+                    let shift = match uniform(0.0, 1.0) {
+                        x if x < 0.12 => 1.9,
+                        x if x < 0.24 => -0.9,
+                        _ => uniform(-0.3, 0.3),
+                    };
+                    let pt = bt + shift;
+                    b.push(bt);
+                    p.push(pt);
+                    c.push(pt + uniform(-0.4, 0.4));
+                }
+                r.b.push(b);
+                r.p.push(p);
+                r.c.push(c);
+                r.a.push(uniform(-1.5, 1.5));
+            }
+            r
+        }
+
+        /// What the reference computes.
+        struct Reference {
+            loss: f64,
+            /// `∂loss/∂c`, per row and token.
+            grad: Vec<Vec<f64>>,
+            clip_low: f64,
+            clip_high: f64,
+            corrected: f64,
+        }
+
+        /// The tensor objective on `r` (recompute mode: `p` given).
+        fn tensor_objective(r: &Rows, cfg: &ObjectiveConfig) -> (ObjectiveOutput, Vec<Vec<f64>>) {
+            let n = r.b.len();
+            let t = r.b.iter().map(Vec::len).max().unwrap_or(1);
+            let pad = |x: &Vec<Vec<f64>>| -> Tensor {
+                let flat: Vec<f64> = x
+                    .iter()
+                    .flat_map(|row| (0..t).map(move |j| row.get(j).copied().unwrap_or(0.0)))
+                    .collect();
+                Tensor::from_slice(&flat).view([n as i64, t as i64])
+            };
+            let mask: Vec<bool> =
+                r.b.iter()
+                    .flat_map(|row| (0..t).map(move |j| j < row.len()))
+                    .collect();
+            let a: Vec<Vec<f64>> = r.a.iter().map(|a| vec![*a; t]).collect();
+            let (tb, tp) = (pad(&r.b), pad(&r.p));
+            let tc = pad(&r.c).set_requires_grad(true);
+            let ta = pad(&a);
+            let tv = Tensor::full([n as i64, t as i64], 10i64, (Kind::Int64, tch::Device::Cpu));
+            let tm = Tensor::from_slice(&mask).view([n as i64, t as i64]);
+            let out = decoupled_ppo_loss(
+                &TokenInputs {
+                    behaviour: &tb,
+                    current: &tc,
+                    proximal: Some(&tp),
+                    advantages: &ta,
+                    versions: &tv,
+                    mask: &tm,
+                },
+                10,
+                cfg,
+            )
+            .unwrap();
+            out.loss.backward();
+            let g = Vec::<f64>::try_from(tc.grad().flatten(0, -1)).unwrap();
+            let grad =
+                r.b.iter()
+                    .enumerate()
+                    .map(|(i, row)| (0..row.len()).map(|j| g[i * t + j]).collect())
+                    .collect();
+            (out, grad)
+        }
+
+        fn compare(what: &str, r: &Rows, cfg: &ObjectiveConfig, want: &Reference) {
+            let (out, grad) = tensor_objective(r, cfg);
+            let tokens: usize = r.b.iter().map(Vec::len).sum();
+            let close = |name: &str, got: f64, want: f64| {
+                assert!(
+                    (got - want).abs() < 1e-9,
+                    "{what}: {name} = {got}, the formula gives {want}"
+                );
+            };
+            close("loss", out.loss.double_value(&[]), want.loss);
+            close(
+                "clip_low_fraction",
+                out.stats.clip_low_fraction,
+                want.clip_low / tokens as f64,
+            );
+            close(
+                "clip_high_fraction",
+                out.stats.clip_high_fraction,
+                want.clip_high / tokens as f64,
+            );
+            close(
+                "weight_masked_fraction",
+                out.stats.weight_masked_fraction,
+                want.corrected / tokens as f64,
+            );
+            for (i, row) in want.grad.iter().enumerate() {
+                for (j, g) in row.iter().enumerate() {
+                    close(&format!("d loss/d c[{i}][{j}]"), grad[i][j], *g);
+                }
+            }
+        }
+
+        /// The corrected importance weight and whether the correction acted:
+        /// decoupled PPO masks above the cap; TIS (Yao et al. 2025)
+        /// truncates, `min(w, C)`; IcePop (arXiv:2510.18855) keeps `w` in
+        /// `[α, β]` and masks the rest, `M(k) = k·1[α ≤ k ≤ β]`.
+        fn corrected(w: f64, cfg: &ObjectiveConfig) -> (f64, bool) {
+            let (cap, floor) = (cfg.importance_weight_cap, cfg.importance_weight_floor);
+            match cfg.importance_correction {
+                ImportanceCorrection::Mask if w > cap => (0.0, true),
+                ImportanceCorrection::Truncate if w > cap => (cap, true),
+                ImportanceCorrection::Icepop if w > cap || w < floor => (0.0, true),
+                _ => (w, false),
+            }
+        }
+
+        /// PPO's clipped surrogate `min(x·A, clip(x, 1 − ε_lo, 1 + ε_hi)·A)`
+        /// of a ratio `x`: its value, `∂/∂x`, and which bound clipped it.
+        fn surrogate(x: f64, a: f64, cfg: &ObjectiveConfig) -> (f64, f64, i32) {
+            let (lo, hi) = (1.0 - cfg.eps_low, 1.0 + cfg.eps_high);
+            let clipped = x.clamp(lo, hi);
+            if clipped * a < x * a {
+                (clipped * a, 0.0, if x > hi { 1 } else { -1 })
+            } else {
+                (x * a, a, 0)
+            }
+        }
+
+        /// Token-level decoupled objective with a corrected weight (TIS,
+        /// IcePop): `J = 1/N Σ_t ŵ_t · min(u_t A, clip(u_t) A)`,
+        /// `u_t = exp(c_t − p_t)`, `w_t = exp(p_t − b_t)`;
+        /// `∂J/∂c_t = ŵ_t · ∂surrogate/∂u · u_t / N`. Token aggregation.
+        fn token_reference(r: &Rows, cfg: &ObjectiveConfig) -> Reference {
+            let n: usize = r.b.iter().map(Vec::len).sum();
+            let mut out = Reference {
+                loss: 0.0,
+                grad: vec![],
+                clip_low: 0.0,
+                clip_high: 0.0,
+                corrected: 0.0,
+            };
+            for i in 0..r.b.len() {
+                let mut g = vec![];
+                for j in 0..r.b[i].len() {
+                    let (w, acted) = corrected((r.p[i][j] - r.b[i][j]).exp(), cfg);
+                    let u = (r.c[i][j] - r.p[i][j]).exp();
+                    let (value, d, side) = surrogate(u, r.a[i], cfg);
+                    out.loss -= w * value / n as f64;
+                    g.push(-w * d * u / n as f64);
+                    out.corrected += f64::from(u8::from(acted));
+                    let kept = w > 0.0;
+                    out.clip_low += f64::from(u8::from(kept && side < 0));
+                    out.clip_high += f64::from(u8::from(kept && side > 0));
+                }
+                out.grad.push(g);
+            }
+            out
+        }
+
+        /// GSPO (arXiv:2507.18071, eq. 5–7 and 10):
+        /// `J = 1/G Σ_i min(s_i A_i, clip(s_i, 1 − ε_lo, 1 + ε_hi) A_i)` with
+        /// `s_i = (π(y_i)/π_old(y_i))^{1/|y_i|} = exp(1/|y_i| Σ_t (c − p))`,
+        /// here times the sequence's corrected off-policy weight
+        /// `w_i = exp(1/|y_i| Σ_t (p − b))` (1 when the proximal policy is
+        /// the behaviour one, GSPO as published); `∂s_i/∂c_t = s_i/|y_i|`.
+        /// Sequence aggregation; clip and correction counts are per token.
+        fn gspo_reference(r: &Rows, cfg: &ObjectiveConfig) -> Reference {
+            let g_seq = r.b.len() as f64;
+            let mut out = Reference {
+                loss: 0.0,
+                grad: vec![],
+                clip_low: 0.0,
+                clip_high: 0.0,
+                corrected: 0.0,
+            };
+            for i in 0..r.b.len() {
+                let len = r.b[i].len() as f64;
+                let mean = |x: &[f64], y: &[f64]| -> f64 {
+                    x.iter().zip(y).map(|(x, y)| x - y).sum::<f64>() / len
+                };
+                let s_i = mean(&r.c[i], &r.p[i]).exp();
+                let (w, acted) = corrected(mean(&r.p[i], &r.b[i]).exp(), cfg);
+                let (value, d, side) = surrogate(s_i, r.a[i], cfg);
+                out.loss -= w * value / g_seq;
+                out.grad
+                    .push(vec![-w * d * s_i / len / g_seq; r.b[i].len()]);
+                out.corrected += len * f64::from(u8::from(acted));
+                let kept = w > 0.0;
+                out.clip_low += len * f64::from(u8::from(kept && side < 0));
+                out.clip_high += len * f64::from(u8::from(kept && side > 0));
+            }
+            out
+        }
+
+        #[test]
+        fn gspo_is_the_published_sequence_level_objective() {
+            for seed in 1..=6 {
+                let mut r = rows(seed);
+                for (correction, cap, floor) in [
+                    (ImportanceCorrection::Mask, 1.3, 0.5),
+                    (ImportanceCorrection::Truncate, 1.15, 0.5),
+                    (ImportanceCorrection::Icepop, 1.3, 0.85),
+                ] {
+                    let cfg = ObjectiveConfig {
+                        clip_mode: ClipMode::Gspo,
+                        aggregation: LossAggregation::Sequence,
+                        eps_low: 0.04,
+                        eps_high: 0.06,
+                        importance_weight_cap: cap,
+                        importance_correction: correction,
+                        importance_weight_floor: floor,
+                        ..Default::default()
+                    };
+                    compare(
+                        &format!("gspo/{correction}, seed {seed}"),
+                        &r,
+                        &cfg,
+                        &gspo_reference(&r, &cfg),
+                    );
+                }
+                // As published: the old policy is the behaviour policy.
+                r.p = r.b.clone();
+                let cfg = ObjectiveConfig {
+                    clip_mode: ClipMode::Gspo,
+                    aggregation: LossAggregation::Sequence,
+                    eps_low: 3e-2,
+                    eps_high: 4e-2,
+                    ..Default::default()
+                };
+                compare(
+                    &format!("gspo as published, seed {seed}"),
+                    &r,
+                    &cfg,
+                    &gspo_reference(&r, &cfg),
+                );
+            }
+        }
+
+        #[test]
+        fn truncated_and_masked_importance_sampling_are_the_published_weights() {
+            for seed in 11..=16 {
+                let r = rows(seed);
+                for correction in ImportanceCorrection::ALL {
+                    let cfg = ObjectiveConfig {
+                        clip_mode: ClipMode::Ppo,
+                        aggregation: LossAggregation::Token,
+                        importance_weight_cap: 2.0,
+                        importance_correction: correction,
+                        importance_weight_floor: 0.5,
+                        ..Default::default()
+                    };
+                    compare(
+                        &format!("{correction}, seed {seed}"),
+                        &r,
+                        &cfg,
+                        &token_reference(&r, &cfg),
+                    );
+                }
+            }
+        }
+
+        /// The references would pass a test that never meets the branches:
+        /// these inputs do meet them.
+        #[test]
+        fn the_reference_inputs_meet_every_branch() {
+            let all: Vec<Rows> = (1..=16).map(rows).collect();
+            let ws: Vec<f64> = all
+                .iter()
+                .flat_map(|r| {
+                    r.p.iter()
+                        .flatten()
+                        .zip(r.b.iter().flatten())
+                        .map(|(p, b)| (p - b).exp())
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert!(ws.iter().any(|w| *w > 2.0) && ws.iter().any(|w| *w < 0.5));
+            let cfg = ObjectiveConfig {
+                clip_mode: ClipMode::Gspo,
+                eps_low: 0.04,
+                eps_high: 0.06,
+                ..Default::default()
+            };
+            let sides: Vec<i32> = all
+                .iter()
+                .flat_map(|r| {
+                    (0..r.b.len())
+                        .map(|i| {
+                            let len = r.b[i].len() as f64;
+                            let log_s: f64 =
+                                r.c[i].iter().zip(&r.p[i]).map(|(c, p)| c - p).sum::<f64>() / len;
+                            surrogate(log_s.exp(), r.a[i], &cfg).2
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert!(sides.contains(&1) && sides.contains(&-1) && sides.contains(&0));
+        }
     }
 }

@@ -109,6 +109,7 @@ pub fn trainer_options(config: &Config) -> TrainerOptions {
         advantage_norm: match l.advantage_norm {
             asyncrl_config::AdvantageNormName::Mean => AdvantageNorm::Mean,
             asyncrl_config::AdvantageNormName::MeanStd => AdvantageNorm::MeanStd,
+            asyncrl_config::AdvantageNormName::LeaveOneOut => AdvantageNorm::LeaveOneOut,
         },
         proximal: match l.proximal {
             asyncrl_config::ProximalName::Recompute => ProximalMode::Recompute,
@@ -129,6 +130,8 @@ pub fn step_settings(config: &Config, k: &asyncrl_control::StepKnobs) -> StepSet
             eps_high: f64::from(k.eps_high),
             clip_mode: k.clip_mode,
             importance_weight_cap: f64::from(k.importance_weight_cap),
+            importance_correction: k.importance_correction,
+            importance_weight_floor: f64::from(k.importance_weight_floor),
             adaptive_quantile: f64::from(k.adaptive_quantile),
             adaptive_temperature: f64::from(k.adaptive_temperature),
             m2po_threshold: config.learner.m2po_threshold,

@@ -39,7 +39,9 @@ use tonic::transport::{Channel, Endpoint, Uri};
 use crate::batch::{BatchLimits, TrainBatch, assemble};
 use crate::checkpoint;
 use crate::engine::TrainerEngine;
-use crate::objective::{ClipMode, LogprobGap, LossAggregation, ObjectiveStats};
+use crate::objective::{
+    ClipMode, ImportanceCorrection, LogprobGap, LossAggregation, ObjectiveStats,
+};
 use crate::trainer::{
     StepSettings, StepStats, TrainError, TrainerOptions, record_batch_facts, scheduled_lr,
     shuffled_order,
@@ -634,6 +636,7 @@ fn objective(knobs: &StepSettings) -> StepObjective {
             ClipMode::Ppo => pb::ClipMode::Ppo,
             ClipMode::Adaptive => pb::ClipMode::Adaptive,
             ClipMode::M2po => pb::ClipMode::M2po,
+            ClipMode::Gspo => pb::ClipMode::Gspo,
         } as i32,
         importance_weight_cap: o.importance_weight_cap,
         adaptive_quantile: o.adaptive_quantile,
@@ -643,6 +646,12 @@ fn objective(knobs: &StepSettings) -> StepObjective {
             LossAggregation::Token => pb::step_objective::Aggregation::Token,
             LossAggregation::Sequence => pb::step_objective::Aggregation::Sequence,
         } as i32,
+        importance_correction: match o.importance_correction {
+            ImportanceCorrection::Mask => pb::ImportanceCorrection::Mask,
+            ImportanceCorrection::Truncate => pb::ImportanceCorrection::Truncate,
+            ImportanceCorrection::Icepop => pb::ImportanceCorrection::Icepop,
+        } as i32,
+        importance_weight_floor: o.importance_weight_floor,
     }
 }
 

@@ -7,7 +7,9 @@ use arrow::array::RecordBatch;
 use asyncrl_learner::advantages::AdvantageNorm;
 use asyncrl_learner::batch::{assemble, completion_logprobs};
 use asyncrl_learner::checkpoint::{self, LoadedCheckpoint};
-use asyncrl_learner::objective::{ClipMode, LossAggregation, ObjectiveConfig, ProximalMode};
+use asyncrl_learner::objective::{
+    ClipMode, ImportanceCorrection, LossAggregation, ObjectiveConfig, ProximalMode,
+};
 use asyncrl_learner::trainer::{StepSettings, StepStats, Trainer, TrainerOptions};
 use asyncrl_policy::{DeviceOptions, Policy, TinyModelSpec};
 use asyncrl_protos::v1::{FinishReason, RewardStatus, Timings, Trajectory};
@@ -110,10 +112,20 @@ fn options(proximal: ProximalMode, max_tokens_per_microbatch: usize) -> TrainerO
 }
 
 fn knobs(clip_mode: ClipMode, aggregation: LossAggregation) -> StepSettings {
+    corrected_knobs(clip_mode, aggregation, ImportanceCorrection::Mask)
+}
+
+fn corrected_knobs(
+    clip_mode: ClipMode,
+    aggregation: LossAggregation,
+    importance_correction: ImportanceCorrection,
+) -> StepSettings {
     StepSettings {
         objective: ObjectiveConfig {
             clip_mode,
             aggregation,
+            importance_correction,
+            importance_weight_floor: 0.8,
             eps_low: 0.1,
             eps_high: 0.1,
             // Tight enough that the weight cap, adaptive's contraction and
@@ -242,33 +254,47 @@ fn microbatched_steps_match_the_unsplit_step() {
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, rb) = starting_point(dir.path());
     let mut worst: f64 = 0.0;
-    for clip_mode in [ClipMode::Ppo, ClipMode::Adaptive, ClipMode::M2po] {
+    let mut cases = Vec::new();
+    for clip_mode in ClipMode::ALL {
         for proximal in [
             ProximalMode::Recompute,
             ProximalMode::Approx,
             ProximalMode::Behaviour,
         ] {
             for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                let what = format!("{clip_mode} / {proximal:?} / {aggregation:?}");
-                let k = knobs(clip_mode, aggregation);
-                let (want, before) = step_from(&ckpt, &rb, options(proximal, 0), &k);
-                let (got, after) = step_from(&ckpt, &rb, options(proximal, SPLITTING_BUDGET), &k);
-                assert_eq!(want.microbatches, MINIBATCHES, "{what}");
-                assert!(
-                    got.microbatches >= 3 * MINIBATCHES,
-                    "{what}: only {} micro-batches",
-                    got.microbatches
-                );
-                assert_same_stats(&what, &got, &want, 1e-5);
-                let diff = max_abs_diff(&after, &before);
-                println!(
-                    "{what}: {} micro-batches, max |Δparam| {diff:.3e}",
-                    got.microbatches
-                );
-                assert!(diff <= 1e-5, "{what}: parameters differ by {diff}");
-                worst = worst.max(diff);
+                cases.push((clip_mode, ImportanceCorrection::Mask, proximal, aggregation));
             }
         }
+    }
+    for correction in [ImportanceCorrection::Truncate, ImportanceCorrection::Icepop] {
+        for clip_mode in [ClipMode::M2po, ClipMode::Gspo] {
+            cases.push((
+                clip_mode,
+                correction,
+                ProximalMode::Approx,
+                LossAggregation::Sequence,
+            ));
+        }
+    }
+    for (clip_mode, correction, proximal, aggregation) in cases {
+        let what = format!("{clip_mode} / {correction} / {proximal:?} / {aggregation:?}");
+        let k = corrected_knobs(clip_mode, aggregation, correction);
+        let (want, before) = step_from(&ckpt, &rb, options(proximal, 0), &k);
+        let (got, after) = step_from(&ckpt, &rb, options(proximal, SPLITTING_BUDGET), &k);
+        assert_eq!(want.microbatches, MINIBATCHES, "{what}");
+        assert!(
+            got.microbatches >= 3 * MINIBATCHES,
+            "{what}: only {} micro-batches",
+            got.microbatches
+        );
+        assert_same_stats(&what, &got, &want, 1e-5);
+        let diff = max_abs_diff(&after, &before);
+        println!(
+            "{what}: {} micro-batches, max |Δparam| {diff:.3e}",
+            got.microbatches
+        );
+        assert!(diff <= 1e-5, "{what}: parameters differ by {diff}");
+        worst = worst.max(diff);
     }
     println!("worst max |Δparam| over all cases: {worst:.3e}");
     // The step itself moves the weights far more than the tolerance.

@@ -1,6 +1,8 @@
 //! The learner's objective as test vectors: one definition of correctness
 //! for every trainer engine. For every clip mode × proximal mode ×
-//! aggregation, seeded inputs (a mini-batch of ragged rows, one of them
+//! aggregation (with decoupled PPO's masking correction), and for the
+//! truncating (TIS) and IcePop corrections × ppo, m2po, gspo × the
+//! recompute and approx proximal modes × aggregation, seeded inputs (a mini-batch of ragged rows, one of them
 //! without a valid token, versions from stale to one the learner has not
 //! reached) go through [`decoupled_ppo_loss`] and through an
 //! [`ObjectivePlan`] split into two micro-batches; the file records the
@@ -17,8 +19,8 @@
 use std::path::PathBuf;
 
 use asyncrl_learner::objective::{
-    ClipMode, LossAggregation, ObjectiveConfig, ObjectivePlan, ObjectiveStats, PlanInputs,
-    ProximalMode, TokenInputs, decoupled_ppo_loss,
+    ClipMode, ImportanceCorrection, LossAggregation, ObjectiveConfig, ObjectivePlan,
+    ObjectiveStats, PlanInputs, ProximalMode, TokenInputs, decoupled_ppo_loss,
 };
 use serde_json::{Value, json};
 use tch::{Kind, Tensor};
@@ -152,13 +154,25 @@ fn aggregation_name(aggregation: LossAggregation) -> &'static str {
     }
 }
 
-fn case(clip: ClipMode, mode: ProximalMode, aggregation: LossAggregation, seed: u64) -> Value {
+fn case(
+    clip: ClipMode,
+    correction: ImportanceCorrection,
+    mode: ProximalMode,
+    aggregation: LossAggregation,
+    seed: u64,
+) -> Value {
     let x = inputs(seed);
+    // GSPO's sequence ratios and weights are means over a row: a narrower
+    // clip range and weight band make its clipping and correction happen
+    // on these inputs.
+    let gspo = clip == ClipMode::Gspo;
     let cfg = ObjectiveConfig {
-        eps_low: 0.2,
-        eps_high: 0.28,
+        eps_low: if gspo { 0.02 } else { 0.2 },
+        eps_high: if gspo { 0.02 } else { 0.28 },
         clip_mode: clip,
-        importance_weight_cap: 5.0,
+        importance_weight_cap: if gspo { 1.25 } else { 5.0 },
+        importance_correction: correction,
+        importance_weight_floor: if gspo { 0.85 } else { 0.75 },
         adaptive_quantile: 0.75,
         adaptive_temperature: 0.1,
         m2po_threshold: 0.04,
@@ -221,12 +235,17 @@ fn case(clip: ClipMode, mode: ProximalMode, aggregation: LossAggregation, seed: 
     }
 
     json!({
-        "name": format!("{}-{}-{}", clip.as_str(), proximal_name(mode), aggregation_name(aggregation)),
+        "name": match correction {
+            ImportanceCorrection::Mask => format!("{}-{}-{}", clip.as_str(), proximal_name(mode), aggregation_name(aggregation)),
+            _ => format!("{}-{}-{}-{}", clip.as_str(), correction.as_str(), proximal_name(mode), aggregation_name(aggregation)),
+        },
         "config": {
             "eps_low": cfg.eps_low,
             "eps_high": cfg.eps_high,
             "clip_mode": cfg.clip_mode.as_str(),
             "importance_weight_cap": cfg.importance_weight_cap,
+            "importance_correction": cfg.importance_correction.as_str(),
+            "importance_weight_floor": cfg.importance_weight_floor,
             "adaptive_quantile": cfg.adaptive_quantile,
             "adaptive_temperature": cfg.adaptive_temperature,
             "m2po_threshold": cfg.m2po_threshold,
@@ -253,15 +272,31 @@ fn case(clip: ClipMode, mode: ProximalMode, aggregation: LossAggregation, seed: 
 fn generate() -> Value {
     let mut cases = Vec::new();
     let mut seed = 1;
-    for clip in [ClipMode::Ppo, ClipMode::Adaptive, ClipMode::M2po] {
+    for clip in ClipMode::ALL {
         for proximal in [
             ProximalMode::Recompute,
             ProximalMode::Approx,
             ProximalMode::Behaviour,
         ] {
             for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                cases.push(case(clip, proximal, aggregation, seed));
+                cases.push(case(
+                    clip,
+                    ImportanceCorrection::Mask,
+                    proximal,
+                    aggregation,
+                    seed,
+                ));
                 seed += 1;
+            }
+        }
+    }
+    for correction in [ImportanceCorrection::Truncate, ImportanceCorrection::Icepop] {
+        for clip in [ClipMode::Ppo, ClipMode::M2po, ClipMode::Gspo] {
+            for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
+                for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
+                    cases.push(case(clip, correction, proximal, aggregation, seed));
+                    seed += 1;
+                }
             }
         }
     }
@@ -332,19 +367,72 @@ fn the_checked_in_vectors_are_what_the_objective_computes() {
 fn the_vectors_exercise_every_branch() {
     let v = generate();
     let cases = v["cases"].as_array().expect("cases");
-    assert_eq!(cases.len(), 3 * 3 * 2);
-    let any = |key: &str| {
-        cases
-            .iter()
-            .any(|c| c["stats"][key].as_f64().unwrap_or(0.0) > 0.0)
-    };
-    for key in [
-        "clip_low_fraction",
-        "clip_high_fraction",
-        "weight_masked_fraction",
-        "m2po_masked_fraction",
+    assert_eq!(cases.len(), 4 * 3 * 2 + 2 * 3 * 2 * 2);
+    // Each objective (clip mode, correction) meets every branch it has.
+    for (clip, correction, keys) in [
+        (
+            "ppo",
+            "mask",
+            &[
+                "clip_low_fraction",
+                "clip_high_fraction",
+                "weight_masked_fraction",
+            ][..],
+        ),
+        (
+            "adaptive",
+            "mask",
+            &[
+                "clip_low_fraction",
+                "clip_high_fraction",
+                "weight_masked_fraction",
+            ][..],
+        ),
+        (
+            "m2po",
+            "mask",
+            &[
+                "clip_low_fraction",
+                "clip_high_fraction",
+                "weight_masked_fraction",
+                "m2po_masked_fraction",
+            ][..],
+        ),
+        (
+            "gspo",
+            "mask",
+            &[
+                "clip_low_fraction",
+                "clip_high_fraction",
+                "weight_masked_fraction",
+            ][..],
+        ),
+        ("ppo", "truncate", &["weight_masked_fraction"][..]),
+        (
+            "gspo",
+            "truncate",
+            &[
+                "clip_low_fraction",
+                "clip_high_fraction",
+                "weight_masked_fraction",
+            ][..],
+        ),
+        ("ppo", "icepop", &["weight_masked_fraction"][..]),
+        (
+            "m2po",
+            "icepop",
+            &["weight_masked_fraction", "m2po_masked_fraction"][..],
+        ),
+        ("gspo", "icepop", &["weight_masked_fraction"][..]),
     ] {
-        assert!(any(key), "no case has {key} > 0");
+        for key in keys {
+            assert!(
+                cases.iter().any(|c| c["config"]["clip_mode"] == clip
+                    && c["config"]["importance_correction"] == correction
+                    && c["stats"][*key].as_f64().unwrap_or(0.0) > 0.0),
+                "no {clip}/{correction} case has {key} > 0"
+            );
+        }
     }
     for c in cases {
         // Micro-batches that partition the rows sum to the whole loss.

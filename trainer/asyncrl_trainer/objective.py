@@ -1,7 +1,8 @@
 """The learner's objective in PyTorch: decoupled PPO with a recomputed,
-A-3PO-approximated or behaviour proximal policy; PPO, staleness-adaptive
-and M2PO clipping; token or sequence aggregation; micro-batches with
-mini-batch statistics.
+A-3PO-approximated or behaviour proximal policy; PPO, staleness-adaptive,
+M2PO and GSPO (sequence-level) clipping; masking (decoupled PPO), truncating
+(TIS) or IcePop correction of the off-policy weight; token or sequence
+aggregation; micro-batches with mini-batch statistics.
 
 It is the Rust learner's objective (``learner/src/objective.rs``, whose
 module documentation gives the formulas) term for term, and
@@ -32,6 +33,17 @@ class ClipMode(str, Enum):
     PPO = "ppo"
     ADAPTIVE = "adaptive"
     M2PO = "m2po"
+    GSPO = "gspo"
+
+
+class ImportanceCorrection(str, Enum):
+    """How the off-policy weight ``w = exp(p - b)`` is corrected: ``mask``
+    (``w > cap`` masks), ``truncate`` (TIS: ``min(w, cap)``), ``icepop``
+    (``w`` outside ``[floor, cap]`` masks)."""
+
+    MASK = "mask"
+    TRUNCATE = "truncate"
+    ICEPOP = "icepop"
 
 
 class ProximalMode(str, Enum):
@@ -53,6 +65,8 @@ class ObjectiveConfig:
     eps_high: float = 0.2
     clip_mode: ClipMode = ClipMode.ADAPTIVE
     importance_weight_cap: float = 5.0
+    importance_correction: ImportanceCorrection = ImportanceCorrection.MASK
+    importance_weight_floor: float = 0.5
     adaptive_quantile: float = 0.9
     adaptive_temperature: float = 0.1
     m2po_threshold: float = 0.04
@@ -139,6 +153,16 @@ def _m2po_keep(m2: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch
     return torch.tensor(keep, dtype=torch.bool, device=valid.device).view(valid.shape)
 
 
+def _correction_masks(w: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+    """The weights the correction masks (``mask``: above the cap; ``icepop``:
+    outside ``[floor, cap]``; ``truncate``: none)."""
+    if cfg.importance_correction == ImportanceCorrection.MASK:
+        return w > cfg.importance_weight_cap
+    if cfg.importance_correction == ImportanceCorrection.ICEPOP:
+        return (w > cfg.importance_weight_cap) | (w < cfg.importance_weight_floor)
+    return torch.zeros_like(w, dtype=torch.bool)
+
+
 def _check_shape(name: str, t: torch.Tensor, want: torch.Size) -> None:
     if t.shape != want:
         raise ObjectiveError(f"input `{name}` has shape {list(t.shape)}, expected {list(want)}")
@@ -155,8 +179,9 @@ class ObjectivePlan:
     @staticmethod
     def needs_proximal(cfg: ObjectiveConfig) -> bool:
         """Adaptive's quantile and M2PO's mask are statistics of ``p`` over
-        the whole mini-batch: the plan needs ``p`` (or ``current``) up front."""
-        return cfg.clip_mode != ClipMode.PPO
+        the whole mini-batch: the plan needs ``p`` (or ``current``) up front;
+        PPO's and GSPO's terms need only their own rows."""
+        return cfg.clip_mode in (ClipMode.ADAPTIVE, ClipMode.M2PO)
 
     def __init__(
         self,
@@ -212,8 +237,8 @@ class ObjectivePlan:
                     )
                 log_w = p - b
                 if cfg.clip_mode == ClipMode.M2PO:
-                    over_cap = (log_w.exp() > cfg.importance_weight_cap) & valid
-                    unmasked = valid & ~over_cap
+                    masked = _correction_masks(log_w.exp(), cfg) & valid
+                    unmasked = valid & ~masked
                     kept = _m2po_keep(log_w.square(), unmasked, cfg.m2po_threshold)
                     self.m2po_masked = _fraction(
                         float((unmasked & ~kept).sum(dtype=torch.float64)), self.n_valid
@@ -262,13 +287,29 @@ class ObjectivePlan:
             p = pick(self.proximal).to(kind).detach()
         else:
             p = approx_proximal(b, c, pick(self.versions), self.learner_version)
-        log_w = (p - b).detach()
+
+        def level(x: torch.Tensor) -> torch.Tensor:
+            """Per token, or (GSPO) the sequence's mean over its valid
+            tokens broadcast to every token."""
+            if cfg.clip_mode != ClipMode.GSPO:
+                return x
+            n = valid_f.sum(dim=-1, keepdim=True).clamp_min(1.0)
+            mean = torch.where(valid, x, torch.zeros_like(x)).sum(dim=-1, keepdim=True) / n
+            return mean.expand_as(valid_f)
+
+        log_w = level((p - b).detach()).detach()
         w = log_w.exp()
-        over_cap = (w > cfg.importance_weight_cap) & valid
-        keep = pick(self.keep) if self.keep is not None else valid & ~over_cap
+        masked = _correction_masks(w, cfg) & valid
+        if cfg.importance_correction == ImportanceCorrection.TRUNCATE:
+            corrected = (w > cfg.importance_weight_cap) & valid
+            w_applied = w.clamp_max(cfg.importance_weight_cap)
+        else:
+            corrected = masked
+            w_applied = w
+        keep = pick(self.keep) if self.keep is not None else valid & ~masked
         keep_f = keep.to(kind)
 
-        u = (c - p).exp()
+        u = level(c - p).exp()
         ones = torch.ones_like(u)
         if cfg.clip_mode == ClipMode.ADAPTIVE:
             d = log_w.abs()
@@ -280,7 +321,7 @@ class ObjectivePlan:
             lo, hi = ones * (1.0 - cfg.eps_low), ones * (1.0 + cfg.eps_high)
         clipped = torch.clamp(u, min=lo, max=hi)
         surrogate = torch.minimum(u * a, clipped * a)
-        per_token = w * surrogate * keep_f
+        per_token = w_applied * surrogate * keep_f
 
         if cfg.aggregation == Aggregation.TOKEN:
             objective = per_token.sum() / max(self.n_valid, 1.0)
@@ -299,7 +340,7 @@ class ObjectivePlan:
             sums = ObjectiveSums(
                 clip_low=count(keep & (a < 0.0) & (u < lo)),
                 clip_high=count(keep & (a > 0.0) & (u > hi)),
-                weight_masked=count(over_cap),
+                weight_masked=count(corrected),
                 approx_kl=count((c.detach() - p).square() * 0.5 * valid_f),
                 importance_weight=count(w * valid_f),
             )

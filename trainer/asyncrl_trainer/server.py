@@ -45,7 +45,13 @@ from torch import nn
 from .generate import GenerateParams, generate
 from .checkpoint import export_weights, load_checkpoint, load_weights, read_learner_meta, save_checkpoint
 from .distributed import close_process_group
-from .objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
+from .objective import (
+    Aggregation,
+    ClipMode,
+    ImportanceCorrection,
+    ObjectiveConfig,
+    ProximalMode,
+)
 from .step import StepBatch, StepError, Trainer, TrainerOptions
 
 #: ``protos/proto`` of the repository this package lives in.
@@ -329,18 +335,30 @@ class Engine:
     def train_step(self, req: Any) -> Any:
         start = time.monotonic()
         o = req.objective
-        clip = {1: ClipMode.PPO, 2: ClipMode.ADAPTIVE, 3: ClipMode.M2PO}.get(o.clip_mode)
+        clip = {1: ClipMode.PPO, 2: ClipMode.ADAPTIVE, 3: ClipMode.M2PO, 4: ClipMode.GSPO}.get(
+            o.clip_mode
+        )
         aggregation = {1: Aggregation.TOKEN, 2: Aggregation.SEQUENCE}.get(o.aggregation)
-        if clip is None or aggregation is None:
+        # Unspecified (0): a learner from before the field, whose objective
+        # masked above the cap.
+        correction = {
+            0: ImportanceCorrection.MASK,
+            1: ImportanceCorrection.MASK,
+            2: ImportanceCorrection.TRUNCATE,
+            3: ImportanceCorrection.ICEPOP,
+        }.get(o.importance_correction)
+        if clip is None or aggregation is None or correction is None:
             raise StepError(
-                f"the step's objective names no clip mode ({o.clip_mode}) or aggregation "
-                f"({o.aggregation})"
+                f"the step's objective names no clip mode ({o.clip_mode}), aggregation "
+                f"({o.aggregation}) or importance correction ({o.importance_correction})"
             )
         cfg = ObjectiveConfig(
             eps_low=o.eps_low,
             eps_high=o.eps_high,
             clip_mode=clip,
             importance_weight_cap=o.importance_weight_cap,
+            importance_correction=correction,
+            importance_weight_floor=o.importance_weight_floor,
             adaptive_quantile=o.adaptive_quantile,
             adaptive_temperature=o.adaptive_temperature,
             m2po_threshold=o.m2po_threshold,

@@ -1,7 +1,7 @@
 """The torch engine's objective against the Rust learner's: every case of
 ``data/objective_vectors.json`` (written by
 ``learner/tests/objective_vectors.rs``: every clip mode x proximal mode x
-aggregation) gives the same loss, statistics, gradient and micro-batch
+aggregation, and the TIS and IcePop corrections) gives the same loss, statistics, gradient and micro-batch
 losses within 1e-6."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from asyncrl_trainer.objective import (
     Aggregation,
     ClipMode,
+    ImportanceCorrection,
     ObjectiveConfig,
     ObjectiveError,
     ObjectivePlan,
@@ -37,6 +38,8 @@ def _config(raw: dict[str, Any]) -> ObjectiveConfig:
         eps_high=raw["eps_high"],
         clip_mode=ClipMode(raw["clip_mode"]),
         importance_weight_cap=raw["importance_weight_cap"],
+        importance_correction=ImportanceCorrection(raw["importance_correction"]),
+        importance_weight_floor=raw["importance_weight_floor"],
         adaptive_quantile=raw["adaptive_quantile"],
         adaptive_temperature=raw["adaptive_temperature"],
         m2po_threshold=raw["m2po_threshold"],
@@ -62,11 +65,16 @@ def _close(got: float, want: float, what: str) -> None:
 
 def test_the_vectors_cover_every_mode() -> None:
     names = {c["name"] for c in _cases()}
-    assert len(names) == 3 * 3 * 2
-    for clip in ("ppo", "adaptive", "m2po"):
+    assert len(names) == 4 * 3 * 2 + 2 * 3 * 2 * 2
+    for clip in ("ppo", "adaptive", "m2po", "gspo"):
         for proximal in ("recompute", "approx", "behaviour"):
             for aggregation in ("token", "sequence"):
                 assert f"{clip}-{proximal}-{aggregation}" in names
+    for correction in ("truncate", "icepop"):
+        for clip in ("ppo", "m2po", "gspo"):
+            for proximal in ("recompute", "approx"):
+                for aggregation in ("token", "sequence"):
+                    assert f"{clip}-{correction}-{proximal}-{aggregation}" in names
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: str(c["name"]))

@@ -297,8 +297,28 @@ def test_bad_calls_are_refused_with_the_reason_and_the_engine_keeps_serving(
         engine.stub.ExportWeights(pb2.ExportWeightsRequest(path=str(tmp_path / "taken")), timeout=60)
     assert "exists already" in refused.value.details()
 
+    unknown = request(0)
+    unknown.objective.importance_correction = 9
+    with pytest.raises(grpc.RpcError) as refused:
+        engine.stub.TrainStep(unknown, timeout=120)
+    assert "importance correction (9)" in refused.value.details()
+
     # Still serving, and nothing was applied: a good step trains.
     assert engine.stub.TrainStep(request(0), timeout=120).tokens > 0
+
+    # GSPO's sequence ratio with IcePop's band reach the objective: a band
+    # no sequence's weight is in masks every token, and the step says so.
+    gspo = request(1)
+    gspo.objective.clip_mode = 4
+    gspo.objective.importance_correction = 3
+    gspo.objective.importance_weight_cap = 1e-9
+    gspo.objective.importance_weight_floor = 0.0
+    reply = engine.stub.TrainStep(gspo, timeout=120)
+    assert reply.tokens > 0 and reply.loss == 0.0 and reply.weight_masked_fraction == 1.0
+    gspo.objective.importance_weight_floor = 0.0
+    gspo.objective.importance_weight_cap = 1e9
+    reply = engine.stub.TrainStep(gspo, timeout=120)
+    assert reply.weight_masked_fraction == 0.0 and reply.loss != 0.0
 
 
 def test_a_folder_transformers_cannot_load_ends_the_group_with_one_line_naming_the_key(

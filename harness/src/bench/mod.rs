@@ -334,7 +334,8 @@ pub struct StalenessArgs {
     config: PathBuf,
     #[arg(long, value_delimiter = ',', default_value = "0,2,8,32")]
     etas: Vec<u32>,
-    /// naive (PPO around the behaviour policy), decoupled, adaptive, m2po.
+    /// naive (PPO around the behaviour policy), decoupled, adaptive, m2po,
+    /// gspo, tis, icepop, rloo (decoupled with leave-one-out advantages).
     #[arg(
         long,
         value_delimiter = ',',

@@ -20,7 +20,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use asyncrl_config::{ClipModeName, Config, ProximalName};
+use asyncrl_config::{
+    AdvantageNormName, ClipModeName, Config, ImportanceCorrectionName, ProximalName,
+};
 
 use asyncrl_app::plot::{Series, panel_chart};
 use asyncrl_app::train::{TrainOptions, train};
@@ -40,14 +42,38 @@ pub enum Objective {
     Adaptive,
     /// Decoupled PPO with M2PO's second-moment masking.
     M2po,
+    /// GSPO's sequence-level ratio around the recomputed proximal policy.
+    Gspo,
+    /// Decoupled PPO with the off-policy weight truncated at the cap (TIS)
+    /// instead of masked above it.
+    Tis,
+    /// Decoupled PPO with tokens whose weight is outside [floor, cap]
+    /// masked (IcePop).
+    Icepop,
+    /// Decoupled PPO with RLOO's leave-one-out advantages.
+    Rloo,
+}
+
+/// What an [`Objective`] sets in the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectiveSettings {
+    pub clip_mode: ClipModeName,
+    pub proximal: ProximalName,
+    pub correction: ImportanceCorrectionName,
+    /// `None`: the base config's.
+    pub advantage_norm: Option<AdvantageNormName>,
 }
 
 impl Objective {
-    pub const ALL: [Objective; 4] = [
+    pub const ALL: [Objective; 8] = [
         Objective::Naive,
         Objective::Decoupled,
         Objective::Adaptive,
         Objective::M2po,
+        Objective::Gspo,
+        Objective::Tis,
+        Objective::Icepop,
+        Objective::Rloo,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -56,6 +82,10 @@ impl Objective {
             Objective::Decoupled => "decoupled",
             Objective::Adaptive => "adaptive",
             Objective::M2po => "m2po",
+            Objective::Gspo => "gspo",
+            Objective::Tis => "tis",
+            Objective::Icepop => "icepop",
+            Objective::Rloo => "rloo",
         }
     }
 
@@ -63,16 +93,71 @@ impl Objective {
         Self::ALL
             .into_iter()
             .find(|o| o.as_str() == s)
-            .with_context(|| format!("unknown objective {s:?} (naive, decoupled, adaptive, m2po)"))
+            .with_context(|| {
+                format!(
+                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo)"
+                )
+            })
     }
 
-    /// The clip mode and the proximal policy of this objective.
-    pub fn settings(self) -> (ClipModeName, ProximalName) {
-        match self {
-            Objective::Naive => (ClipModeName::Ppo, ProximalName::Behaviour),
-            Objective::Decoupled => (ClipModeName::Ppo, ProximalName::Recompute),
-            Objective::Adaptive => (ClipModeName::Adaptive, ProximalName::Recompute),
-            Objective::M2po => (ClipModeName::M2po, ProximalName::Recompute),
+    /// The clip mode, proximal policy, importance correction and advantage
+    /// of this objective.
+    pub fn settings(self) -> ObjectiveSettings {
+        let (clip_mode, proximal, correction, advantage_norm) = match self {
+            Objective::Naive => (
+                ClipModeName::Ppo,
+                ProximalName::Behaviour,
+                ImportanceCorrectionName::Mask,
+                None,
+            ),
+            Objective::Decoupled => (
+                ClipModeName::Ppo,
+                ProximalName::Recompute,
+                ImportanceCorrectionName::Mask,
+                None,
+            ),
+            Objective::Adaptive => (
+                ClipModeName::Adaptive,
+                ProximalName::Recompute,
+                ImportanceCorrectionName::Mask,
+                None,
+            ),
+            Objective::M2po => (
+                ClipModeName::M2po,
+                ProximalName::Recompute,
+                ImportanceCorrectionName::Mask,
+                None,
+            ),
+            Objective::Gspo => (
+                ClipModeName::Gspo,
+                ProximalName::Recompute,
+                ImportanceCorrectionName::Mask,
+                None,
+            ),
+            Objective::Tis => (
+                ClipModeName::Ppo,
+                ProximalName::Recompute,
+                ImportanceCorrectionName::Truncate,
+                None,
+            ),
+            Objective::Icepop => (
+                ClipModeName::Ppo,
+                ProximalName::Recompute,
+                ImportanceCorrectionName::Icepop,
+                None,
+            ),
+            Objective::Rloo => (
+                ClipModeName::Ppo,
+                ProximalName::Recompute,
+                ImportanceCorrectionName::Mask,
+                Some(AdvantageNormName::LeaveOneOut),
+            ),
+        };
+        ObjectiveSettings {
+            clip_mode,
+            proximal,
+            correction,
+            advantage_norm,
         }
     }
 }
@@ -191,9 +276,13 @@ fn run_config(
     let name = format!("eta{eta}-{}-seed{seed}", objective.as_str());
     let mut c = base.clone();
     c.staleness.eta = eta;
-    let (clip, proximal) = objective.settings();
-    c.coordinator.initial_knobs.clip_mode = clip;
-    c.learner.proximal = proximal;
+    let settings = objective.settings();
+    c.coordinator.initial_knobs.clip_mode = settings.clip_mode;
+    c.coordinator.initial_knobs.importance_correction = settings.correction;
+    c.learner.proximal = settings.proximal;
+    if let Some(norm) = settings.advantage_norm {
+        c.learner.advantage_norm = norm;
+    }
     c.run.seed = seed;
     c.run.max_steps = bench.steps;
     c.run.name = name.clone();
