@@ -57,6 +57,29 @@ pub enum LossAggregationName {
     Sequence,
 }
 
+/// How the learner estimates the KL divergence to the reference policy,
+/// per token, from the current log-prob `c` and the reference's `r`
+/// (Schulman, "Approximating KL divergence", 2020).
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum KlEstimatorName {
+    /// `c − r`: unbiased, high variance, can be negative.
+    K1,
+    /// `exp(r − c) − (r − c) − 1`: unbiased, low variance, never negative
+    /// (the estimator of GRPO's KL loss).
+    #[default]
+    K3,
+}
+
+impl KlEstimatorName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KlEstimatorName::K1 => "k1",
+            KlEstimatorName::K3 => "k3",
+        }
+    }
+}
+
 /// Which engine computes the learner's step (docs/ARCHITECTURE.md, "Trainer
 /// engines").
 #[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
@@ -168,6 +191,12 @@ pub struct LearnerConfig {
     pub loss_aggregation: LossAggregationName,
     /// m2po: mean (b − p)² the unmasked tokens must stay under.
     pub m2po_threshold: f64,
+    /// Weight β of the KL loss against the reference policy (the weights
+    /// the run started from, frozen): the loss gains β times the
+    /// aggregated per-token estimate. 0: no KL loss and no reference model
+    /// (which costs a copy of the weights and one forward pass per step).
+    pub kl_coef: f64,
+    pub kl_estimator: KlEstimatorName,
     /// Optimizer steps per batch (the batch is split into this many mini-batches).
     pub minibatches: usize,
     /// Padded positions (rows × the longest prompt + completion among them)
@@ -218,6 +247,8 @@ impl Default for LearnerConfig {
             advantage_norm: AdvantageNormName::MeanStd,
             loss_aggregation: LossAggregationName::Token,
             m2po_threshold: 0.04,
+            kl_coef: 0.0,
+            kl_estimator: KlEstimatorName::K3,
             minibatches: 1,
             max_tokens_per_microbatch: 0,
             warmup_steps: 0,
@@ -244,6 +275,13 @@ const MAX_TOKENS_PER_MICROBATCH: usize = u32::MAX as usize;
 impl LearnerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_range("learner.m2po_threshold", self.m2po_threshold, 0.0, 100.0)?;
+        check_range("learner.kl_coef", self.kl_coef, 0.0, 100.0)?;
+        if self.kl_coef > 0.0 && self.trainer == TrainerEngineName::Torch {
+            return Err(ConfigError::invalid(
+                "learner.kl_coef",
+                "a KL loss needs the builtin trainer: the torch engine holds no reference model yet (set kl_coef = 0 or trainer = \"builtin\")",
+            ));
+        }
         check_range("learner.minibatches", self.minibatches, 1, 1024)?;
         check_range(
             "learner.max_tokens_per_microbatch",
@@ -359,6 +397,20 @@ mod tests {
             (
                 "[learner]\ntrainer = \"megatron\"",
                 Some("`learner.trainer`"),
+            ),
+            // A KL loss needs the builtin trainer's reference model.
+            ("[learner]\nkl_coef = 0.05\nkl_estimator = \"k1\"", None),
+            (
+                "[model]\npath = \"m\"\n[learner]\ntrainer = \"torch\"\nkl_coef = 0.05",
+                Some("`learner.kl_coef` a KL loss needs the builtin trainer"),
+            ),
+            (
+                "[learner]\nkl_coef = -1",
+                Some("`learner.kl_coef` = -1 is out of range"),
+            ),
+            (
+                "[learner]\nkl_estimator = \"k2\"",
+                Some("`learner.kl_estimator`"),
             ),
             // 8 groups × 8 rows = 64 rows share evenly over 1, 2, 4, 8 ranks.
             (

@@ -33,8 +33,8 @@ pub use coordinator::{
 pub use environment::{BUILTIN_ENV_PREFIX, BUILTIN_ENVS, EnvironmentConfig, EnvironmentKind};
 pub use eval::{EvalConfig, EvalEngineName, MAX_EVAL_SAMPLES};
 pub use learner::{
-    AdvantageNormName, LearnerConfig, LossAggregationName, MixedPrecisionName, ProximalName,
-    TorchEngineConfig, TrainerEngineName, WeightTransportName,
+    AdvantageNormName, KlEstimatorName, LearnerConfig, LossAggregationName, MixedPrecisionName,
+    ProximalName, TorchEngineConfig, TrainerEngineName, WeightTransportName,
 };
 pub use model::{DeviceName, ModelConfig, TinyModelConfig, WeightDtypeName};
 pub use run::{RunConfig, StalenessConfig};

@@ -14,11 +14,11 @@ use asyncrl_config::{
     AdminTlsConfig, AdvantageNormName, BUS_ROLES, BatchingMode, BufferConfig, BusConfig,
     ClipModeName, Config, CoordinatorConfig, DatasetConfig, DatasetFormat, DeviceName, EngineApi,
     EngineConfig, EngineKind, EvalConfig, EvalEngineName, FsyncPolicy, ImportanceCorrectionName,
-    InitialKnobs, LearnerConfig, LogFormat, LongPrompts, LossAggregationName, MixedPrecisionName,
-    ModelConfig, PauseMode, ProximalName, RetentionPolicy, RoleAuth, RunConfig, SamplingPolicy,
-    Secret, SegmentCompression, StalenessConfig, StorageConfig, TelemetryConfig, TinyModelConfig,
-    TlsConfig, TorchEngineConfig, TrainerEngineName, TrajectoryRetention, WeightDtypeName,
-    WeightTransportName, WorkerConfig, WorkerRewardConfig,
+    InitialKnobs, KlEstimatorName, LearnerConfig, LogFormat, LongPrompts, LossAggregationName,
+    MixedPrecisionName, ModelConfig, PauseMode, ProximalName, RetentionPolicy, RoleAuth, RunConfig,
+    SamplingPolicy, Secret, SegmentCompression, StalenessConfig, StorageConfig, TelemetryConfig,
+    TinyModelConfig, TlsConfig, TorchEngineConfig, TrainerEngineName, TrajectoryRetention,
+    WeightDtypeName, WeightTransportName, WorkerConfig, WorkerRewardConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
@@ -634,6 +634,8 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
             0.0f64..=0.999_999_9,
             1e-20f64..=1.0,
             0.0f64..=1e6,
+            0.0f64..=100.0,
+            prop_oneof![Just(KlEstimatorName::K1), Just(KlEstimatorName::K3)],
         ),
         (
             proptest::option::of(path()),
@@ -659,7 +661,7 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
         .prop_map(
             |(
                 (proximal, norm, agg, m2po, minibatches, max_tokens, warmup),
-                (wd, beta1, beta2, eps, clip),
+                (wd, beta1, beta2, eps, clip, kl_coef, kl_estimator),
                 (ckpt_dir, ckpt_every, keep_ckpt, keep_versions, (poll, lease_ttl), cores),
                 (world_size, python, mixed_precision, checkpointing, offload, start_timeout),
             )| LearnerConfig {
@@ -684,6 +686,8 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
                 advantage_norm: norm,
                 loss_aggregation: agg,
                 m2po_threshold: m2po,
+                kl_coef,
+                kl_estimator,
                 minibatches,
                 max_tokens_per_microbatch: max_tokens,
                 warmup_steps: warmup,

@@ -133,6 +133,13 @@ pub fn start(config: &Config, ckpt_dir: &Path) -> anyhow::Result<Box<dyn Trainer
             let latest = checkpoint::load_latest(ckpt_dir)?;
             let policy = asyncrl_policy::from_config::load_policy(&config.model, config.run.seed)?;
             let mut trainer = Trainer::new(policy, opts);
+            // The KL loss's reference: the weights the run started from,
+            // taken before a checkpoint replaces them.
+            if config.learner.kl_coef > 0.0 {
+                trainer
+                    .hold_reference()
+                    .context("cannot copy the starting weights as the KL reference")?;
+            }
             if let Some(ckpt) = &latest {
                 trainer.restore(ckpt)?;
                 tracing::info!(checkpoint = %ckpt.dir.display(), step = ckpt.meta.step, version = ckpt.meta.version, "resumed from checkpoint");

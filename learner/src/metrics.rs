@@ -40,6 +40,7 @@ pub struct LearnerMetrics {
     pub clip_fraction: Family<BoundLabel, F64Gauge>,
     pub masked_fraction: Family<ReasonLabel, F64Gauge>,
     pub approx_kl: F64Gauge,
+    pub kl_ref: F64Gauge,
     pub entropy: F64Gauge,
     pub grad_norm: F64Gauge,
     pub learning_rate: F64Gauge,
@@ -104,6 +105,11 @@ impl LearnerMetrics {
             approx_kl: m.register(
                 "learner_approx_kl",
                 "mean 0.5 (c - p)^2 of the last step",
+                F64Gauge::default(),
+            )?,
+            kl_ref: m.register(
+                "learner_kl_ref",
+                "Mean per-token KL estimate (learner.kl_estimator) to the reference policy in the last step; 0 without a KL loss",
                 F64Gauge::default(),
             )?,
             entropy: m.register(
@@ -233,6 +239,7 @@ impl LearnerMetrics {
             .get_or_create(&ReasonLabel { reason: "m2po" })
             .set(s.objective.m2po_masked_fraction);
         self.approx_kl.set(s.objective.approx_kl);
+        self.kl_ref.set(s.objective.kl_ref);
         self.entropy.set(s.entropy);
         self.grad_norm.set(s.grad_norm);
         self.learning_rate.set(s.learning_rate);

@@ -35,6 +35,12 @@
 //! sampling, IcePop, Ling Team 2025, arXiv:2510.18855: `w` outside
 //! `[floor, cap]` masks).
 //!
+//! KL loss against a frozen reference policy (log-probs `r`), when
+//! `kl_coef = β > 0`: the loss gains `β·agg[k]` over the valid tokens (masked
+//! ones included) with `k1 = c − r` or `k3 = exp(r − c) − (r − c) − 1`
+//! (Schulman 2020, "Approximating KL divergence"; k3 is GRPO's, Shao et al.
+//! 2024, arXiv:2402.03300).
+//!
 //! Masked tokens (importance correction, m2po) contribute nothing but stay
 //! in the denominator of the mean, so masking removes a token's gradient
 //! without rescaling the others.
@@ -55,6 +61,8 @@ pub use asyncrl_config::ClipModeName as ClipMode;
 /// How the off-policy weight is corrected (the one enum of config, knobs
 /// and objective).
 pub use asyncrl_config::ImportanceCorrectionName as ImportanceCorrection;
+/// The per-token KL estimator of the KL loss.
+pub use asyncrl_config::KlEstimatorName as KlEstimator;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -100,6 +108,9 @@ pub struct ObjectiveConfig {
     /// Mean `(b − p)²` the unmasked tokens must stay under (m2po).
     pub m2po_threshold: f64,
     pub aggregation: LossAggregation,
+    /// Weight β of the KL loss against the reference policy (0: none).
+    pub kl_coef: f64,
+    pub kl_estimator: KlEstimator,
 }
 
 impl Default for ObjectiveConfig {
@@ -115,6 +126,8 @@ impl Default for ObjectiveConfig {
             adaptive_temperature: 0.1,
             m2po_threshold: 0.04,
             aggregation: LossAggregation::Token,
+            kl_coef: 0.0,
+            kl_estimator: KlEstimator::K3,
         }
     }
 }
@@ -134,6 +147,9 @@ pub struct TokenInputs<'a> {
     pub versions: &'a Tensor,
     /// Valid (non-padding, not reward-failed) tokens (bool).
     pub mask: &'a Tensor,
+    /// The reference policy's log-probs `r` (the KL loss; needed when
+    /// `kl_coef > 0`).
+    pub reference: Option<&'a Tensor>,
 }
 
 /// The loss and what a dashboard wants to know about it. Fractions are over
@@ -161,6 +177,9 @@ pub struct ObjectiveStats {
     /// `v − v_b` over valid tokens.
     pub mean_version_lag: f64,
     pub max_version_lag: f64,
+    /// The KL estimate (the configured estimator) against the reference
+    /// policy, mean over valid tokens; 0 without a reference.
+    pub kl_ref: f64,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -175,6 +194,8 @@ pub enum ObjectiveError {
         "clip mode `{0}` needs the proximal (or current) log-probs of the whole mini-batch to plan the objective"
     )]
     ProximalNeeded(ClipMode),
+    #[error("kl_coef > 0 needs the reference policy's log-probs")]
+    ReferenceNeeded,
 }
 
 /// A-3PO's proximal approximation (detached): `p = b + α·(c − b)` with
@@ -322,6 +343,7 @@ pub fn decoupled_ppo_loss(
             advantages: inputs.advantages,
             versions: inputs.versions,
             mask: inputs.mask,
+            reference: inputs.reference,
         },
         learner_version,
         cfg,
@@ -351,6 +373,8 @@ pub struct PlanInputs<'a> {
     pub versions: &'a Tensor,
     /// Valid tokens (bool).
     pub mask: &'a Tensor,
+    /// The reference policy's log-probs `r` (needed when `kl_coef > 0`).
+    pub reference: Option<&'a Tensor>,
 }
 
 /// The mini-batch-level part of the objective, computed once from detached
@@ -374,6 +398,8 @@ pub struct ObjectivePlan {
     /// `p` of every row (detached), when known before the loss: recompute,
     /// or approx with the current log-probs given.
     proximal: Option<Tensor>,
+    /// The reference policy's log-probs (detached).
+    reference: Option<Tensor>,
     /// m2po: the tokens kept by the weight cap and m2po's mask (bool).
     keep: Option<Tensor>,
     /// adaptive: the quantile `q` of `|p − b|` over the valid tokens.
@@ -397,6 +423,8 @@ pub struct ObjectiveSums {
     pub approx_kl: f64,
     /// Σ `w` over valid tokens.
     pub importance_weight: f64,
+    /// Σ of the KL estimate against the reference over valid tokens.
+    pub kl_ref: f64,
 }
 
 impl ObjectiveSums {
@@ -406,6 +434,7 @@ impl ObjectiveSums {
         self.weight_masked += other.weight_masked;
         self.approx_kl += other.approx_kl;
         self.importance_weight += other.importance_weight;
+        self.kl_ref += other.kl_ref;
     }
 }
 
@@ -440,6 +469,12 @@ impl ObjectivePlan {
         }
         if let Some(c) = inputs.current {
             check_shape("current", c, &shape)?;
+        }
+        if let Some(r) = inputs.reference {
+            check_shape("reference", r, &shape)?;
+        }
+        if cfg.kl_coef > 0.0 && inputs.reference.is_none() {
+            return Err(ObjectiveError::ReferenceNeeded);
         }
         let kind = inputs
             .current
@@ -503,6 +538,7 @@ impl ObjectivePlan {
             versions: inputs.versions.detach(),
             valid,
             proximal,
+            reference: inputs.reference.map(Tensor::detach),
             keep,
             quantile,
             n_valid,
@@ -598,7 +634,24 @@ impl ObjectivePlan {
         };
         let clipped = u.clamp_tensor(Some(&lo), Some(&hi));
         let surrogate = (&u * &a).minimum(&(&clipped * &a));
-        let per_token = &w_applied * surrogate * &keep_f;
+        // The KL estimate against the reference, 0 on padding (where, not a
+        // product: a padded position's values may be anything).
+        let kl = match &self.reference {
+            Some(r) => {
+                let d = pick(r).to_kind(kind).detach() - c;
+                let k = match cfg.kl_estimator {
+                    KlEstimator::K1 => -&d,
+                    KlEstimator::K3 => d.exp() - &d - 1.0,
+                };
+                Some(k.where_self(&valid, &k.zeros_like()))
+            }
+            None => None,
+        };
+        let surrogate_term = &w_applied * surrogate * &keep_f;
+        let per_token = match kl.as_ref().filter(|_| cfg.kl_coef > 0.0) {
+            Some(k) => surrogate_term - k * cfg.kl_coef,
+            None => surrogate_term,
+        };
 
         let objective = match cfg.aggregation {
             LossAggregation::Token => per_token.sum(kind) / self.n_valid.max(1.0),
@@ -619,6 +672,7 @@ impl ObjectivePlan {
             weight_masked: count(corrected),
             approx_kl: count((c.detach() - &p).square() * 0.5 * &valid_f),
             importance_weight: count(&w * &valid_f),
+            kl_ref: kl.map_or(0.0, |k| count(k.detach())),
         };
         Ok(PartialLoss { loss, sums })
     }
@@ -638,6 +692,7 @@ impl ObjectivePlan {
             mean_importance_weight: f(sums.importance_weight),
             mean_version_lag: f(self.lag_sum),
             max_version_lag: self.max_version_lag,
+            kl_ref: f(sums.kl_ref),
         }
     }
 }
@@ -740,6 +795,7 @@ mod tests {
             advantages: &ta,
             versions: &tv,
             mask: &tm,
+            reference: None,
         };
         let out = decoupled_ppo_loss(&inputs, case.version, &case.cfg).unwrap();
         let loss = out.loss.double_value(&[]);
@@ -1058,6 +1114,7 @@ mod tests {
             advantages: &b,
             versions: &a,
             mask: &m,
+            reference: None,
         };
         let err = decoupled_ppo_loss(&inputs, 0, &ObjectiveConfig::default()).unwrap_err();
         assert!(matches!(
@@ -1096,7 +1153,7 @@ mod tests {
             let a = Tensor::from_slice(&adv).view(shape);
             let m = Tensor::from_slice(&mask).view(shape);
             let v = Tensor::full(shape, 3, (Kind::Int64, tch::Device::Cpu));
-            let inputs = TokenInputs { behaviour: &b, current: &c, proximal: if approx { None } else { Some(&b) }, advantages: &a, versions: &v, mask: &m };
+            let inputs = TokenInputs { behaviour: &b, current: &c, proximal: if approx { None } else { Some(&b) }, advantages: &a, versions: &v, mask: &m, reference: None };
             let clip_mode = [ClipMode::Ppo, ClipMode::Adaptive, ClipMode::M2po][mode];
             let cfg = ObjectiveConfig { clip_mode, ..Default::default() };
             let out = decoupled_ppo_loss(&inputs, 3, &cfg).unwrap();
@@ -1156,7 +1213,7 @@ mod tests {
             let proximal = (!approx).then_some(&p);
 
             let whole_c = tensor(&c).set_requires_grad(true);
-            let inputs = TokenInputs { behaviour: &b, current: &whole_c, proximal, advantages: &a, versions: &v, mask: &m };
+            let inputs = TokenInputs { behaviour: &b, current: &whole_c, proximal, advantages: &a, versions: &v, mask: &m, reference: None };
             let whole = decoupled_ppo_loss(&inputs, 3, &cfg).unwrap();
             whole.loss.backward();
 
@@ -1169,6 +1226,7 @@ mod tests {
                 advantages: &a,
                 versions: &v,
                 mask: &m,
+                reference: None,
             }, 3, &cfg).unwrap();
             let mut loss = 0.0;
             let mut sums = ObjectiveSums::default();
@@ -1216,6 +1274,7 @@ mod tests {
             advantages: &z,
             versions: &z,
             mask: &m,
+            reference: None,
         };
         for clip_mode in ClipMode::ALL {
             let cfg = ObjectiveConfig {
@@ -1304,11 +1363,13 @@ mod tests {
     mod published {
         use super::*;
 
-        /// Ragged rows of (b, p, c) and a sequence advantage per row.
+        /// Ragged rows of (b, p, c), the reference policy's log-probs `r`
+        /// and a sequence advantage per row.
         struct Rows {
             b: Vec<Vec<f64>>,
             p: Vec<Vec<f64>>,
             c: Vec<Vec<f64>>,
+            r: Vec<Vec<f64>>,
             a: Vec<f64>,
         }
 
@@ -1326,6 +1387,7 @@ mod tests {
                 b: vec![],
                 p: vec![],
                 c: vec![],
+                r: vec![],
                 a: vec![],
             };
             for len in [5, 2, 7, 1, 4, 6] {
@@ -1343,10 +1405,11 @@ mod tests {
                     p.push(pt);
                     c.push(pt + uniform(-0.4, 0.4));
                 }
+                r.a.push(uniform(-1.5, 1.5));
+                r.r.push(c.iter().map(|c| c + uniform(-0.6, 0.6)).collect());
                 r.b.push(b);
                 r.p.push(p);
                 r.c.push(c);
-                r.a.push(uniform(-1.5, 1.5));
             }
             r
         }
@@ -1377,7 +1440,7 @@ mod tests {
                     .flat_map(|row| (0..t).map(move |j| j < row.len()))
                     .collect();
             let a: Vec<Vec<f64>> = r.a.iter().map(|a| vec![*a; t]).collect();
-            let (tb, tp) = (pad(&r.b), pad(&r.p));
+            let (tb, tp, tr) = (pad(&r.b), pad(&r.p), pad(&r.r));
             let tc = pad(&r.c).set_requires_grad(true);
             let ta = pad(&a);
             let tv = Tensor::full([n as i64, t as i64], 10i64, (Kind::Int64, tch::Device::Cpu));
@@ -1390,6 +1453,7 @@ mod tests {
                     advantages: &ta,
                     versions: &tv,
                     mask: &tm,
+                    reference: Some(&tr),
                 },
                 10,
                 cfg,
@@ -1594,6 +1658,72 @@ mod tests {
                     );
                 }
             }
+        }
+
+        /// The KL loss (Schulman 2020; GRPO, arXiv:2402.03300, eq. 4 uses
+        /// k3): `β/N Σ_t k_t` with `k1 = c − r`, `∂k1/∂c = 1`, and
+        /// `k3 = exp(r − c) − (r − c) − 1`, `∂k3/∂c = 1 − exp(r − c)`,
+        /// added to the token-level objective; token aggregation.
+        #[test]
+        fn kl_losses_are_the_published_estimators() {
+            for seed in 21..=26 {
+                let r = rows(seed);
+                let n: usize = r.b.iter().map(Vec::len).sum();
+                for (estimator, beta) in [(KlEstimator::K1, 0.3), (KlEstimator::K3, 0.7)] {
+                    let cfg = ObjectiveConfig {
+                        clip_mode: ClipMode::Ppo,
+                        aggregation: LossAggregation::Token,
+                        importance_weight_cap: 2.0,
+                        kl_coef: beta,
+                        kl_estimator: estimator,
+                        ..Default::default()
+                    };
+                    let mut want = token_reference(&r, &cfg);
+                    let mut kl_sum = 0.0;
+                    for i in 0..r.b.len() {
+                        for j in 0..r.b[i].len() {
+                            let d = r.r[i][j] - r.c[i][j];
+                            let (k, dk) = match estimator {
+                                KlEstimator::K1 => (-d, 1.0),
+                                KlEstimator::K3 => (d.exp() - d - 1.0, 1.0 - d.exp()),
+                            };
+                            kl_sum += k;
+                            want.loss += beta * k / n as f64;
+                            want.grad[i][j] += beta * dk / n as f64;
+                        }
+                    }
+                    compare(&format!("kl {estimator:?}, seed {seed}"), &r, &cfg, &want);
+                    let (out, _) = tensor_objective(&r, &cfg);
+                    assert!(
+                        (out.stats.kl_ref - kl_sum / n as f64).abs() < 1e-9,
+                        "kl {estimator:?}, seed {seed}: kl_ref {} vs {}",
+                        out.stats.kl_ref,
+                        kl_sum / n as f64
+                    );
+                }
+            }
+            // Without a reference, a KL loss is refused, not skipped.
+            let cfg = ObjectiveConfig {
+                kl_coef: 0.1,
+                ..Default::default()
+            };
+            let z = Tensor::zeros([1, 2], (Kind::Double, tch::Device::Cpu));
+            let m = Tensor::ones([1, 2], (Kind::Bool, tch::Device::Cpu));
+            let err = decoupled_ppo_loss(
+                &TokenInputs {
+                    behaviour: &z,
+                    current: &z,
+                    proximal: Some(&z),
+                    advantages: &z,
+                    versions: &z,
+                    mask: &m,
+                    reference: None,
+                },
+                0,
+                &cfg,
+            )
+            .unwrap_err();
+            assert_eq!(err, ObjectiveError::ReferenceNeeded);
         }
 
         /// The references would pass a test that never meets the branches:

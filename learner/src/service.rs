@@ -135,6 +135,8 @@ pub fn step_settings(config: &Config, k: &asyncrl_control::StepKnobs) -> StepSet
             adaptive_quantile: f64::from(k.adaptive_quantile),
             adaptive_temperature: f64::from(k.adaptive_temperature),
             m2po_threshold: config.learner.m2po_threshold,
+            kl_coef: config.learner.kl_coef,
+            kl_estimator: config.learner.kl_estimator,
             aggregation: match config.learner.loss_aggregation {
                 asyncrl_config::LossAggregationName::Token => LossAggregation::Token,
                 asyncrl_config::LossAggregationName::Sequence => LossAggregation::Sequence,

@@ -718,6 +718,9 @@ impl TrainerEngine for TorchEngine {
                 mean_importance_weight: reply.mean_importance_weight,
                 mean_version_lag: reply.mean_version_lag,
                 max_version_lag: f64::from(reply.max_version_lag),
+                // No reference model in this engine (`learner.kl_coef > 0`
+                // with it is refused at config load).
+                kl_ref: 0.0,
             },
             entropy: reply.entropy,
             grad_norm: reply.grad_norm,

@@ -154,6 +154,8 @@ pub struct StepStats {
 /// The policy, its optimizer and the step counter, owned by one thread.
 pub struct Trainer {
     policy: Policy,
+    /// The frozen reference policy of the KL loss ([`Trainer::hold_reference`]).
+    reference: Option<Policy>,
     opt: AdamW,
     opts: TrainerOptions,
     step: u64,
@@ -167,9 +169,20 @@ impl Trainer {
             opt: AdamW::new(opts.adamw.clone()),
             rng,
             policy,
+            reference: None,
             opts,
             step: 0,
         }
+    }
+
+    /// Keeps a frozen copy of the weights as they are now as the reference
+    /// policy of the KL loss (`kl_coef > 0`). Call it with the weights the
+    /// run started from, before restoring a checkpoint or adopting
+    /// published weights: a restarted learner then holds the same
+    /// reference as the first one.
+    pub fn hold_reference(&mut self) -> Result<(), TrainError> {
+        self.reference = Some(self.policy.frozen_copy()?);
+        Ok(())
     }
 
     pub fn policy(&self) -> &Policy {
@@ -230,6 +243,17 @@ impl Trainer {
             ProximalMode::Approx => None,
         };
         let recomputed = self.opts.proximal == ProximalMode::Recompute;
+        // The reference policy's log-probs, one no-grad pass over the batch
+        // (under the budget), for the KL loss.
+        let reference = if knobs.objective.kl_coef > 0.0 {
+            let r = self
+                .reference
+                .as_ref()
+                .ok_or(crate::objective::ObjectiveError::ReferenceNeeded)?;
+            Some(detached_logprobs(r, &batch, budget, self.opts.temperature)?)
+        } else {
+            None
+        };
 
         let n = batch.input_ids.size()[0];
         let order = shuffled_order(&mut self.rng, n);
@@ -257,20 +281,24 @@ impl Trainer {
         }
         for (i, chunk) in order.chunks(order.len().div_ceil(k).max(1)).enumerate() {
             let mb = batch.rows(chunk);
-            let mb_prox = proximal
-                .as_ref()
-                .map(|p| p.index_select(0, &Tensor::from_slice(chunk).to_device(device)));
+            let rows = Tensor::from_slice(chunk).to_device(device);
+            let mb_prox = proximal.as_ref().map(|p| p.index_select(0, &rows));
+            let mb_ref = reference.as_ref().map(|r| r.index_select(0, &rows));
+            let mb_given = Given {
+                proximal: mb_prox.as_ref(),
+                reference: mb_ref.as_ref(),
+            };
             AdamW::zero_grad(&params);
             let micro = mb.microbatches(budget);
             let gap_wanted = i == 0 && !recomputed;
             let (loss, objective, entropy, gap) = if micro.len() <= 1 {
                 stats.microbatches += 1;
-                self.whole_minibatch(&mb, mb_prox.as_ref(), version_before, knobs, gap_wanted)?
+                self.whole_minibatch(&mb, &mb_given, version_before, knobs, gap_wanted)?
             } else {
                 stats.microbatches += micro.len();
                 self.accumulate_microbatches(
                     &mb,
-                    mb_prox.as_ref(),
+                    &mb_given,
                     &micro,
                     version_before,
                     knobs,
@@ -300,6 +328,7 @@ impl Trainer {
             weighted.mean_importance_weight += s.mean_importance_weight * w;
             weighted.mean_version_lag += s.mean_version_lag * w;
             weighted.max_version_lag = weighted.max_version_lag.max(s.max_version_lag);
+            weighted.kl_ref += s.kl_ref * w;
         }
         let norm = |x: f64| {
             if total_tokens > 0.0 {
@@ -318,6 +347,7 @@ impl Trainer {
             mean_importance_weight: norm(weighted.mean_importance_weight),
             mean_version_lag: norm(weighted.mean_version_lag),
             max_version_lag: weighted.max_version_lag,
+            kl_ref: norm(weighted.kl_ref),
         };
         stats.loss = norm(loss_sum);
         stats.entropy = norm(entropy_sum);
@@ -348,25 +378,9 @@ impl Trainer {
     }
 
     /// The completion log-probs of every row of `batch` under the current
-    /// weights, without gradient, `[N, T]`: one forward pass over the batch,
-    /// or one per micro-batch of at most `budget` padded positions.
+    /// weights, without gradient (see [`detached_logprobs`]).
     fn detached_logprobs(&self, batch: &TrainBatch, budget: usize) -> Result<Tensor, TrainError> {
-        let _g = tch::no_grad_guard();
-        let temperature = self.opts.temperature;
-        let micro = batch.microbatches(budget);
-        if micro.len() <= 1 {
-            let logits = self.policy.forward(&batch.input_ids, None)?;
-            return Ok(completion_logprobs(&logits, batch, temperature).detach());
-        }
-        let mut out = Tensor::zeros(batch.mask.size(), (Kind::Float, batch.mask.device()));
-        for rows in &micro {
-            let part = batch.rows(rows).trimmed();
-            let logits = self.policy.forward(&part.input_ids, None)?;
-            let lp = completion_logprobs(&logits, &part, temperature);
-            let idx = Tensor::from_slice(rows).to_device(out.device());
-            let _ = out.f_index_copy_(0, &idx, &lp.to_kind(Kind::Float))?;
-        }
-        Ok(out)
+        detached_logprobs(&self.policy, batch, budget, self.opts.temperature)
     }
 
     /// Forward + backward of mini-batch `mb` in one pass (the un-split
@@ -375,7 +389,7 @@ impl Trainer {
     fn whole_minibatch(
         &self,
         mb: &TrainBatch,
-        mb_prox: Option<&Tensor>,
+        given: &Given<'_>,
         version_before: i32,
         knobs: &StepSettings,
         gap_wanted: bool,
@@ -395,10 +409,11 @@ impl Trainer {
         let inputs = TokenInputs {
             behaviour: &mb.behaviour,
             current: &current,
-            proximal: mb_prox,
+            proximal: given.proximal,
             advantages: &mb.advantages,
             versions: &mb.versions,
             mask: &mb.mask,
+            reference: given.reference,
         };
         let out = decoupled_ppo_loss(&inputs, i64::from(version_before), &knobs.objective)?;
         let loss = out.loss.double_value(&[]);
@@ -420,7 +435,7 @@ impl Trainer {
     fn accumulate_microbatches(
         &self,
         mb: &TrainBatch,
-        mb_prox: Option<&Tensor>,
+        given: &Given<'_>,
         micro: &[Vec<i64>],
         version_before: i32,
         knobs: &StepSettings,
@@ -430,6 +445,7 @@ impl Trainer {
         let budget = self.opts.max_tokens_per_microbatch;
         let version = i64::from(version_before);
         let device = mb.mask.device();
+        let mb_prox = given.proximal;
         let pre_pass = if mb_prox.is_none() && ObjectivePlan::needs_proximal(&knobs.objective) {
             Some(self.detached_logprobs(mb, budget)?)
         } else {
@@ -443,6 +459,7 @@ impl Trainer {
                 advantages: &mb.advantages,
                 versions: &mb.versions,
                 mask: &mb.mask,
+                reference: given.reference,
             },
             version,
             &knobs.objective,
@@ -647,6 +664,39 @@ pub(crate) fn record_batch_facts(stats: &mut StepStats, host: &TrainBatch, versi
 /// What a mini-batch's forward + backward reports: its loss, objective
 /// statistics, mean entropy, and the logprob gap when asked for.
 type MinibatchOutcome = (f64, ObjectiveStats, f64, Option<LogprobGap>);
+
+/// What a mini-batch's objective is given besides its rows: the proximal
+/// log-probs (recompute, behaviour) and the reference's (the KL loss).
+struct Given<'a> {
+    proximal: Option<&'a Tensor>,
+    reference: Option<&'a Tensor>,
+}
+
+/// The completion log-probs of every row of `batch` under `policy`'s
+/// weights, without gradient, `[N, T]`: one forward pass over the batch,
+/// or one per micro-batch of at most `budget` padded positions.
+fn detached_logprobs(
+    policy: &Policy,
+    batch: &TrainBatch,
+    budget: usize,
+    temperature: f64,
+) -> Result<Tensor, TrainError> {
+    let _g = tch::no_grad_guard();
+    let micro = batch.microbatches(budget);
+    if micro.len() <= 1 {
+        let logits = policy.forward(&batch.input_ids, None)?;
+        return Ok(completion_logprobs(&logits, batch, temperature).detach());
+    }
+    let mut out = Tensor::zeros(batch.mask.size(), (Kind::Float, batch.mask.device()));
+    for rows in &micro {
+        let part = batch.rows(rows).trimmed();
+        let logits = policy.forward(&part.input_ids, None)?;
+        let lp = completion_logprobs(&logits, &part, temperature);
+        let idx = Tensor::from_slice(rows).to_device(out.device());
+        let _ = out.f_index_copy_(0, &idx, &lp.to_kind(Kind::Float))?;
+    }
+    Ok(out)
+}
 
 /// Mean entropy (at temperature τ) of the next-token distributions that
 /// produced the valid completion tokens.

@@ -114,11 +114,13 @@ proptest! {
     ) {
         for clip_mode in ClipMode::ALL {
             for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                let cfg = ObjectiveConfig { clip_mode, aggregation, ..Default::default() };
+                // With a KL loss too: a context token carries none of it.
+                let cfg = ObjectiveConfig { clip_mode, aggregation, kl_coef: 0.2, ..Default::default() };
                 let full = tensors(&rows, false);
                 let alone = tensors(&rows, true);
                 let run = |r: &Rows| {
                     let proximal = proximal_from_behaviour.then(|| (&r.behaviour * 0.9).detach());
+                    let reference = (r.current.detach() * 1.1 - 0.05).detach();
                     let inputs = TokenInputs {
                         behaviour: &r.behaviour,
                         current: &r.current,
@@ -126,6 +128,7 @@ proptest! {
                         advantages: &r.advantages,
                         versions: &r.versions,
                         mask: &r.mask,
+                        reference: Some(&reference),
                     };
                     let out = decoupled_ppo_loss(&inputs, 4, &cfg).unwrap();
                     out.loss.backward();
@@ -141,6 +144,7 @@ proptest! {
                     ("clip_high", stats_full.clip_high_fraction, stats_alone.clip_high_fraction),
                     ("weight_masked", stats_full.weight_masked_fraction, stats_alone.weight_masked_fraction),
                     ("m2po_masked", stats_full.m2po_masked_fraction, stats_alone.m2po_masked_fraction),
+                    ("kl_ref", stats_full.kl_ref, stats_alone.kl_ref),
                 ] {
                     prop_assert!(close(x, y), "{}: {} {} vs {}", what, name, x, y);
                 }

@@ -8,7 +8,7 @@ use asyncrl_learner::advantages::AdvantageNorm;
 use asyncrl_learner::batch::{assemble, completion_logprobs};
 use asyncrl_learner::checkpoint::{self, LoadedCheckpoint};
 use asyncrl_learner::objective::{
-    ClipMode, ImportanceCorrection, LossAggregation, ObjectiveConfig, ProximalMode,
+    ClipMode, ImportanceCorrection, KlEstimator, LossAggregation, ObjectiveConfig, ProximalMode,
 };
 use asyncrl_learner::trainer::{StepSettings, StepStats, Trainer, TrainerOptions};
 use asyncrl_policy::{DeviceOptions, Policy, TinyModelSpec};
@@ -134,6 +134,8 @@ fn corrected_knobs(
             adaptive_quantile: 0.5,
             adaptive_temperature: 0.05,
             m2po_threshold: 0.01,
+            kl_coef: 0.0,
+            kl_estimator: KlEstimator::K3,
         },
         learning_rate: 5e-3,
     }
@@ -165,6 +167,10 @@ fn step_from(
     knobs: &StepSettings,
 ) -> (StepStats, Vec<(String, tch::Tensor)>) {
     let mut t = Trainer::new(tiny_policy(), opts);
+    if knobs.objective.kl_coef > 0.0 {
+        // The starting weights, one step behind the checkpoint's.
+        t.hold_reference().unwrap();
+    }
     t.restore(ckpt).unwrap();
     let stats = t.train_step(std::slice::from_ref(rb), knobs).unwrap();
     (stats, params(&t))
@@ -232,6 +238,7 @@ fn assert_same_stats(what: &str, got: &StepStats, want: &StepStats, tol: f64) {
     );
     close("mean_version_lag", g.mean_version_lag, w.mean_version_lag);
     close("max_version_lag", g.max_version_lag, w.max_version_lag);
+    close("kl_ref", g.kl_ref, w.kl_ref);
     let (g, w) = (&got.logprob_gap, &want.logprob_gap);
     assert_eq!(g.tokens, w.tokens, "{what}: logprob_gap.tokens");
     close("logprob_gap.mean_abs", g.mean_abs, w.mean_abs);
@@ -262,7 +269,13 @@ fn microbatched_steps_match_the_unsplit_step() {
             ProximalMode::Behaviour,
         ] {
             for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                cases.push((clip_mode, ImportanceCorrection::Mask, proximal, aggregation));
+                cases.push((
+                    clip_mode,
+                    ImportanceCorrection::Mask,
+                    proximal,
+                    aggregation,
+                    None,
+                ));
             }
         }
     }
@@ -273,12 +286,30 @@ fn microbatched_steps_match_the_unsplit_step() {
                 correction,
                 ProximalMode::Approx,
                 LossAggregation::Sequence,
+                None,
             ));
         }
     }
-    for (clip_mode, correction, proximal, aggregation) in cases {
-        let what = format!("{clip_mode} / {correction} / {proximal:?} / {aggregation:?}");
-        let k = corrected_knobs(clip_mode, aggregation, correction);
+    for (clip_mode, estimator) in [
+        (ClipMode::Ppo, KlEstimator::K1),
+        (ClipMode::Adaptive, KlEstimator::K3),
+    ] {
+        cases.push((
+            clip_mode,
+            ImportanceCorrection::Mask,
+            ProximalMode::Recompute,
+            LossAggregation::Token,
+            Some(estimator),
+        ));
+    }
+    for (clip_mode, correction, proximal, aggregation, kl) in cases {
+        let what =
+            format!("{clip_mode} / {correction} / {proximal:?} / {aggregation:?} / kl {kl:?}");
+        let mut k = corrected_knobs(clip_mode, aggregation, correction);
+        if let Some(estimator) = kl {
+            k.objective.kl_coef = 0.5;
+            k.objective.kl_estimator = estimator;
+        }
         let (want, before) = step_from(&ckpt, &rb, options(proximal, 0), &k);
         let (got, after) = step_from(&ckpt, &rb, options(proximal, SPLITTING_BUDGET), &k);
         assert_eq!(want.microbatches, MINIBATCHES, "{what}");

@@ -2,7 +2,8 @@
 //! for every trainer engine. For every clip mode × proximal mode ×
 //! aggregation (with decoupled PPO's masking correction), and for the
 //! truncating (TIS) and IcePop corrections × ppo, m2po, gspo × the
-//! recompute and approx proximal modes × aggregation, seeded inputs (a mini-batch of ragged rows, one of them
+//! recompute and approx proximal modes × aggregation, and for the k1 and
+//! k3 KL losses against a reference policy on three of those, seeded inputs (a mini-batch of ragged rows, one of them
 //! without a valid token, versions from stale to one the learner has not
 //! reached) go through [`decoupled_ppo_loss`] and through an
 //! [`ObjectivePlan`] split into two micro-batches; the file records the
@@ -19,7 +20,7 @@
 use std::path::PathBuf;
 
 use asyncrl_learner::objective::{
-    ClipMode, ImportanceCorrection, LossAggregation, ObjectiveConfig, ObjectivePlan,
+    ClipMode, ImportanceCorrection, KlEstimator, LossAggregation, ObjectiveConfig, ObjectivePlan,
     ObjectiveStats, PlanInputs, ProximalMode, TokenInputs, decoupled_ppo_loss,
 };
 use serde_json::{Value, json};
@@ -114,6 +115,17 @@ fn inputs(seed: u64) -> Inputs {
     x
 }
 
+/// The reference policy's log-probs of a case with a KL loss: the current
+/// ones moved by up to ±0.5, from a stream of their own (the other inputs
+/// stay those of `inputs(seed)`).
+fn reference(x: &Inputs, seed: u64) -> Vec<Vec<f64>> {
+    let mut rng = Rng(seed ^ 0x4B4C_5245_4600_0000);
+    x.current
+        .iter()
+        .map(|row| row.iter().map(|c| c + rng.uniform(-0.5, 0.5)).collect())
+        .collect()
+}
+
 fn f64_tensor(rows: &[Vec<f64>]) -> Tensor {
     let flat: Vec<f64> = rows.iter().flatten().copied().collect();
     Tensor::from_slice(&flat).view([ROWS as i64, TOKENS as i64])
@@ -135,6 +147,7 @@ fn stats_json(s: &ObjectiveStats) -> Value {
         "mean_importance_weight": s.mean_importance_weight,
         "mean_version_lag": s.mean_version_lag,
         "max_version_lag": s.max_version_lag,
+        "kl_ref": s.kl_ref,
     })
 }
 
@@ -159,9 +172,12 @@ fn case(
     correction: ImportanceCorrection,
     mode: ProximalMode,
     aggregation: LossAggregation,
+    kl: Option<KlEstimator>,
     seed: u64,
 ) -> Value {
     let x = inputs(seed);
+    let reference_rows = kl.map(|_| reference(&x, seed));
+    let reference = reference_rows.as_deref().map(f64_tensor);
     // GSPO's sequence ratios and weights are means over a row: a narrower
     // clip range and weight band make its clipping and correction happen
     // on these inputs.
@@ -177,6 +193,8 @@ fn case(
         adaptive_temperature: 0.1,
         m2po_threshold: 0.04,
         aggregation,
+        kl_coef: if kl.is_some() { 0.3 } else { 0.0 },
+        kl_estimator: kl.unwrap_or_default(),
     };
     let behaviour = f64_tensor(&x.behaviour);
     // The proximal log-probs each mode hands the objective (as the trainer
@@ -202,6 +220,7 @@ fn case(
             advantages: &advantages,
             versions: &versions,
             mask: &mask,
+            reference: reference.as_ref(),
         },
         VERSION,
         &cfg,
@@ -220,6 +239,7 @@ fn case(
             advantages: &advantages,
             versions: &versions,
             mask: &mask,
+            reference: reference.as_ref(),
         },
         VERSION,
         &cfg,
@@ -235,8 +255,9 @@ fn case(
     }
 
     json!({
-        "name": match correction {
-            ImportanceCorrection::Mask => format!("{}-{}-{}", clip.as_str(), proximal_name(mode), aggregation_name(aggregation)),
+        "name": match (correction, kl) {
+            (_, Some(k)) => format!("{}-{}-{}-kl-{}", clip.as_str(), proximal_name(mode), aggregation_name(aggregation), k.as_str()),
+            (ImportanceCorrection::Mask, None) => format!("{}-{}-{}", clip.as_str(), proximal_name(mode), aggregation_name(aggregation)),
             _ => format!("{}-{}-{}-{}", clip.as_str(), correction.as_str(), proximal_name(mode), aggregation_name(aggregation)),
         },
         "config": {
@@ -250,6 +271,8 @@ fn case(
             "adaptive_temperature": cfg.adaptive_temperature,
             "m2po_threshold": cfg.m2po_threshold,
             "aggregation": aggregation_name(cfg.aggregation),
+            "kl_coef": cfg.kl_coef,
+            "kl_estimator": cfg.kl_estimator.as_str(),
         },
         "proximal_mode": proximal_name(mode),
         "learner_version": VERSION,
@@ -260,6 +283,7 @@ fn case(
             "advantages": x.advantages,
             "versions": x.versions,
             "mask": x.mask,
+            "reference": reference_rows,
         },
         "loss": out.loss.double_value(&[]),
         "stats": stats_json(&out.stats),
@@ -284,6 +308,7 @@ fn generate() -> Value {
                     ImportanceCorrection::Mask,
                     proximal,
                     aggregation,
+                    None,
                     seed,
                 ));
                 seed += 1;
@@ -294,10 +319,35 @@ fn generate() -> Value {
         for clip in [ClipMode::Ppo, ClipMode::M2po, ClipMode::Gspo] {
             for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
                 for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                    cases.push(case(clip, correction, proximal, aggregation, seed));
+                    cases.push(case(clip, correction, proximal, aggregation, None, seed));
                     seed += 1;
                 }
             }
+        }
+    }
+    for estimator in [KlEstimator::K1, KlEstimator::K3] {
+        for (clip, proximal, aggregation) in [
+            (
+                ClipMode::Ppo,
+                ProximalMode::Recompute,
+                LossAggregation::Token,
+            ),
+            (
+                ClipMode::Gspo,
+                ProximalMode::Approx,
+                LossAggregation::Sequence,
+            ),
+            (ClipMode::M2po, ProximalMode::Approx, LossAggregation::Token),
+        ] {
+            cases.push(case(
+                clip,
+                ImportanceCorrection::Mask,
+                proximal,
+                aggregation,
+                Some(estimator),
+                seed,
+            ));
+            seed += 1;
         }
     }
     json!({
@@ -367,7 +417,16 @@ fn the_checked_in_vectors_are_what_the_objective_computes() {
 fn the_vectors_exercise_every_branch() {
     let v = generate();
     let cases = v["cases"].as_array().expect("cases");
-    assert_eq!(cases.len(), 4 * 3 * 2 + 2 * 3 * 2 * 2);
+    assert_eq!(cases.len(), 4 * 3 * 2 + 2 * 3 * 2 * 2 + 2 * 3);
+    // A KL case has a KL to its reference; the others none.
+    for c in cases {
+        let kl = c["stats"]["kl_ref"].as_f64().unwrap_or(f64::NAN);
+        if c["config"]["kl_coef"].as_f64().unwrap_or(0.0) > 0.0 {
+            assert!(kl != 0.0 && kl.is_finite(), "{}: kl_ref {kl}", c["name"]);
+        } else {
+            assert_eq!(kl, 0.0, "{}", c["name"]);
+        }
+    }
     // Each objective (clip mode, correction) meets every branch it has.
     for (clip, correction, keys) in [
         (

@@ -176,6 +176,57 @@ fn overfits_a_fixed_batch_towards_the_rewarded_completions() {
     }
 }
 
+/// A KL loss against the starting weights holds the policy near them: the
+/// same batch and steps move the sequences' log-probs less with it than
+/// without, the step reports the KL it held, and a KL loss without a
+/// reference policy is refused.
+#[test]
+fn a_kl_loss_holds_the_policy_near_its_reference() {
+    let run = |kl_coef: f64| {
+        let policy = tiny_policy(1);
+        let (rb, _) = fixed_batch(&policy);
+        let mut trainer = Trainer::new(policy, options(ProximalMode::Recompute));
+        trainer.hold_reference().unwrap();
+        let before = sequence_logprobs(&trainer, &rb);
+        let mut k = knobs(2e-3);
+        k.objective.kl_coef = kl_coef;
+        let mut kl = Vec::new();
+        for _ in 0..8 {
+            let stats = trainer.train_step(std::slice::from_ref(&rb), &k).unwrap();
+            assert!(stats.loss.is_finite());
+            kl.push(stats.objective.kl_ref);
+        }
+        let after = sequence_logprobs(&trainer, &rb);
+        let moved: f64 = before.iter().zip(&after).map(|(b, a)| (a - b).abs()).sum();
+        (moved, kl)
+    };
+    let (free, kl_free) = run(0.0);
+    let (held, kl_held) = run(5.0);
+    assert!(
+        held < 0.5 * free,
+        "with the KL loss the log-probs moved {held}, without it {free}"
+    );
+    assert!(kl_free.iter().all(|k| *k == 0.0), "{kl_free:?}");
+    // The first step starts at the reference (its second mini-batch one
+    // optimizer step away), later ones farther.
+    assert!(
+        kl_held.iter().all(|k| *k >= 0.0 && k.is_finite()),
+        "{kl_held:?}"
+    );
+    assert!(kl_held[0] < 1e-3 && kl_held[7] > kl_held[0], "{kl_held:?}");
+
+    let policy = tiny_policy(1);
+    let (rb, _) = fixed_batch(&policy);
+    let mut trainer = Trainer::new(policy, options(ProximalMode::Recompute));
+    let mut k = knobs(2e-3);
+    k.objective.kl_coef = 0.1;
+    let err = trainer
+        .train_step(std::slice::from_ref(&rb), &k)
+        .unwrap_err();
+    assert!(err.to_string().contains("reference"), "{err}");
+    assert_eq!(trainer.step(), 0);
+}
+
 /// Naive PPO (`Behaviour`) centres the trust region on the policy that
 /// sampled each token: once the weights have moved away from it, its
 /// off-policy weight stays exactly 1, where decoupled PPO (`Recompute`)

@@ -618,6 +618,21 @@ impl Policy {
             .collect()
     }
 
+    /// A copy of the weights as they are now, frozen (no gradient), on the
+    /// same device: the reference policy of a KL loss. It shares nothing
+    /// with `self`; later steps do not move it.
+    pub fn frozen_copy(&self) -> Result<Self> {
+        let vars = self.vs.variables();
+        let mut copy = Self::build(self.cfg.clone(), self.opts, &mut |name, _| {
+            vars.get(name)
+                .map(|t| t.detach().copy())
+                .ok_or_else(|| PolicyError::Weights(format!("{name}: not among the parameters")))
+        })?;
+        copy.vs.freeze();
+        copy.version = self.version;
+        Ok(copy)
+    }
+
     /// The number of scalar parameters.
     pub fn num_parameters(&self) -> i64 {
         self.named_parameters()

@@ -1,8 +1,9 @@
 """The learner's objective in PyTorch: decoupled PPO with a recomputed,
 A-3PO-approximated or behaviour proximal policy; PPO, staleness-adaptive,
 M2PO and GSPO (sequence-level) clipping; masking (decoupled PPO), truncating
-(TIS) or IcePop correction of the off-policy weight; token or sequence
-aggregation; micro-batches with mini-batch statistics.
+(TIS) or IcePop correction of the off-policy weight; a k1 or k3 KL loss
+against a reference policy's log-probs; token or sequence aggregation;
+micro-batches with mini-batch statistics.
 
 It is the Rust learner's objective (``learner/src/objective.rs``, whose
 module documentation gives the formulas) term for term, and
@@ -46,6 +47,15 @@ class ImportanceCorrection(str, Enum):
     ICEPOP = "icepop"
 
 
+class KlEstimator(str, Enum):
+    """The per-token KL estimate of the KL loss from the current log-prob
+    ``c`` and the reference's ``r``: ``k1 = c - r``,
+    ``k3 = exp(r - c) - (r - c) - 1``."""
+
+    K1 = "k1"
+    K3 = "k3"
+
+
 class ProximalMode(str, Enum):
     """Where ``p`` comes from (the trainer, not the objective, acts on it)."""
 
@@ -71,6 +81,8 @@ class ObjectiveConfig:
     adaptive_temperature: float = 0.1
     m2po_threshold: float = 0.04
     aggregation: Aggregation = Aggregation.TOKEN
+    kl_coef: float = 0.0
+    kl_estimator: KlEstimator = KlEstimator.K3
 
 
 @dataclass
@@ -83,6 +95,7 @@ class ObjectiveSums:
     weight_masked: float = 0.0
     approx_kl: float = 0.0
     importance_weight: float = 0.0
+    kl_ref: float = 0.0
 
     def add(self, other: "ObjectiveSums") -> None:
         self.clip_low += other.clip_low
@@ -90,6 +103,7 @@ class ObjectiveSums:
         self.weight_masked += other.weight_masked
         self.approx_kl += other.approx_kl
         self.importance_weight += other.importance_weight
+        self.kl_ref += other.kl_ref
 
 
 @dataclass
@@ -103,6 +117,7 @@ class ObjectiveStats:
     mean_importance_weight: float = 0.0
     mean_version_lag: float = 0.0
     max_version_lag: float = 0.0
+    kl_ref: float = 0.0
 
 
 @dataclass
@@ -194,6 +209,7 @@ class ObjectivePlan:
         mask: torch.Tensor,
         learner_version: int,
         cfg: ObjectiveConfig,
+        reference: Optional[torch.Tensor] = None,
     ) -> None:
         shape = behaviour.shape
         _check_shape("advantages", advantages, shape)
@@ -203,6 +219,10 @@ class ObjectivePlan:
             _check_shape("proximal", proximal, shape)
         if current is not None:
             _check_shape("current", current, shape)
+        if reference is not None:
+            _check_shape("reference", reference, shape)
+        if cfg.kl_coef > 0.0 and reference is None:
+            raise ObjectiveError("kl_coef > 0 needs the reference policy's log-probs")
         kind = (
             current.dtype
             if current is not None
@@ -260,6 +280,7 @@ class ObjectivePlan:
         self.versions = versions.detach()
         self.valid = valid
         self.proximal = p
+        self.reference = None if reference is None else reference.detach()
 
     @property
     def tokens(self) -> int:
@@ -321,7 +342,16 @@ class ObjectivePlan:
             lo, hi = ones * (1.0 - cfg.eps_low), ones * (1.0 + cfg.eps_high)
         clipped = torch.clamp(u, min=lo, max=hi)
         surrogate = torch.minimum(u * a, clipped * a)
+        # The KL estimate against the reference, 0 on padding (where, not a
+        # product: a padded position's values may be anything).
+        kl: Optional[torch.Tensor] = None
+        if self.reference is not None:
+            d = pick(self.reference).to(kind).detach() - c
+            k = -d if cfg.kl_estimator == KlEstimator.K1 else d.exp() - d - 1.0
+            kl = torch.where(valid, k, torch.zeros_like(k))
         per_token = w_applied * surrogate * keep_f
+        if kl is not None and cfg.kl_coef > 0.0:
+            per_token = per_token - kl * cfg.kl_coef
 
         if cfg.aggregation == Aggregation.TOKEN:
             objective = per_token.sum() / max(self.n_valid, 1.0)
@@ -343,6 +373,7 @@ class ObjectivePlan:
                 weight_masked=count(corrected),
                 approx_kl=count((c.detach() - p).square() * 0.5 * valid_f),
                 importance_weight=count(w * valid_f),
+                kl_ref=0.0 if kl is None else count(kl.detach()),
             )
         return PartialLoss(loss=loss, sums=sums)
 
@@ -359,6 +390,7 @@ class ObjectivePlan:
             mean_importance_weight=_fraction(sums.importance_weight, n),
             mean_version_lag=_fraction(self.lag_sum, n),
             max_version_lag=self.max_version_lag,
+            kl_ref=_fraction(sums.kl_ref, n),
         )
 
 
@@ -372,6 +404,7 @@ def decoupled_ppo_loss(
     mask: torch.Tensor,
     learner_version: int,
     cfg: ObjectiveConfig,
+    reference: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, ObjectiveStats]:
     """The plan of all rows and its loss over all of them."""
     _check_shape("current", current, behaviour.shape)
@@ -384,6 +417,7 @@ def decoupled_ppo_loss(
         mask=mask,
         learner_version=learner_version,
         cfg=cfg,
+        reference=reference,
     )
     part = plan.loss(None, current)
     return part.loss, plan.stats(part.sums)

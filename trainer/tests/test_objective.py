@@ -1,7 +1,8 @@
 """The torch engine's objective against the Rust learner's: every case of
 ``data/objective_vectors.json`` (written by
 ``learner/tests/objective_vectors.rs``: every clip mode x proximal mode x
-aggregation, and the TIS and IcePop corrections) gives the same loss, statistics, gradient and micro-batch
+aggregation, the TIS and IcePop corrections, and the k1 and k3 KL losses)
+gives the same loss, statistics, gradient and micro-batch
 losses within 1e-6."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from asyncrl_trainer.objective import (
     Aggregation,
     ClipMode,
     ImportanceCorrection,
+    KlEstimator,
     ObjectiveConfig,
     ObjectiveError,
     ObjectivePlan,
@@ -44,6 +46,8 @@ def _config(raw: dict[str, Any]) -> ObjectiveConfig:
         adaptive_temperature=raw["adaptive_temperature"],
         m2po_threshold=raw["m2po_threshold"],
         aggregation=Aggregation(raw["aggregation"]),
+        kl_coef=raw["kl_coef"],
+        kl_estimator=KlEstimator(raw["kl_estimator"]),
     )
 
 
@@ -56,6 +60,7 @@ def _tensors(case: dict[str, Any]) -> dict[str, Any]:
         "advantages": torch.tensor(x["advantages"], dtype=f64),
         "versions": torch.tensor(x["versions"], dtype=torch.int64),
         "mask": torch.tensor(x["mask"], dtype=torch.bool),
+        "reference": None if x["reference"] is None else torch.tensor(x["reference"], dtype=f64),
     }
 
 
@@ -65,7 +70,7 @@ def _close(got: float, want: float, what: str) -> None:
 
 def test_the_vectors_cover_every_mode() -> None:
     names = {c["name"] for c in _cases()}
-    assert len(names) == 4 * 3 * 2 + 2 * 3 * 2 * 2
+    assert len(names) == 4 * 3 * 2 + 2 * 3 * 2 * 2 + 2 * 3
     for clip in ("ppo", "adaptive", "m2po", "gspo"):
         for proximal in ("recompute", "approx", "behaviour"):
             for aggregation in ("token", "sequence"):
@@ -75,6 +80,9 @@ def test_the_vectors_cover_every_mode() -> None:
             for proximal in ("recompute", "approx"):
                 for aggregation in ("token", "sequence"):
                     assert f"{clip}-{correction}-{proximal}-{aggregation}" in names
+    for estimator in ("k1", "k3"):
+        for base in ("ppo-recompute-token", "gspo-approx-sequence", "m2po-approx-token"):
+            assert f"{base}-kl-{estimator}" in names
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: str(c["name"]))
@@ -134,6 +142,19 @@ def test_a_shape_mismatch_names_the_input() -> None:
     t = _tensors(case)
     t["mask"] = t["mask"][:, :3]
     with pytest.raises(ObjectiveError, match="`mask` has shape"):
+        ObjectivePlan(
+            current=None,
+            learner_version=case["learner_version"],
+            cfg=_config(case["config"]),
+            **t,
+        )
+
+
+def test_a_kl_loss_without_reference_log_probs_is_refused() -> None:
+    case = next(c for c in _cases() if c["name"] == "ppo-recompute-token-kl-k3")
+    t = _tensors(case)
+    t["reference"] = None
+    with pytest.raises(ObjectiveError, match="reference"):
         ObjectivePlan(
             current=None,
             learner_version=case["learner_version"],
