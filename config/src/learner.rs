@@ -194,7 +194,8 @@ pub struct LearnerConfig {
     /// Weight β of the KL loss against the reference policy (the weights
     /// the run started from, frozen): the loss gains β times the
     /// aggregated per-token estimate. 0: no KL loss and no reference model
-    /// (which costs a copy of the weights and one forward pass per step).
+    /// (which costs a copy of the weights, sharded like the model in the
+    /// torch engine, and one no-grad forward pass per step).
     pub kl_coef: f64,
     pub kl_estimator: KlEstimatorName,
     /// Optimizer steps per batch (the batch is split into this many mini-batches).
@@ -276,12 +277,6 @@ impl LearnerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_range("learner.m2po_threshold", self.m2po_threshold, 0.0, 100.0)?;
         check_range("learner.kl_coef", self.kl_coef, 0.0, 100.0)?;
-        if self.kl_coef > 0.0 && self.trainer == TrainerEngineName::Torch {
-            return Err(ConfigError::invalid(
-                "learner.kl_coef",
-                "a KL loss needs the builtin trainer: the torch engine holds no reference model yet (set kl_coef = 0 or trainer = \"builtin\")",
-            ));
-        }
         check_range("learner.minibatches", self.minibatches, 1, 1024)?;
         check_range(
             "learner.max_tokens_per_microbatch",
@@ -398,11 +393,11 @@ mod tests {
                 "[learner]\ntrainer = \"megatron\"",
                 Some("`learner.trainer`"),
             ),
-            // A KL loss needs the builtin trainer's reference model.
+            // A KL loss, in either engine.
             ("[learner]\nkl_coef = 0.05\nkl_estimator = \"k1\"", None),
             (
                 "[model]\npath = \"m\"\n[learner]\ntrainer = \"torch\"\nkl_coef = 0.05",
-                Some("`learner.kl_coef` a KL loss needs the builtin trainer"),
+                None,
             ),
             (
                 "[learner]\nkl_coef = -1",

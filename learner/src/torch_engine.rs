@@ -40,7 +40,7 @@ use crate::batch::{BatchLimits, TrainBatch, assemble};
 use crate::checkpoint;
 use crate::engine::TrainerEngine;
 use crate::objective::{
-    ClipMode, ImportanceCorrection, LogprobGap, LossAggregation, ObjectiveStats,
+    ClipMode, ImportanceCorrection, KlEstimator, LogprobGap, LossAggregation, ObjectiveStats,
 };
 use crate::trainer::{
     StepSettings, StepStats, TrainError, TrainerOptions, record_batch_facts, scheduled_lr,
@@ -199,6 +199,9 @@ pub fn group_command(
     }
     if t.cpu_offload {
         cmd.arg("--cpu-offload");
+    }
+    if config.learner.kl_coef > 0.0 {
+        cmd.arg("--kl-reference");
     }
     if std::env::var_os("OMP_NUM_THREADS").is_none() {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -652,6 +655,11 @@ fn objective(knobs: &StepSettings) -> StepObjective {
             ImportanceCorrection::Icepop => pb::ImportanceCorrection::Icepop,
         } as i32,
         importance_weight_floor: o.importance_weight_floor,
+        kl_coef: o.kl_coef,
+        kl_estimator: match o.kl_estimator {
+            KlEstimator::K1 => pb::step_objective::KlEstimator::K1,
+            KlEstimator::K3 => pb::step_objective::KlEstimator::K3,
+        } as i32,
     }
 }
 
@@ -718,9 +726,7 @@ impl TrainerEngine for TorchEngine {
                 mean_importance_weight: reply.mean_importance_weight,
                 mean_version_lag: reply.mean_version_lag,
                 max_version_lag: f64::from(reply.max_version_lag),
-                // No reference model in this engine (`learner.kl_coef > 0`
-                // with it is refused at config load).
-                kl_ref: 0.0,
+                kl_ref: reply.kl_ref,
             },
             entropy: reply.entropy,
             grad_norm: reply.grad_norm,

@@ -25,6 +25,7 @@ import ctypes
 import importlib
 import io
 import json
+import math
 import os
 import signal
 import sys
@@ -36,7 +37,7 @@ from concurrent import futures
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from .objective import (
     Aggregation,
     ClipMode,
     ImportanceCorrection,
+    KlEstimator,
     ObjectiveConfig,
     ProximalMode,
 )
@@ -124,6 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kl-reference",
+        action="store_true",
+        help="hold a frozen copy of the starting weights for the KL loss (learner.kl_coef > 0)",
+    )
     return p.parse_args(argv)
 
 
@@ -305,6 +312,13 @@ class Engine:
         self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 0)
         pad = getattr(text, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+        # The KL loss's reference: the folder's weights, loaded and sharded
+        # like the model and never trained; a restarted group loads the same.
+        self.reference: Optional[nn.Module] = None
+        if args.kl_reference:
+            plain = argparse.Namespace(**{**vars(args), "activation_checkpointing": False})
+            self.reference = build_model(plain, self.device)[0]
+            self.reference.requires_grad_(False)
         budget = args.max_tokens_per_microbatch
         self.trainer = Trainer(
             self.model,
@@ -319,6 +333,7 @@ class Engine:
                 adam_eps=args.adam_eps,
             ),
             learning_rate=args.learning_rate,
+            reference=self.reference,
         )
 
     def describe(self, _req: Any) -> Any:
@@ -347,11 +362,16 @@ class Engine:
             2: ImportanceCorrection.TRUNCATE,
             3: ImportanceCorrection.ICEPOP,
         }.get(o.importance_correction)
-        if clip is None or aggregation is None or correction is None:
+        # Unspecified (0): k3, the default.
+        estimator = {0: KlEstimator.K3, 1: KlEstimator.K1, 2: KlEstimator.K3}.get(o.kl_estimator)
+        if clip is None or aggregation is None or correction is None or estimator is None:
             raise StepError(
                 f"the step's objective names no clip mode ({o.clip_mode}), aggregation "
-                f"({o.aggregation}) or importance correction ({o.importance_correction})"
+                f"({o.aggregation}), importance correction ({o.importance_correction}) or KL "
+                f"estimator ({o.kl_estimator})"
             )
+        if not (math.isfinite(o.kl_coef) and o.kl_coef >= 0.0):
+            raise StepError(f"the step's kl_coef {o.kl_coef} is not a finite number >= 0")
         cfg = ObjectiveConfig(
             eps_low=o.eps_low,
             eps_high=o.eps_high,
@@ -363,6 +383,8 @@ class Engine:
             adaptive_temperature=o.adaptive_temperature,
             m2po_threshold=o.m2po_threshold,
             aggregation=aggregation,
+            kl_coef=o.kl_coef,
+            kl_estimator=estimator,
         )
         batch = batch_from_ipc(req.batch_arrow_ipc, self.pad_id)
         if int(batch.input_ids.max()) >= self.vocab_size or int(batch.input_ids.min()) < 0:
@@ -397,6 +419,7 @@ class Engine:
                 kl=stats.logprob_gap.kl,
             ),
             compute_seconds=time.monotonic() - start,
+            kl_ref=s.kl_ref,
         )
 
     def export_weights(self, req: Any) -> Any:

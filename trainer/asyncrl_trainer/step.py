@@ -179,8 +179,11 @@ class Trainer:
         model: nn.Module,
         opts: TrainerOptions,
         learning_rate: float,
+        reference: Optional[nn.Module] = None,
     ) -> None:
         self.model = model
+        #: The frozen reference policy of the KL loss (the starting weights).
+        self.reference = reference
         self.opts = opts
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -199,15 +202,30 @@ class Trainer:
     def _logprobs(self, batch: StepBatch) -> torch.Tensor:
         return self._forward(batch)[1]
 
-    def _detached_logprobs(self, batch: StepBatch) -> torch.Tensor:
+    def _detached_logprobs(
+        self, batch: StepBatch, model: Optional[nn.Module] = None
+    ) -> torch.Tensor:
+        """The log-probs of ``batch`` under ``model`` (default: the trained
+        one), without gradient, micro-batch by micro-batch."""
+        net = self.model if model is None else model
         with torch.no_grad():
-            parts = [
-                self._logprobs(batch.rows(torch.tensor(rows, device=batch.input_ids.device)))
-                for rows in microbatches(
-                    batch.n_rows, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch
-                )
-            ]
+            parts = []
+            for rows in microbatches(
+                batch.n_rows, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch
+            ):
+                part = batch.rows(torch.tensor(rows, device=batch.input_ids.device))
+                logits = net(input_ids=part.input_ids).logits
+                parts.append(completion_logprobs(logits, part, self.opts.temperature))
         return torch.cat(parts, 0).detach()
+
+    def _reference_logprobs(self, local: StepBatch) -> torch.Tensor:
+        """The reference policy's log-probs of every rank's rows."""
+        if self.reference is None:
+            raise StepError(
+                "the step asks for a KL loss (kl_coef > 0) but the engine holds no reference "
+                "model (it starts with one when learner.kl_coef > 0: --kl-reference)"
+            )
+        return self._gather(self._detached_logprobs(local, self.reference))
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """The ranks' row blocks, in rank order."""
@@ -231,6 +249,7 @@ class Trainer:
         learning_rate: float,
         learner_version: int,
         proximal_rows: Optional[torch.Tensor] = None,
+        reference_rows: Optional[torch.Tensor] = None,
     ) -> StepStats:
         """One optimizer step on the mini-batch ``batch``. ``proximal_rows``:
         recomputed proximal log-probs of its rows taken before the batch's
@@ -264,6 +283,13 @@ class Trainer:
                 if ObjectivePlan.needs_proximal(cfg)
                 else None
             )
+        reference: Optional[torch.Tensor] = None
+        if cfg.kl_coef > 0.0:
+            reference = (
+                reference_rows.to(device)
+                if reference_rows is not None
+                else self._reference_logprobs(local)
+            )
         plan = ObjectivePlan(
             behaviour=batch.behaviour,
             proximal=proximal,
@@ -273,6 +299,7 @@ class Trainer:
             mask=batch.mask,
             learner_version=learner_version,
             cfg=cfg,
+            reference=reference,
         )
 
         for group in self.optimizer.param_groups:
@@ -327,7 +354,8 @@ class Trainer:
                 entropy_sum,
                 entropy_n,
             ]
-            + ([0.0, 0.0, 0.0] if recomputed else [gap[0], gap[1], gap[3]]),
+            + ([0.0, 0.0, 0.0] if recomputed else [gap[0], gap[1], gap[3]])
+            + [sums.kl_ref],
             dist.ReduceOp.SUM,
         )
         if not recomputed:
@@ -350,7 +378,7 @@ class Trainer:
         gap_tokens = gap[0]
         return StepStats(
             loss=loss,
-            objective=plan.stats(ObjectiveSums(*totals[1:6])),
+            objective=plan.stats(ObjectiveSums(*totals[1:6], kl_ref=totals[12])),
             entropy=totals[7] / totals[8] if totals[8] > 0 else 0.0,
             logprob_gap=LogprobGap(
                 tokens=int(gap_tokens),
@@ -376,6 +404,19 @@ class Trainer:
         per_rank = n // self.world
         mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank, device=device)
         return self._gather(self._detached_logprobs(batch.to(device).rows(mine)))
+
+    def reference_logprobs(self, batch: StepBatch) -> torch.Tensor:
+        """The reference policy's log-probs of every row (each rank computes
+        its share)."""
+        n = batch.n_rows
+        if n == 0 or n % self.world != 0:
+            raise StepError(
+                f"the batch has {n} rows, which {self.world} ranks cannot share evenly"
+            )
+        device = next(self.model.parameters()).device
+        per_rank = n // self.world
+        mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank, device=device)
+        return self._reference_logprobs(batch.to(device).rows(mine))
 
     def train_batch(
         self,
@@ -410,6 +451,8 @@ class Trainer:
             if self.opts.proximal == ProximalMode.RECOMPUTE and len(chunks) > 1
             else None
         )
+        # The reference's log-probs once for the whole batch (it is frozen).
+        reference = self.reference_logprobs(batch) if cfg.kl_coef > 0.0 else None
         total = StepStats()
         weighted = dict.fromkeys(
             (
@@ -420,6 +463,7 @@ class Trainer:
                 "approx_kl",
                 "mean_importance_weight",
                 "mean_version_lag",
+                "kl_ref",
             ),
             0.0,
         )
@@ -432,6 +476,9 @@ class Trainer:
                 learning_rate,
                 learner_version,
                 proximal_rows=None if proximal is None else proximal.index_select(0, idx.to(proximal.device)),
+                reference_rows=None
+                if reference is None
+                else reference.index_select(0, idx.to(reference.device)),
             )
             if i == 0:
                 total.logprob_gap = stats.logprob_gap

@@ -23,7 +23,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl_trainer.checkpoint import export_weights, load_checkpoint, save_checkpoint
 from asyncrl_trainer.distributed import close_process_group
-from asyncrl_trainer.objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
+from asyncrl_trainer.objective import (
+    Aggregation,
+    ClipMode,
+    KlEstimator,
+    ObjectiveConfig,
+    ProximalMode,
+)
 from asyncrl_trainer.step import StepBatch, Trainer, TrainerOptions
 
 VOCAB = 128
@@ -84,6 +90,7 @@ def run() -> None:
     parser.add_argument("--clip", default="adaptive")
     parser.add_argument("--aggregation", default="token")
     parser.add_argument("--budget", type=int, default=24)
+    parser.add_argument("--kl", default=None, help="a KL loss (k1 or k3) against the starting weights")
     parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step and stop")
     parser.add_argument("--ckpt", type=Path, default=None, help="the checkpoint folder")
     parser.add_argument("--resume", action="store_true", help="start from --ckpt")
@@ -96,6 +103,14 @@ def run() -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    reference = None
+    if args.kl is not None:
+        # The same seeded starting weights, sharded alike and never trained.
+        reference = tiny_qwen3()
+        for layer in reference.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(reference, mesh=mesh)
+        reference.requires_grad_(False)
 
     trainer = Trainer(
         model,
@@ -105,12 +120,15 @@ def run() -> None:
             grad_clip=1.0,
         ),
         learning_rate=1e-3,
+        reference=reference,
     )
     cfg = ObjectiveConfig(
         eps_low=0.2,
         eps_high=0.28,
         clip_mode=ClipMode(args.clip),
         aggregation=Aggregation(args.aggregation),
+        kl_coef=0.0 if args.kl is None else 0.5,
+        kl_estimator=KlEstimator(args.kl or "k3"),
     )
     steps = []
     start = 0

@@ -10,6 +10,7 @@ import socket as socket_module
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,7 +22,13 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl_trainer.generate import GenerateParams, generate
-from asyncrl_trainer.objective import Aggregation, ClipMode, ObjectiveConfig, ProximalMode
+from asyncrl_trainer.objective import (
+    Aggregation,
+    ClipMode,
+    KlEstimator,
+    ObjectiveConfig,
+    ProximalMode,
+)
 from asyncrl_trainer.server import batch_from_ipc, load_stubs
 from asyncrl_trainer.step import Trainer, TrainerOptions
 
@@ -248,6 +255,55 @@ def test_two_ranks_over_grpc_train_checkpoint_and_export_like_one_process(
         assert torch.equal(tensor, loaded[name]), name
 
 
+def test_a_kl_loss_against_the_starting_weights_over_two_ranks_is_the_one_process_loss(
+    tmp_path: Path,
+) -> None:
+    tiny_model(tmp_path / "model")
+    engine = Engine(
+        tmp_path / "model",
+        tmp_path / "engine.sock",
+        2,
+        tmp_path / "engine.log",
+        extra=["--kl-reference"],
+    )
+    try:
+        engine.ready()
+        kl_cfg = replace(OBJECTIVE, kl_coef=0.5, kl_estimator=KlEstimator.K1)
+        replies = []
+        for step in range(3):
+            req = request(step)
+            req.objective.kl_coef = kl_cfg.kl_coef
+            req.objective.kl_estimator = 1  # k1
+            replies.append(engine.stub.TrainStep(req, timeout=120))
+        engine.stub.ExportWeights(pb2.ExportWeightsRequest(path=str(tmp_path / "out")), timeout=120)
+    finally:
+        engine.close()
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+
+    # One process, the folder's weights as its reference.
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    frozen = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    frozen.requires_grad_(False)
+    trainer = Trainer(
+        model,
+        TrainerOptions(proximal=ProximalMode.RECOMPUTE, max_tokens_per_microbatch=24),
+        learning_rate=LR,
+        reference=frozen,
+    )
+    for step, reply in enumerate(replies):
+        stats = trainer.train_batch(
+            batch_from_ipc(ipc(rows(step)), 0), order(step), 2, kl_cfg, LR, step
+        )
+        assert abs(reply.kl_ref - stats.objective.kl_ref) <= 1e-6, (step, reply.kl_ref)
+        assert abs(reply.loss - stats.loss) <= 1e-5, (step, reply.loss, stats.loss)
+    # The first step's first mini-batch starts at the reference; later ones
+    # have moved away from it.
+    assert replies[-1].kl_ref != 0.0
+    want = {k: v.detach() for k, v in model.state_dict().items()}
+    for name, tensor in got.items():
+        assert torch.allclose(tensor, want[name], atol=1e-5), name
+
+
 def test_two_ranks_generate_every_prompt_as_one_process_does(engine: Engine, tmp_path: Path) -> None:
     # Five prompts over two ranks (three and two), then one (rank 1 decodes
     # a placeholder row): every rank runs the same forward passes.
@@ -302,6 +358,14 @@ def test_bad_calls_are_refused_with_the_reason_and_the_engine_keeps_serving(
     with pytest.raises(grpc.RpcError) as refused:
         engine.stub.TrainStep(unknown, timeout=120)
     assert "importance correction (9)" in refused.value.details()
+
+    # A KL loss needs the reference this engine was not started with.
+    kl = request(0)
+    kl.objective.kl_coef = 0.1
+    with pytest.raises(grpc.RpcError) as refused:
+        engine.stub.TrainStep(kl, timeout=120)
+    assert "no reference model" in refused.value.details()
+    assert "--kl-reference" in refused.value.details()
 
     # Still serving, and nothing was applied: a good step trains.
     assert engine.stub.TrainStep(request(0), timeout=120).tokens > 0

@@ -45,13 +45,19 @@ def _run(out: Path, world: int, *extra: str) -> tuple[dict[str, torch.Tensor], l
 
 
 @pytest.mark.parametrize(
-    "proximal,clip,aggregation",
-    [("recompute", "adaptive", "token"), ("approx", "m2po", "sequence")],
+    "proximal,clip,aggregation,kl",
+    [
+        ("recompute", "adaptive", "token", None),
+        ("approx", "m2po", "sequence", None),
+        ("approx", "gspo", "token", "k3"),
+    ],
 )
 def test_world_size_two_gives_the_weights_of_world_size_one(
-    tmp_path: Path, proximal: str, clip: str, aggregation: str
+    tmp_path: Path, proximal: str, clip: str, aggregation: str, kl: str | None
 ) -> None:
     args = ["--steps", "5", "--proximal", proximal, "--clip", clip, "--aggregation", aggregation]
+    if kl is not None:
+        args += ["--kl", kl]
     one, steps_one = _run(tmp_path / "w1", 1, *args)
     two, steps_two = _run(tmp_path / "w2", 2, *args)
     assert one.keys() == two.keys()
@@ -70,6 +76,12 @@ def test_world_size_two_gives_the_weights_of_world_size_one(
         for part in ("objective", "logprob_gap"):
             for key, value in a[part].items():
                 assert abs(value - b[part][key]) <= 1e-5, (part, key, a, b)
+    # The KL to the starting weights: none before the first step, some after.
+    kls = [s["objective"]["kl_ref"] for s in steps_one]
+    if kl is None:
+        assert all(k == 0.0 for k in kls), kls
+    else:
+        assert kls[0] < 1e-9 < kls[-1], kls
 
 
 def test_a_checkpoint_resumes_the_run_exactly_and_reshards(tmp_path: Path) -> None:
