@@ -392,9 +392,9 @@ class Trainer:
         )
 
 
-    def recompute(self, batch: StepBatch) -> torch.Tensor:
-        """The current weights' log-probs of every row (each rank computes
-        its share; the world size must divide the rows)."""
+    def _my_rows(self, batch: StepBatch) -> StepBatch:
+        """This rank's share of ``batch`` (the world size must divide the
+        rows), on the model's device."""
         n = batch.n_rows
         if n == 0 or n % self.world != 0:
             raise StepError(
@@ -403,20 +403,17 @@ class Trainer:
         device = next(self.model.parameters()).device
         per_rank = n // self.world
         mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank, device=device)
-        return self._gather(self._detached_logprobs(batch.to(device).rows(mine)))
+        return batch.to(device).rows(mine)
+
+    def recompute(self, batch: StepBatch) -> torch.Tensor:
+        """The current weights' log-probs of every row (each rank computes
+        its share)."""
+        return self._gather(self._detached_logprobs(self._my_rows(batch)))
 
     def reference_logprobs(self, batch: StepBatch) -> torch.Tensor:
         """The reference policy's log-probs of every row (each rank computes
         its share)."""
-        n = batch.n_rows
-        if n == 0 or n % self.world != 0:
-            raise StepError(
-                f"the batch has {n} rows, which {self.world} ranks cannot share evenly"
-            )
-        device = next(self.model.parameters()).device
-        per_rank = n // self.world
-        mine = torch.arange(self.rank * per_rank, (self.rank + 1) * per_rank, device=device)
-        return self._reference_logprobs(batch.to(device).rows(mine))
+        return self._reference_logprobs(self._my_rows(batch))
 
     def train_batch(
         self,
