@@ -601,13 +601,15 @@ impl ObjectivePlan {
         let log_w = level((&p - &b).detach()).detach();
         let w = log_w.exp();
         let masked = correction_masks(&w, cfg).logical_and(&valid);
-        let corrected = match cfg.importance_correction {
-            ImportanceCorrection::Truncate => w.gt(cfg.importance_weight_cap).logical_and(&valid),
-            ImportanceCorrection::Mask | ImportanceCorrection::Icepop => masked.shallow_clone(),
-        };
-        let w_applied = match cfg.importance_correction {
-            ImportanceCorrection::Truncate => w.clamp_max(cfg.importance_weight_cap),
-            ImportanceCorrection::Mask | ImportanceCorrection::Icepop => w.shallow_clone(),
+        // The tokens the correction acted on, and the weight it leaves.
+        let (corrected, w_applied) = match cfg.importance_correction {
+            ImportanceCorrection::Truncate => (
+                w.gt(cfg.importance_weight_cap).logical_and(&valid),
+                w.clamp_max(cfg.importance_weight_cap),
+            ),
+            ImportanceCorrection::Mask | ImportanceCorrection::Icepop => {
+                (masked.shallow_clone(), w.shallow_clone())
+            }
         };
         let keep = match &self.keep {
             Some(k) => pick(k),
