@@ -199,9 +199,6 @@ class Trainer:
         logits = self.model(input_ids=batch.input_ids).logits
         return logits, completion_logprobs(logits, batch, self.opts.temperature)
 
-    def _logprobs(self, batch: StepBatch) -> torch.Tensor:
-        return self._forward(batch)[1]
-
     def _detached_logprobs(
         self, batch: StepBatch, model: Optional[nn.Module] = None
     ) -> torch.Tensor:
