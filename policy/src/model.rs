@@ -154,6 +154,16 @@ pub(crate) enum AttnMode<'a> {
     },
 }
 
+/// How the rows of a full forward pass are laid out.
+enum Layout<'a> {
+    /// Every row is one whole sequence.
+    Full,
+    /// `[B, T]` attention mask: 1 = token, 0 = padding.
+    Padded(&'a Tensor),
+    /// `[B, T]` segment ids: several sequences per row, 0 = padding.
+    Packed(&'a Tensor),
+}
+
 /// Per-layer key/value tensors of a fixed number of slots, each
 /// `[slots, max_len, num_key_value_heads, head_dim]` in the compute dtype.
 pub(crate) struct KvCache {
@@ -737,38 +747,81 @@ impl Policy {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
+        let layout = match attention_mask {
+            None => Layout::Full,
+            Some(m) => Layout::Padded(m),
+        };
+        self.hidden(input_ids, layout)
+    }
+
+    /// The final (normed) hidden states `[B, T, hidden]` of packed rows:
+    /// each row of `input_ids` (a lane) holds several sequences one after
+    /// the other. `segments` (`[B, T]`, int64) numbers them: equal ids on
+    /// adjacent positions are one sequence, ids of neighbouring sequences
+    /// differ, and 0 is padding. Each sequence's positions start at 0 and
+    /// its tokens attend only to earlier tokens of the same sequence, so
+    /// every real token gets the result of an unpacked forward of its own
+    /// sequence. Outputs at padding positions are meaningless.
+    pub fn hidden_states_packed(&self, input_ids: &Tensor, segments: &Tensor) -> Result<Tensor> {
+        self.hidden(input_ids, Layout::Packed(segments))
+    }
+
+    fn hidden(&self, input_ids: &Tensor, layout: Layout<'_>) -> Result<Tensor> {
         self.check_ids(input_ids)?;
         let (b, t) = (input_ids.size()[0], input_ids.size()[1]);
         let device = self.opts.device;
+        let check_shape = |what: &str, m: &Tensor| {
+            if m.size() == [b, t] {
+                Ok(())
+            } else {
+                Err(PolicyError::InvalidRequest(format!(
+                    "{what} has shape {:?}, input_ids {:?}",
+                    m.size(),
+                    [b, t]
+                )))
+            }
+        };
         tch::autocast(self.opts.autocast_active(), || -> Result<Tensor> {
-            let (positions, mask) = match attention_mask {
-                None => (
-                    Tensor::f_arange(t, (Kind::Int64, device))?
-                        .f_unsqueeze(0)?
-                        .f_expand([b, t], false)?,
-                    None,
-                ),
-                Some(m) => {
-                    if m.size() != [b, t] {
-                        return Err(PolicyError::InvalidRequest(format!(
-                            "attention_mask has shape {:?}, input_ids {:?}",
-                            m.size(),
-                            [b, t]
-                        )));
-                    }
+            let arange = Tensor::f_arange(t, (Kind::Int64, device))?;
+            let causal = || Tensor::f_ones([t, t], (Kind::Bool, device))?.f_tril(0);
+            // A padding query attends to itself so that no row is fully
+            // masked (NaN); its output is never used.
+            let eye = || Tensor::f_eye(t, (Kind::Bool, device));
+            let (positions, mask) = match layout {
+                Layout::Full => (arange.f_unsqueeze(0)?.f_expand([b, t], false)?, None),
+                Layout::Padded(m) => {
+                    check_shape("attention_mask", m)?;
                     let keep = m.f_to_device(device)?.f_ne(0)?;
                     let positions = keep
                         .f_cumsum(-1, Kind::Int64)?
                         .f_sub_scalar(1)?
                         .f_clamp_min(0)?;
-                    let causal = Tensor::f_ones([t, t], (Kind::Bool, device))?.f_tril(0)?;
-                    let eye = Tensor::f_eye(t, (Kind::Bool, device))?;
-                    let allowed = causal
+                    let allowed = causal()?
                         .f_unsqueeze(0)?
                         .f_logical_and(&keep.f_unsqueeze(1)?)?
-                        // a padding query attends to itself so that no row is
-                        // fully masked (NaN); its output is never used
-                        .f_logical_or(&eye.f_unsqueeze(0)?)?
+                        .f_logical_or(&eye()?.f_unsqueeze(0)?)?
+                        .f_unsqueeze(1)?;
+                    (positions, Some(allowed))
+                }
+                Layout::Packed(seg) => {
+                    check_shape("segments", seg)?;
+                    let seg = seg.f_to_device(device)?.f_to_kind(Kind::Int64)?;
+                    // A sequence starts where the id changes (and at 0);
+                    // a position counts from its sequence's start.
+                    let first = Tensor::f_ones([b, 1], (Kind::Bool, device))?;
+                    let changed =
+                        seg.f_narrow(1, 1, t - 1)?
+                            .f_ne_tensor(&seg.f_narrow(1, 0, t - 1)?)?;
+                    let starts_here = Tensor::f_cat(&[first, changed], 1)?;
+                    let start = arange.f_unsqueeze(0)?.f_mul(&starts_here)?.f_cummax(1)?.0;
+                    let positions = arange.f_unsqueeze(0)?.f_sub(&start)?;
+                    let same = seg.f_unsqueeze(2)?.f_eq_tensor(&seg.f_unsqueeze(1)?)?;
+                    let real_key = seg.f_ne(0)?.f_unsqueeze(1)?;
+                    let allowed = causal()?
+                        .f_unsqueeze(0)?
+                        .f_logical_and(&same)?
+                        .f_logical_and(&real_key)?
+                        .f_logical_or(&eye()?.f_unsqueeze(0)?)?
                         .f_unsqueeze(1)?;
                     (positions, Some(allowed))
                 }
@@ -794,6 +847,14 @@ impl Policy {
     /// called under `tch::no_grad`.
     pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
         let h = self.hidden_states(input_ids, attention_mask)?;
+        self.logits_from_hidden(&h)
+    }
+
+    /// Logits `[B, T, vocab]` (float32) of packed rows; see
+    /// [`Policy::hidden_states_packed`] for `segments`. Records gradients
+    /// unless called under `tch::no_grad`.
+    pub fn forward_packed(&self, input_ids: &Tensor, segments: &Tensor) -> Result<Tensor> {
+        let h = self.hidden_states_packed(input_ids, segments)?;
         self.logits_from_hidden(&h)
     }
 

@@ -155,6 +155,49 @@ fn padded_batches_match_unpadded_sequences() {
 }
 
 #[test]
+fn packed_rows_match_unpacked_sequences() {
+    // Lane 0 holds three sequences and two padding positions, lane 1 one
+    // sequence that fills it; two neighbours share a token id at their
+    // border, and a one-token sequence sits between others.
+    let seqs = [ids(1, 5, 61), ids(2, 1, 61), ids(3, 4, 61), ids(4, 12, 61)];
+    let lanes: [&[usize]; 2] = [&[0, 1, 2], &[3]];
+    let t = 12usize;
+    for (model_type, tied) in [(ModelType::Qwen2, false), (ModelType::Llama, true)] {
+        let policy = random_policy(model_type, tied, 5);
+        let mut flat = Vec::new();
+        let mut segments = Vec::new();
+        for lane in lanes {
+            let mut used = 0;
+            for (k, s) in lane.iter().enumerate() {
+                flat.extend(&seqs[*s]);
+                segments.extend(std::iter::repeat_n(k as i64 + 1, seqs[*s].len()));
+                used += seqs[*s].len();
+            }
+            flat.extend(std::iter::repeat_n(7i64, t - used));
+            segments.extend(std::iter::repeat_n(0i64, t - used));
+        }
+        let input = Tensor::from_slice(&flat).reshape([2, t as i64]);
+        let segments = Tensor::from_slice(&segments).reshape([2, t as i64]);
+        let packed = tch::no_grad(|| policy.forward_packed(&input, &segments)).unwrap();
+        for (l, lane) in lanes.iter().enumerate() {
+            let mut off = 0;
+            for s in *lane {
+                let alone = full_logits(&policy, &seqs[*s]);
+                let n = seqs[*s].len() as i64;
+                let got = packed.get(l as i64).narrow(0, off, n);
+                let d = max_abs_diff(&got, &alone);
+                assert!(d <= 1e-5, "{model_type:?} lane {l} sequence {s}: {d}");
+                off += n;
+            }
+        }
+        // A mask of the wrong shape is refused, naming it.
+        let bad = Tensor::zeros([2, 3], (tch::Kind::Int64, tch::Device::Cpu));
+        let err = policy.forward_packed(&input, &bad).unwrap_err();
+        assert!(err.to_string().contains("segments"), "{err}");
+    }
+}
+
+#[test]
 fn greedy_is_deterministic_and_follows_the_argmax() {
     let policy = random_policy(ModelType::Llama, false, 11);
     let prompts = [ids(5, 4, 61), ids(6, 8, 61)];
