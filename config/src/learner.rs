@@ -206,6 +206,13 @@ pub struct LearnerConfig {
     /// accumulation, one optimizer step per mini-batch as without it. A row
     /// longer than the budget is a micro-batch of its own. 0: no split.
     pub max_tokens_per_microbatch: usize,
+    /// Sequence packing: each forward pass packs several rows into each
+    /// lane (as wide as its longest row), positions restarting and
+    /// attention kept inside each row, instead of padding every row to the
+    /// longest. The log-probs, losses and gradients are the padded ones up
+    /// to float rounding; only the positions computed shrink. With it,
+    /// `max_tokens_per_microbatch` counts lanes × lane width.
+    pub packing: bool,
     /// Linear learning-rate warmup over this many steps.
     pub warmup_steps: u64,
     pub weight_decay: f64,
@@ -252,6 +259,7 @@ impl Default for LearnerConfig {
             kl_estimator: KlEstimatorName::K3,
             minibatches: 1,
             max_tokens_per_microbatch: 0,
+            packing: true,
             warmup_steps: 0,
             weight_decay: 0.0,
             beta1: 0.9,

@@ -594,6 +594,19 @@ impl TrainBatch {
         }
     }
 
+    /// Positions of one forward pass over every row
+    /// ([`TrainBatch::forward_inputs`]): lanes (packed) or rows (padded) ×
+    /// the lane width.
+    pub fn positions(&self, packing: bool) -> i64 {
+        let width = self.longest().max(2).min(self.input_ids.size()[1]);
+        let lanes = if packing {
+            first_fit_decreasing(&self.lengths, width).len() as i64
+        } else {
+            self.lengths.len() as i64
+        };
+        lanes * width
+    }
+
     /// The longest row (prompt + completion), at least 1.
     pub fn longest(&self) -> i64 {
         self.lengths.iter().copied().max().unwrap_or(1).max(1)
@@ -614,23 +627,178 @@ impl TrainBatch {
         self
     }
 
-    /// Splits the rows into micro-batches of at most `max_tokens` padded
-    /// positions each: rows × the longest row of the micro-batch. Returns
-    /// the row indices of each micro-batch (into this batch).
+    /// Splits the rows into micro-batches of at most `max_tokens`
+    /// positions each. Returns the row indices of each micro-batch (into
+    /// this batch).
     ///
-    /// `max_tokens == 0`, or all rows fitting (rows × their longest ≤
-    /// `max_tokens`), gives one micro-batch of all rows in their order.
-    /// Otherwise rows are sorted by length, longest first, and packed
-    /// greedily, so each micro-batch pads to its own longest row and rows
-    /// of similar length travel together. A row longer than `max_tokens`
-    /// on its own is its own micro-batch: the budget is then exceeded by
-    /// that one row, never refused.
-    pub fn microbatches(&self, max_tokens: usize) -> Vec<Vec<i64>> {
-        pack_microbatches(&self.lengths, max_tokens)
+    /// Padded (`packing` false), a micro-batch's positions are rows × its
+    /// longest row; packed, they are lanes × its longest row, the rows
+    /// packed into lanes as [`TrainBatch::forward_inputs`] packs them.
+    /// `max_tokens == 0`, or all rows fitting, gives one micro-batch of all
+    /// rows in their order. Otherwise rows are sorted by length, longest
+    /// first, and taken greedily, so each micro-batch pads to its own
+    /// longest row and rows of similar length travel together. A row
+    /// longer than `max_tokens` on its own is its own micro-batch: the
+    /// budget is then exceeded by that one row, never refused.
+    pub fn microbatches(&self, max_tokens: usize, packing: bool) -> Vec<Vec<i64>> {
+        if packing {
+            pack_microbatches_packed(&self.lengths, max_tokens)
+        } else {
+            pack_microbatches(&self.lengths, max_tokens)
+        }
+    }
+
+    /// The inputs of one forward pass over every row of this batch.
+    ///
+    /// Padded (`packing` false): `input_ids` as they are, cut to the
+    /// longest row ([`TrainBatch::trimmed`]). Packed: the rows, longest
+    /// first, each into the first lane with room (first-fit decreasing),
+    /// lanes as wide as the longest row, so no lane is wider than the
+    /// padded batch and there are as many lanes as that takes, often far
+    /// fewer than rows. The log-probs and entropies read through
+    /// [`ForwardInputs::gather`] are the same either way (up to float
+    /// rounding): see [`asyncrl_policy::Policy::forward_packed`].
+    pub fn forward_inputs(&self, packing: bool) -> ForwardInputs {
+        let (n, l) = (self.input_ids.size()[0], self.input_ids.size()[1]);
+        let width = self.longest().max(2).min(l);
+        let device = self.input_ids.device();
+        if !packing {
+            let base = Tensor::arange(n, (Kind::Int64, device)) * (width - 1);
+            return ForwardInputs {
+                input_ids: self.input_ids.narrow(1, 0, width),
+                segments: None,
+                gather: &self.gather_index + base.unsqueeze(1),
+            };
+        }
+        let lanes = first_fit_decreasing(&self.lengths, width);
+        let s = lanes.len() as i64;
+        // Where each lane position's token comes from in the flat
+        // `input_ids`; padding repeats position 0 (a real token id, never
+        // attended and never read).
+        let mut source = vec![0i64; (s * width) as usize];
+        let mut segments = vec![0i64; (s * width) as usize];
+        let mut base = vec![0i64; n as usize];
+        for (lane, rows) in lanes.iter().enumerate() {
+            let mut offset = 0i64;
+            for (k, row) in rows.iter().enumerate() {
+                let len = self.lengths[*row as usize];
+                let at = lane as i64 * width + offset;
+                for j in 0..len {
+                    source[(at + j) as usize] = row * l + j;
+                    segments[(at + j) as usize] = k as i64 + 1;
+                }
+                base[*row as usize] = lane as i64 * (width - 1) + offset;
+                offset += len;
+            }
+        }
+        let to = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+        ForwardInputs {
+            input_ids: self
+                .input_ids
+                .reshape([-1])
+                .index_select(0, &to(&source))
+                .view([s, width]),
+            segments: Some(to(&segments).view([s, width])),
+            gather: &self.gather_index + to(&base).unsqueeze(1),
+        }
     }
 }
 
-/// [`TrainBatch::microbatches`] over row lengths.
+/// The rows of one forward pass as the model sees them: one row per lane
+/// (padded), or several rows per lane (packed).
+#[derive(Debug)]
+pub struct ForwardInputs {
+    /// `[S, W]` token ids of each lane.
+    pub input_ids: Tensor,
+    /// `[S, W]` packed only: which sequence of its lane each position
+    /// belongs to (1, 2, ...; 0 = padding).
+    pub segments: Option<Tensor>,
+    /// `[N, T]`: for completion token `t` of row `n`, its index in the
+    /// flattened shifted log-prob matrix (`[S · (W − 1)]`, entry
+    /// `s · (W − 1) + j` = log-prob of lane `s`'s token `j + 1`); padding
+    /// points at a real entry and is masked out by the batch's `mask`.
+    pub gather: Tensor,
+}
+
+impl ForwardInputs {
+    /// Positions the forward pass computes: lanes × lane width.
+    pub fn positions(&self) -> i64 {
+        self.input_ids.numel() as i64
+    }
+
+    /// Logits `[S, W, vocab]` of `policy` over these inputs.
+    pub fn logits(&self, policy: &asyncrl_policy::Policy) -> asyncrl_policy::Result<Tensor> {
+        match &self.segments {
+            None => policy.forward(&self.input_ids, None),
+            Some(seg) => policy.forward_packed(&self.input_ids, seg),
+        }
+    }
+
+    /// The completion tokens' log-probs `[N, T]` at temperature
+    /// `temperature` from `logits` (`[S, W, vocab]`, of these inputs).
+    pub fn completion_logprobs(&self, logits: &Tensor, temperature: f64) -> Tensor {
+        let logp = shifted_log_softmax(logits, temperature);
+        let w = self.input_ids.size()[1];
+        let next = self.input_ids.narrow(1, 1, w - 1).unsqueeze(-1);
+        let per_position = logp.gather(-1, &next, false).squeeze_dim(-1);
+        self.read(&per_position)
+    }
+
+    /// The entropy `[N, T]` (no gradient) of the next-token distributions
+    /// behind each completion token, at temperature `temperature`.
+    pub fn completion_entropy(&self, logits: &Tensor, temperature: f64) -> Tensor {
+        let _g = tch::no_grad_guard();
+        let logp = shifted_log_softmax(logits, temperature);
+        let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
+        self.read(&ent)
+    }
+
+    /// `[S, W − 1]` per-position values read at each completion token.
+    fn read(&self, per_position: &Tensor) -> Tensor {
+        let size = self.gather.size();
+        per_position
+            .reshape([-1])
+            .index_select(0, &self.gather.reshape([-1]))
+            .view(size.as_slice())
+    }
+}
+
+fn shifted_log_softmax(logits: &Tensor, temperature: f64) -> Tensor {
+    let w = logits.size()[1];
+    let scaled = if (temperature - 1.0).abs() > f64::EPSILON {
+        logits / temperature
+    } else {
+        logits.shallow_clone()
+    };
+    scaled.narrow(1, 0, w - 1).log_softmax(-1, Kind::Float)
+}
+
+/// Rows (by `lengths`) into lanes of `width` positions: longest first, each
+/// into the first lane with room (first-fit decreasing; rows of equal
+/// length keep their order). A row longer than `width` gets a lane of its
+/// own (callers size `width` to the longest row).
+pub fn first_fit_decreasing(lengths: &[i64], width: i64) -> Vec<Vec<i64>> {
+    let mut order: Vec<i64> = (0..lengths.len() as i64).collect();
+    order.sort_by_key(|i| std::cmp::Reverse(lengths[*i as usize]));
+    let mut lanes: Vec<Vec<i64>> = Vec::new();
+    let mut fill: Vec<i64> = Vec::new();
+    for i in order {
+        let len = lengths[i as usize];
+        match fill.iter().position(|f| f + len <= width) {
+            Some(k) => {
+                fill[k] += len;
+                lanes[k].push(i);
+            }
+            None => {
+                fill.push(len);
+                lanes.push(vec![i]);
+            }
+        }
+    }
+    lanes
+}
+
+/// [`TrainBatch::microbatches`] over row lengths, padded.
 pub fn pack_microbatches(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i64>> {
     let n = lengths.len();
     let longest = lengths.iter().copied().max().unwrap_or(0).max(1);
@@ -660,20 +828,60 @@ pub fn pack_microbatches(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i64>> {
     out
 }
 
+/// [`TrainBatch::microbatches`] over row lengths, packed: rows longest
+/// first, each micro-batch's lanes as wide as its first (longest) row, a
+/// row going to the first lane with room, and a new micro-batch when a new
+/// lane would take it over the budget.
+pub fn pack_microbatches_packed(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i64>> {
+    let n = lengths.len();
+    let longest = lengths.iter().copied().max().unwrap_or(0).max(1);
+    let budget = i64::try_from(max_tokens).unwrap_or(i64::MAX);
+    if max_tokens == 0
+        || (first_fit_decreasing(lengths, longest).len() as i64).saturating_mul(longest) <= budget
+    {
+        return vec![(0..n as i64).collect()];
+    }
+    let mut order: Vec<i64> = (0..n as i64).collect();
+    order.sort_by_key(|i| std::cmp::Reverse(lengths[*i as usize]));
+    let mut out: Vec<Vec<i64>> = Vec::new();
+    let mut current: Vec<i64> = Vec::new();
+    let mut fill: Vec<i64> = Vec::new();
+    let mut width = 1i64;
+    for i in order {
+        let len = lengths[i as usize];
+        if current.is_empty() {
+            width = len.max(1);
+            fill = vec![len];
+        } else if let Some(k) = fill.iter().position(|f| f + len <= width) {
+            fill[k] += len;
+        } else if (fill.len() as i64 + 1).saturating_mul(width) <= budget {
+            fill.push(len);
+        } else {
+            out.push(std::mem::take(&mut current));
+            width = len.max(1);
+            fill = vec![len];
+        }
+        current.push(i);
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
+}
+
 /// Log-probs of the completion tokens, `[N, T]`, from logits `[N, L, V]` of
 /// the whole padded sequences, at sampling temperature `temperature` (the
 /// same distribution the worker's behaviour log-probs refer to).
 pub fn completion_logprobs(logits: &Tensor, batch: &TrainBatch, temperature: f64) -> Tensor {
     let l = logits.size()[1];
-    let scaled = if (temperature - 1.0).abs() > f64::EPSILON {
-        logits / temperature
-    } else {
-        logits.shallow_clone()
-    };
-    let logp = scaled.narrow(1, 0, l - 1).log_softmax(-1, Kind::Float);
-    let next = batch.input_ids.narrow(1, 1, l - 1).unsqueeze(-1);
-    let per_position = logp.gather(-1, &next, false).squeeze_dim(-1);
-    per_position.gather(1, &batch.gather_index, false)
+    let n = logits.size()[0];
+    let base = Tensor::arange(n, (Kind::Int64, logits.device())) * (l - 1);
+    ForwardInputs {
+        input_ids: batch.input_ids.narrow(1, 0, l),
+        segments: None,
+        gather: &batch.gather_index + base.unsqueeze(1),
+    }
+    .completion_logprobs(logits, temperature)
 }
 
 #[cfg(test)]
@@ -810,6 +1018,79 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn packed_microbatches_fill_lanes_under_the_budget() {
+        /// Row lengths, budget, the micro-batches expected.
+        type Case<'a> = (&'a [i64], usize, &'a [&'a [i64]]);
+        let cases: &[Case<'_>] = &[
+            // No budget, or every lane fits: one micro-batch, rows in order.
+            (&[3, 5, 2], 0, &[&[0, 1, 2]]),
+            // 5 | 3+2: two lanes of 5.
+            (&[3, 5, 2], 10, &[&[0, 1, 2]]),
+            // One lane of 5 at a time: 5, then 3+2.
+            (&[3, 5, 2], 9, &[&[1], &[0, 2]]),
+            // Lanes 6 | 4+2 | 3+3 | 1 within 3 lanes of 6, then the 1.
+            (&[4, 6, 3, 2, 3, 1], 18, &[&[1, 0, 2, 4, 3], &[5]]),
+            // A row over the budget goes alone.
+            (&[9, 2, 2], 4, &[&[0], &[1, 2]]),
+            (&[], 4, &[&[]]),
+        ];
+        for (lengths, budget, want) in cases {
+            let got = pack_microbatches_packed(lengths, *budget);
+            let want: Vec<Vec<i64>> = want.iter().map(|m| m.to_vec()).collect();
+            assert_eq!(got, want, "lengths {lengths:?}, budget {budget}");
+            let mut all: Vec<i64> = got.iter().flatten().copied().collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..lengths.len() as i64).collect::<Vec<_>>());
+            if *budget > 0 {
+                for m in &got {
+                    let own: Vec<i64> = m.iter().map(|i| lengths[*i as usize]).collect();
+                    let width = own.iter().copied().max().unwrap_or(0);
+                    let lanes = first_fit_decreasing(&own, width).len() as i64;
+                    assert!(m.len() == 1 || lanes * width <= *budget as i64, "{m:?}");
+                }
+            }
+        }
+        // First-fit decreasing: every row in one lane, no lane over width.
+        let lengths = [4, 6, 3, 2, 3, 1, 6];
+        let lanes = first_fit_decreasing(&lengths, 6);
+        assert_eq!(
+            lanes,
+            vec![vec![1], vec![6], vec![0, 3], vec![2, 4], vec![5]]
+        );
+    }
+
+    #[test]
+    fn packed_inputs_lay_rows_end_to_end() {
+        let rb = asyncrl_protos::arrow_schema::to_record_batch(&[
+            traj(0, "g", vec![1, 2, 3, 4], vec![3, 1, 2], Some(1.0)),
+            traj(1, "g", vec![2], vec![5, 3], Some(0.0)),
+            traj(2, "h", vec![2, 1], vec![1], Some(0.0)),
+            traj(3, "h", vec![3], vec![], Some(1.0)),
+        ])
+        .unwrap();
+        let b = assemble(&[rb], 0, AdvantageNorm::Mean).unwrap();
+        // Lengths 7, 3, 3, 1 into lanes of 7: [0] and [1, 2, 3].
+        let fwd = b.forward_inputs(true);
+        let ids = Vec::<i64>::try_from(fwd.input_ids.reshape([-1])).unwrap();
+        assert_eq!(ids, [1, 2, 3, 4, 3, 1, 2, 2, 5, 3, 2, 1, 1, 3]);
+        let seg = Vec::<i64>::try_from(fwd.segments.as_ref().unwrap().reshape([-1])).unwrap();
+        assert_eq!(seg, [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3]);
+        assert_eq!(fwd.positions(), 14);
+        assert_eq!(b.positions(true), 14);
+        assert_eq!(b.positions(false), 28);
+        // Row 1's completion [5, 3] is predicted from lane 1's positions 0
+        // and 1 (shifted matrix: 6 entries per lane); row 2's [1] from
+        // lane 1's position 4.
+        let gather = |row: i64| {
+            Vec::<i64>::try_from(fwd.gather.get(row).masked_select(&b.mask.get(row))).unwrap()
+        };
+        assert_eq!(gather(0), [3, 4, 5]);
+        assert_eq!(gather(1), [6, 7]);
+        assert_eq!(gather(2), [10]);
+        assert!(gather(3).is_empty());
     }
 
     #[test]

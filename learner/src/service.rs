@@ -119,6 +119,7 @@ pub fn trainer_options(config: &Config) -> TrainerOptions {
         seed: config.run.seed,
         weight_dtype: asyncrl_policy::from_config::weight_dtype(config.model.weight_dtype),
         max_tokens_per_microbatch: l.max_tokens_per_microbatch,
+        packing: l.packing,
     }
 }
 

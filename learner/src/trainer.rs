@@ -6,10 +6,17 @@
 //! the decoupled PPO loss, then bumps the policy version: step `s` produces
 //! version `s`.
 //!
+//! Packing (`packing`, on by default): each forward pass packs its rows
+//! into lanes as wide as its longest row, several rows to a lane, with
+//! positions that restart and attention that stays inside each row
+//! ([`TrainBatch::forward_inputs`]), so it computes about the real tokens
+//! instead of rows × the longest row; log-probs, losses and gradients are
+//! the padded computation's up to float rounding.
+//!
 //! Memory: with `max_tokens_per_microbatch` set, every forward pass (the
 //! recompute pass, and each mini-batch's forward + backward) runs on
-//! micro-batches of at most that many padded positions (rows × the longest
-//! row of the micro-batch; see [`TrainBatch::microbatches`]), since the
+//! micro-batches of at most that many positions (lanes, or rows, × the
+//! longest row of the micro-batch; see [`TrainBatch::microbatches`]), since the
 //! logits of a whole batch at a real vocabulary are the memory peak. The
 //! gradients of a mini-batch's micro-batches accumulate and the mini-batch
 //! still takes one clip and one optimizer step. The objective's
@@ -30,7 +37,7 @@ use tch::{Kind, Tensor};
 
 use crate::adamw::{AdamW, AdamWConfig};
 use crate::advantages::AdvantageNorm;
-use crate::batch::{TrainBatch, assemble, completion_logprobs};
+use crate::batch::{TrainBatch, assemble};
 use crate::checkpoint::{self, CheckpointMeta, LoadedCheckpoint};
 use crate::objective::{
     LogprobGap, ObjectiveConfig, ObjectivePlan, ObjectiveStats, ObjectiveSums, PlanInputs,
@@ -85,11 +92,14 @@ pub struct TrainerOptions {
     pub proximal: ProximalMode,
     pub seed: u64,
     pub weight_dtype: WeightDtype,
-    /// Padded positions (rows × longest row) of one forward pass at most:
-    /// mini-batches and the recompute pass are split into micro-batches of
-    /// this size, with gradient accumulation (0: no split). A row longer
-    /// than this is a micro-batch of its own.
+    /// Positions (lanes, or rows, × longest row) of one forward pass at
+    /// most: mini-batches and the recompute pass are split into
+    /// micro-batches of this size, with gradient accumulation (0: no
+    /// split). A row longer than this is a micro-batch of its own.
     pub max_tokens_per_microbatch: usize,
+    /// Pack several rows into each lane of a forward pass instead of
+    /// padding every row to the longest.
+    pub packing: bool,
 }
 
 impl Default for TrainerOptions {
@@ -105,6 +115,7 @@ impl Default for TrainerOptions {
             seed: 0,
             weight_dtype: WeightDtype::F32,
             max_tokens_per_microbatch: 0,
+            packing: true,
         }
     }
 }
@@ -132,8 +143,9 @@ pub struct StepStats {
     pub groups: usize,
     pub trajectories: usize,
     pub tokens: i64,
-    /// Rows × padded length of the batch: the positions the forward and
-    /// backward passes compute (what the step's cost follows; long-tailed
+    /// Positions of the batch laid out for one forward pass: rows, or
+    /// packed lanes, × the longest row. What the forward and backward
+    /// passes compute (the step's cost follows it; padded, long-tailed
     /// batches pad every row to their longest sequence).
     pub padded_tokens: i64,
     /// Forward + backward passes of the step: one per mini-batch, more when
@@ -250,7 +262,13 @@ impl Trainer {
                 .reference
                 .as_ref()
                 .ok_or(crate::objective::ObjectiveError::ReferenceNeeded)?;
-            Some(detached_logprobs(r, &batch, budget, self.opts.temperature)?)
+            Some(detached_logprobs(
+                r,
+                &batch,
+                budget,
+                self.opts.packing,
+                self.opts.temperature,
+            )?)
         } else {
             None
         };
@@ -289,7 +307,7 @@ impl Trainer {
                 reference: mb_ref.as_ref(),
             };
             AdamW::zero_grad(&params);
-            let micro = mb.microbatches(budget);
+            let micro = mb.microbatches(budget, self.opts.packing);
             let gap_wanted = i == 0 && !recomputed;
             let (loss, objective, entropy, gap) = if micro.len() <= 1 {
                 stats.microbatches += 1;
@@ -358,7 +376,7 @@ impl Trainer {
         self.policy.mark_weights_changed();
         stats.step = self.step;
         stats.version = version;
-        record_batch_facts(&mut stats, &host, version_before);
+        record_batch_facts(&mut stats, &host, version_before, self.opts.packing);
         stats.compute_seconds = start.elapsed().as_secs_f64();
         Ok(stats)
     }
@@ -380,7 +398,13 @@ impl Trainer {
     /// The completion log-probs of every row of `batch` under the current
     /// weights, without gradient (see [`detached_logprobs`]).
     fn detached_logprobs(&self, batch: &TrainBatch, budget: usize) -> Result<Tensor, TrainError> {
-        detached_logprobs(&self.policy, batch, budget, self.opts.temperature)
+        detached_logprobs(
+            &self.policy,
+            batch,
+            budget,
+            self.opts.packing,
+            self.opts.temperature,
+        )
     }
 
     /// Forward + backward of mini-batch `mb` in one pass (the un-split
@@ -395,8 +419,9 @@ impl Trainer {
         gap_wanted: bool,
     ) -> Result<MinibatchOutcome, TrainError> {
         let temperature = self.opts.temperature;
-        let logits = self.policy.forward(&mb.input_ids, None)?;
-        let current = completion_logprobs(&logits, mb, temperature);
+        let fwd = mb.forward_inputs(self.opts.packing);
+        let logits = fwd.logits(&self.policy)?;
+        let current = fwd.completion_logprobs(&logits, temperature);
         let gap = gap_wanted.then(|| {
             logprob_gap(
                 &mb.behaviour,
@@ -421,7 +446,7 @@ impl Trainer {
             return Err(TrainError::NonFiniteLoss(loss));
         }
         out.loss.backward();
-        let entropy = masked_entropy(&logits, mb, temperature);
+        let entropy = masked_entropy(&fwd, &logits, mb, temperature);
         Ok((loss, out.stats, entropy, gap))
     }
 
@@ -474,10 +499,11 @@ impl Trainer {
         let mut sums = ObjectiveSums::default();
         let mut entropy_sum = 0.0;
         for rows in micro {
-            let part = mb.rows(rows).trimmed();
+            let part = mb.rows(rows);
             let idx = Tensor::from_slice(rows).to_device(device);
-            let logits = self.policy.forward(&part.input_ids, None)?;
-            let current = completion_logprobs(&logits, &part, temperature);
+            let fwd = part.forward_inputs(self.opts.packing);
+            let logits = fwd.logits(&self.policy)?;
+            let current = fwd.completion_logprobs(&logits, temperature);
             if let Some(all) = gap_current.as_mut() {
                 let _g = tch::no_grad_guard();
                 let _ = all.f_index_copy_(0, &idx, &current.detach().to_kind(Kind::Float))?;
@@ -490,7 +516,7 @@ impl Trainer {
             out.loss.backward();
             loss += value;
             sums.add(&out.sums);
-            entropy_sum += masked_entropy(&logits, &part, temperature) * part.tokens as f64;
+            entropy_sum += masked_entropy(&fwd, &logits, &part, temperature) * part.tokens as f64;
         }
         let gap = gap_wanted.then(|| {
             let current = gap_current.as_ref().or(pre_pass.as_ref());
@@ -635,11 +661,16 @@ pub(crate) fn shuffled_order(rng: &mut SplitMix64, n: i64) -> Vec<i64> {
 
 /// What a step's statistics say about its batch whatever engine trained it:
 /// groups, rows, tokens, padded positions, rewards and version lags.
-pub(crate) fn record_batch_facts(stats: &mut StepStats, host: &TrainBatch, version_before: i32) {
+pub(crate) fn record_batch_facts(
+    stats: &mut StepStats,
+    host: &TrainBatch,
+    version_before: i32,
+    packing: bool,
+) {
     stats.groups = host.groups;
     stats.trajectories = host.rewards.len();
     stats.tokens = host.tokens;
-    stats.padded_tokens = host.input_ids.numel() as i64;
+    stats.padded_tokens = host.positions(packing);
     let scored: Vec<f64> = host
         .rewards
         .iter()
@@ -674,24 +705,26 @@ struct Given<'a> {
 
 /// The completion log-probs of every row of `batch` under `policy`'s
 /// weights, without gradient, `[N, T]`: one forward pass over the batch,
-/// or one per micro-batch of at most `budget` padded positions.
+/// or one per micro-batch of at most `budget` positions.
 fn detached_logprobs(
     policy: &Policy,
     batch: &TrainBatch,
     budget: usize,
+    packing: bool,
     temperature: f64,
 ) -> Result<Tensor, TrainError> {
     let _g = tch::no_grad_guard();
-    let micro = batch.microbatches(budget);
+    let micro = batch.microbatches(budget, packing);
     if micro.len() <= 1 {
-        let logits = policy.forward(&batch.input_ids, None)?;
-        return Ok(completion_logprobs(&logits, batch, temperature).detach());
+        let fwd = batch.forward_inputs(packing);
+        let logits = fwd.logits(policy)?;
+        return Ok(fwd.completion_logprobs(&logits, temperature).detach());
     }
     let mut out = Tensor::zeros(batch.mask.size(), (Kind::Float, batch.mask.device()));
     for rows in &micro {
-        let part = batch.rows(rows).trimmed();
-        let logits = policy.forward(&part.input_ids, None)?;
-        let lp = completion_logprobs(&logits, &part, temperature);
+        let fwd = batch.rows(rows).forward_inputs(packing);
+        let logits = fwd.logits(policy)?;
+        let lp = fwd.completion_logprobs(&logits, temperature);
         let idx = Tensor::from_slice(rows).to_device(out.device());
         let _ = out.f_index_copy_(0, &idx, &lp.to_kind(Kind::Float))?;
     }
@@ -699,13 +732,16 @@ fn detached_logprobs(
 }
 
 /// Mean entropy (at temperature τ) of the next-token distributions that
-/// produced the valid completion tokens.
-fn masked_entropy(logits: &Tensor, batch: &TrainBatch, temperature: f64) -> f64 {
+/// produced the valid completion tokens of `batch`, from the `logits` of
+/// its forward inputs `fwd`.
+fn masked_entropy(
+    fwd: &crate::batch::ForwardInputs,
+    logits: &Tensor,
+    batch: &TrainBatch,
+    temperature: f64,
+) -> f64 {
     let _g = tch::no_grad_guard();
-    let l = logits.size()[1];
-    let logp = (logits.narrow(1, 0, l - 1) / temperature).log_softmax(-1, Kind::Float);
-    let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
-    let at = ent.gather(1, &batch.gather_index, false);
+    let at = fwd.completion_entropy(logits, temperature);
     let mask = batch.mask.to_kind(Kind::Float);
     let n = mask.sum(Kind::Double).double_value(&[]);
     if n > 0.0 {

@@ -255,13 +255,20 @@ fn assert_same_stats(what: &str, got: &StepStats, want: &StepStats, tol: f64) {
 /// are up to 22 tokens long, mini-batches 8 rows).
 const SPLITTING_BUDGET: usize = 40;
 
-#[test]
-fn microbatched_steps_match_the_unsplit_step() {
-    tch::set_num_threads(1);
-    let dir = tempfile::tempdir().unwrap();
-    let (ckpt, rb) = starting_point(dir.path());
-    let mut worst: f64 = 0.0;
-    let mut cases = Vec::new();
+/// One step's objective settings: clip mode, importance correction,
+/// proximal mode, aggregation and KL estimator (None: no KL loss).
+type Case = (
+    ClipMode,
+    ImportanceCorrection,
+    ProximalMode,
+    LossAggregation,
+    Option<KlEstimator>,
+);
+
+/// Every clip mode × proximal mode × aggregation, the corrections with
+/// two clip modes, and the KL loss with both estimators.
+fn all_cases() -> Vec<Case> {
+    let mut cases: Vec<Case> = Vec::new();
     for clip_mode in ClipMode::ALL {
         for proximal in [
             ProximalMode::Recompute,
@@ -302,14 +309,29 @@ fn microbatched_steps_match_the_unsplit_step() {
             Some(estimator),
         ));
     }
-    for (clip_mode, correction, proximal, aggregation, kl) in cases {
+    cases
+}
+
+fn case_knobs((clip_mode, correction, _, aggregation, kl): Case) -> StepSettings {
+    let mut k = corrected_knobs(clip_mode, aggregation, correction);
+    if let Some(estimator) = kl {
+        k.objective.kl_coef = 0.5;
+        k.objective.kl_estimator = estimator;
+    }
+    k
+}
+
+#[test]
+fn microbatched_steps_match_the_unsplit_step() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, rb) = starting_point(dir.path());
+    let mut worst: f64 = 0.0;
+    for case in all_cases() {
+        let (clip_mode, correction, proximal, aggregation, kl) = case;
         let what =
             format!("{clip_mode} / {correction} / {proximal:?} / {aggregation:?} / kl {kl:?}");
-        let mut k = corrected_knobs(clip_mode, aggregation, correction);
-        if let Some(estimator) = kl {
-            k.objective.kl_coef = 0.5;
-            k.objective.kl_estimator = estimator;
-        }
+        let k = case_knobs(case);
         let (want, before) = step_from(&ckpt, &rb, options(proximal, 0), &k);
         let (got, after) = step_from(&ckpt, &rb, options(proximal, SPLITTING_BUDGET), &k);
         assert_eq!(want.microbatches, MINIBATCHES, "{what}");
@@ -385,4 +407,90 @@ fn a_budget_every_minibatch_fits_in_changes_nothing() {
             );
         }
     }
+}
+
+fn packed(proximal: ProximalMode, budget: usize, packing: bool) -> TrainerOptions {
+    TrainerOptions {
+        packing,
+        ..options(proximal, budget)
+    }
+}
+
+#[test]
+fn packed_forward_passes_read_the_padded_log_probs_and_entropies() {
+    tch::set_num_threads(1);
+    let policy = tiny_policy();
+    let rb = random_batch(&policy);
+    let batch = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
+    let read = |packing: bool| {
+        let fwd = batch.forward_inputs(packing);
+        let logits = tch::no_grad(|| fwd.logits(&policy)).unwrap();
+        (
+            fwd.positions(),
+            fwd.completion_logprobs(&logits, 0.7),
+            fwd.completion_entropy(&logits, 0.7),
+        )
+    };
+    let (padded, lp, ent) = read(false);
+    let (lanes, packed_lp, packed_ent) = read(true);
+    let mask = batch.mask.to_kind(tch::Kind::Float);
+    let diff = |a: &tch::Tensor, b: &tch::Tensor| ((a - b) * &mask).abs().max().double_value(&[]);
+    assert!(
+        diff(&lp, &packed_lp) <= 1e-5,
+        "log-probs: {}",
+        diff(&lp, &packed_lp)
+    );
+    assert!(
+        diff(&ent, &packed_ent) <= 1e-5,
+        "entropies: {}",
+        diff(&ent, &packed_ent)
+    );
+    // The same tokens read: the padded log-probs are not all alike.
+    assert!(lp.masked_select(&batch.mask).std(true).double_value(&[]) > 0.1);
+    assert_eq!(padded, batch.positions(false));
+    assert_eq!(lanes, batch.positions(true));
+    let real: i64 = batch.lengths.iter().sum();
+    println!("positions: padded {padded}, packed {lanes}, real tokens {real}");
+    assert!(
+        lanes < padded && lanes >= real,
+        "{lanes} vs {padded}, {real} real"
+    );
+}
+
+#[test]
+fn packed_steps_match_padded_steps() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, rb) = starting_point(dir.path());
+    let mut worst: f64 = 0.0;
+    for budget in [0, SPLITTING_BUDGET] {
+        for case in all_cases() {
+            let (clip_mode, correction, proximal, aggregation, kl) = case;
+            let what = format!(
+                "budget {budget}: {clip_mode} / {correction} / {proximal:?} / {aggregation:?} / kl {kl:?}"
+            );
+            let k = case_knobs(case);
+            let (want, before) = step_from(&ckpt, &rb, packed(proximal, budget, false), &k);
+            let (got, after) = step_from(&ckpt, &rb, packed(proximal, budget, true), &k);
+            assert_same_stats(&what, &got, &want, 1e-5);
+            assert!(
+                got.padded_tokens < want.padded_tokens,
+                "{what}: {} positions packed, {} padded",
+                got.padded_tokens,
+                want.padded_tokens
+            );
+            if budget > 0 {
+                assert!(
+                    got.microbatches > MINIBATCHES && got.microbatches <= want.microbatches,
+                    "{what}: {} micro-batches packed, {} padded",
+                    got.microbatches,
+                    want.microbatches
+                );
+            }
+            let diff = max_abs_diff(&after, &before);
+            assert!(diff <= 1e-5, "{what}: parameters differ by {diff}");
+            worst = worst.max(diff);
+        }
+    }
+    println!("worst max |Δparam| packed against padded: {worst:.3e}");
 }
