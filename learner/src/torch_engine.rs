@@ -176,6 +176,11 @@ pub fn group_command(
             "--max-tokens-per-microbatch={}",
             opts.max_tokens_per_microbatch
         ))
+        .arg(if opts.packing {
+            "--packing"
+        } else {
+            "--no-packing"
+        })
         .arg(format!(
             "--learning-rate={}",
             config.coordinator.initial_knobs.learning_rate
@@ -740,7 +745,7 @@ impl TrainerEngine for TorchEngine {
             },
             ..Default::default()
         };
-        record_batch_facts(&mut stats, &host, version_before);
+        record_batch_facts(&mut stats, &host, version_before, self.opts.packing);
         stats.compute_seconds = start.elapsed().as_secs_f64();
         Ok(stats)
     }

@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--proximal", default="approx", choices=[m.value for m in ProximalMode])
     p.add_argument("--max-tokens-per-microbatch", type=int, default=0)
+    p.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pack each micro-batch's rows several to a lane (learner.packing)",
+    )
     p.add_argument("--learning-rate", type=float, default=1e-5)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -289,6 +295,7 @@ def batch_from_ipc(data: bytes, pad_id: int) -> StepBatch:
         versions=versions,
         advantages=advantages,
         mask=mask,
+        lengths=torch.tensor([len(r) for r in cols["input_ids"]], dtype=torch.int64),
     )
 
 
@@ -326,6 +333,7 @@ class Engine:
                 proximal=ProximalMode(args.proximal),
                 temperature=args.temperature,
                 max_tokens_per_microbatch=budget if budget > 0 else 1 << 62,
+                packing=args.packing,
                 grad_clip=args.grad_clip if args.grad_clip > 0 else float("inf"),
                 weight_decay=args.weight_decay,
                 beta1=args.beta1,

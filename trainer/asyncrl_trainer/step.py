@@ -12,7 +12,9 @@ validity. A step:
    rank;
 3. plans the objective over the whole mini-batch on every rank (the same
    plan everywhere), so that normalisers and batch statistics are global;
-4. runs its rows as micro-batches under a token budget, each loss scaled
+4. runs its rows as micro-batches under a token budget, each packed when
+   packing is on (several rows to a lane, positions restarting per row, so
+   that the model's mask keeps each row to itself), each loss scaled
    so that the ranks' gradients, averaged by FSDP2, are the gradient of the
    whole mini-batch's loss; clips the gradient norm and steps AdamW.
 
@@ -49,6 +51,9 @@ class StepBatch:
     versions: torch.Tensor
     advantages: torch.Tensor
     mask: torch.Tensor
+    #: ``[N]`` each row's real tokens (prompt + completion); None: every
+    #: row is ``L`` long.
+    lengths: Optional[torch.Tensor] = None
 
     def rows(self, idx: torch.Tensor) -> "StepBatch":
         return StepBatch(
@@ -58,6 +63,7 @@ class StepBatch:
             versions=self.versions.index_select(0, idx),
             advantages=self.advantages.index_select(0, idx),
             mask=self.mask.index_select(0, idx),
+            lengths=None if self.lengths is None else self.lengths.index_select(0, idx.to(self.lengths.device)),
         )
 
     def to(self, device: torch.device) -> "StepBatch":
@@ -68,7 +74,14 @@ class StepBatch:
             versions=self.versions.to(device),
             advantages=self.advantages.to(device),
             mask=self.mask.to(device),
+            lengths=self.lengths,
         )
+
+    def row_lengths(self) -> list[int]:
+        """Each row's real tokens (at least one)."""
+        if self.lengths is None:
+            return [int(self.input_ids.shape[1])] * self.n_rows
+        return [max(1, int(x)) for x in self.lengths.tolist()]
 
     @property
     def n_rows(self) -> int:
@@ -82,6 +95,8 @@ class TrainerOptions:
     temperature: float = 1.0
     #: Rows x padded length a micro-batch may hold (at least one row).
     max_tokens_per_microbatch: int = 8192
+    #: Pack each micro-batch's rows several to a lane (:func:`layout`).
+    packing: bool = False
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     beta1: float = 0.9
@@ -117,17 +132,114 @@ class StepError(ValueError):
     """A batch this trainer cannot step on (named, nothing applied)."""
 
 
+@dataclass
+class Layout:
+    """The rows of one forward pass as the model sees them: one row per
+    lane (padded), or several (packed)."""
+
+    #: ``[S, W]`` token ids of each lane.
+    input_ids: torch.Tensor
+    #: ``[S, W]`` packed only: each position's place in its own row (0 at
+    #: every row's start), which is how a Hugging Face model (with no
+    #: attention mask and no cache) finds the rows and keeps each to itself.
+    position_ids: Optional[torch.Tensor]
+    #: ``[N, T]`` each completion token's index in the flattened shifted
+    #: log-prob matrix ``[S * (W - 1)]``.
+    gather: torch.Tensor
+
+    @property
+    def positions(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
+    """Rows into lanes of ``width`` positions: longest first, each into the
+    first lane with room (rows of equal length keep their order), as the
+    Rust learner packs them (``learner/src/batch.rs``)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    lanes: list[list[int]] = []
+    fill: list[int] = []
+    for i in order:
+        k = next((j for j, f in enumerate(fill) if f + lengths[i] <= width), None)
+        if k is None:
+            lanes.append([i])
+            fill.append(lengths[i])
+        else:
+            lanes[k].append(i)
+            fill[k] += lengths[i]
+    return lanes
+
+
+def layout(batch: StepBatch, packing: bool) -> Layout:
+    """The forward inputs of ``batch``'s rows: as they are (cut to the
+    longest row), or packed into lanes as wide as the longest row."""
+    n, full = batch.input_ids.shape
+    lengths = batch.row_lengths()
+    width = min(full, max(2, max(lengths, default=1)))
+    device = batch.input_ids.device
+    if not packing:
+        base = torch.arange(n, device=device, dtype=torch.int64) * (width - 1)
+        return Layout(
+            input_ids=batch.input_ids[:, :width],
+            position_ids=None,
+            gather=batch.gather_index + base.unsqueeze(1),
+        )
+    lanes = first_fit_decreasing(lengths, width)
+    s = len(lanes)
+    source = torch.zeros(s * width, dtype=torch.int64)
+    positions = torch.zeros(s * width, dtype=torch.int64)
+    base = torch.zeros(n, dtype=torch.int64)
+    for lane, rows in enumerate(lanes):
+        offset = 0
+        for row in rows:
+            length = lengths[row]
+            at = lane * width + offset
+            source[at : at + length] = torch.arange(row * full, row * full + length)
+            positions[at : at + length] = torch.arange(length)
+            base[row] = lane * (width - 1) + offset
+            offset += length
+        # The lane's padding: a sequence of its own (positions from 0),
+        # made of position 0's token; never attended by a row, never read.
+        positions[lane * width + offset : (lane + 1) * width] = torch.arange(width - offset)
+    return Layout(
+        input_ids=batch.input_ids.reshape(-1).index_select(0, source.to(device)).view(s, width),
+        position_ids=positions.to(device).view(s, width),
+        gather=batch.gather_index + base.to(device).unsqueeze(1),
+    )
+
+
+def _shifted_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    length = logits.shape[1]
+    scaled = logits / temperature if abs(temperature - 1.0) > 0.0 else logits
+    return scaled[:, : length - 1].float().log_softmax(-1)
+
+
+def _read(per_position: torch.Tensor, at: Layout) -> torch.Tensor:
+    """``[S, W - 1]`` values at each completion token, ``[N, T]``."""
+    return per_position.reshape(-1).index_select(0, at.gather.reshape(-1)).view(at.gather.shape)
+
+
+def layout_logprobs(logits: torch.Tensor, at: Layout, temperature: float) -> torch.Tensor:
+    """Log-probs of the completion tokens, ``[N, T]``, from the logits
+    ``[S, W, V]`` of the layout ``at``, at the sampling temperature."""
+    logp = _shifted_log_softmax(logits, temperature)
+    nxt = at.input_ids[:, 1:].unsqueeze(-1)
+    return _read(logp.gather(-1, nxt).squeeze(-1), at)
+
+
 def completion_logprobs(
     logits: torch.Tensor, batch: StepBatch, temperature: float
 ) -> torch.Tensor:
     """Log-probs of the completion tokens, ``[N, T]``, from logits
-    ``[N, L, V]`` at the sampling temperature."""
-    length = logits.shape[1]
-    scaled = logits / temperature if abs(temperature - 1.0) > 0.0 else logits
-    logp = scaled[:, : length - 1].float().log_softmax(-1)
-    nxt = batch.input_ids[:, 1:length].unsqueeze(-1)
-    per_position = logp.gather(-1, nxt).squeeze(-1)
-    return per_position.gather(1, batch.gather_index)
+    ``[N, L, V]`` of the padded rows at the sampling temperature."""
+    n, length = logits.shape[0], logits.shape[1]
+    base = torch.arange(n, device=logits.device, dtype=torch.int64) * (length - 1)
+    at = Layout(
+        input_ids=batch.input_ids[:, :length],
+        position_ids=None,
+        gather=batch.gather_index + base.unsqueeze(1),
+    )
+    return layout_logprobs(logits, at, temperature)
 
 
 def _gap_sums(
@@ -151,16 +263,16 @@ def _gap_sums(
     )
 
 
-def _entropy_sums(logits: torch.Tensor, batch: StepBatch, temperature: float) -> tuple[float, float]:
+def _entropy_sums(
+    logits: torch.Tensor, at: Layout, batch: StepBatch, temperature: float
+) -> tuple[float, float]:
     """(sum of the entropies, valid tokens) of the next-token distributions
     that produced the valid completion tokens."""
     with torch.no_grad():
-        length = logits.shape[1]
-        logp = (logits[:, : length - 1].float() / temperature).log_softmax(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        at = ent.gather(1, batch.gather_index)
+        logp = _shifted_log_softmax(logits, temperature)
+        ent = _read(-(logp.exp() * logp).sum(-1), at)
         mask = batch.mask.to(torch.float64)
-        return float((at.to(torch.float64) * mask).sum()), float(mask.sum())
+        return float((ent.to(torch.float64) * mask).sum()), float(mask.sum())
 
 
 def microbatches(n_rows: int, padded_len: int, budget: int) -> list[list[int]]:
@@ -195,9 +307,17 @@ class Trainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(input_ids=batch.input_ids).logits
-        return logits, completion_logprobs(logits, batch, self.opts.temperature)
+    def _logits(self, net: nn.Module, at: Layout) -> torch.Tensor:
+        # No cache and no attention mask: a Hugging Face model then reads
+        # packed rows from the position ids (masking_utils).
+        if at.position_ids is None:
+            return net(input_ids=at.input_ids, use_cache=False).logits
+        return net(input_ids=at.input_ids, position_ids=at.position_ids, use_cache=False).logits
+
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+        at = layout(batch, self.opts.packing)
+        logits = self._logits(self.model, at)
+        return logits, layout_logprobs(logits, at, self.opts.temperature), at
 
     def _detached_logprobs(
         self, batch: StepBatch, model: Optional[nn.Module] = None
@@ -211,8 +331,9 @@ class Trainer:
                 batch.n_rows, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch
             ):
                 part = batch.rows(torch.tensor(rows, device=batch.input_ids.device))
-                logits = net(input_ids=part.input_ids).logits
-                parts.append(completion_logprobs(logits, part, self.opts.temperature))
+                at = layout(part, self.opts.packing)
+                logits = self._logits(net, at)
+                parts.append(layout_logprobs(logits, at, self.opts.temperature))
         return torch.cat(parts, 0).detach()
 
     def _reference_logprobs(self, local: StepBatch) -> torch.Tensor:
@@ -319,14 +440,14 @@ class Trainer:
             local_idx = torch.tensor(rows, device=device)
             global_idx = mine.index_select(0, local_idx)
             part_batch = local.rows(local_idx)
-            logits, current = self._forward(part_batch)
+            logits, current, at = self._forward(part_batch)
             part = plan.loss(global_idx, current)
             # FSDP2 averages gradients over the ranks: scaled by the world
             # size, the average is the gradient of the summed (global) loss.
             (part.loss * self.world).backward()
             sums.add(part.sums)
             loss_sum += float(part.loss.detach())
-            e_sum, e_n = _entropy_sums(logits, part_batch, self.opts.temperature)
+            e_sum, e_n = _entropy_sums(logits, at, part_batch, self.opts.temperature)
             entropy_sum += e_sum
             entropy_n += e_n
             if not recomputed:

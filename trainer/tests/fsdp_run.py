@@ -54,15 +54,18 @@ def tiny_qwen3() -> torch.nn.Module:
 
 
 def batch(step: int, learner_version: int) -> StepBatch:
-    """The seeded mini-batch of `step`: ragged completions, versions up to
-    three behind, one advantage per row."""
+    """The seeded mini-batch of `step`: ragged prompts and completions,
+    versions up to three behind, one advantage per row."""
     g = torch.Generator().manual_seed(1000 + step)
     lengths = torch.randint(2, MAX_COMPLETION + 1, (ROWS,), generator=g)
     length = PROMPT + MAX_COMPLETION
     input_ids = torch.randint(0, VOCAB, (ROWS, length), generator=g)
     t = torch.arange(MAX_COMPLETION).unsqueeze(0)
     mask = t < lengths.unsqueeze(1)
-    gather_index = torch.where(mask, PROMPT - 1 + t, torch.zeros_like(t))
+    # Prompts of 1..PROMPT tokens: rows from 3 to PROMPT + MAX_COMPLETION
+    # tokens, right-padded.
+    prompts = torch.randint(1, PROMPT + 1, (ROWS, 1), generator=g)
+    gather_index = torch.where(mask, prompts - 1 + t, torch.zeros_like(t))
     behaviour = -(torch.rand(ROWS, MAX_COMPLETION, generator=g) * 2.9 + 0.1)
     versions = learner_version - torch.randint(0, 4, (ROWS, MAX_COMPLETION), generator=g)
     advantages = (torch.rand(ROWS, 1, generator=g) * 3.0 - 1.5).expand(ROWS, MAX_COMPLETION)
@@ -73,6 +76,8 @@ def batch(step: int, learner_version: int) -> StepBatch:
         versions=versions.masked_fill(~mask, 0),
         advantages=advantages.masked_fill(~mask, 0.0).contiguous(),
         mask=mask,
+        # Each row ends with its completion: rows of ragged length.
+        lengths=prompts.squeeze(1) + lengths,
     )
 
 
@@ -90,6 +95,7 @@ def run() -> None:
     parser.add_argument("--clip", default="adaptive")
     parser.add_argument("--aggregation", default="token")
     parser.add_argument("--budget", type=int, default=24)
+    parser.add_argument("--packing", action="store_true", help="pack each micro-batch's rows")
     parser.add_argument("--kl", default=None, help="a KL loss (k1 or k3) against the starting weights")
     parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step and stop")
     parser.add_argument("--ckpt", type=Path, default=None, help="the checkpoint folder")
@@ -117,6 +123,7 @@ def run() -> None:
         TrainerOptions(
             proximal=ProximalMode(args.proximal),
             max_tokens_per_microbatch=args.budget,
+            packing=args.packing,
             grad_clip=1.0,
         ),
         learning_rate=1e-3,

@@ -68,3 +68,50 @@ def test_every_architecture_trains_and_exports(arch: str, tmp_path: Path) -> Non
         assert torch.equal(v, after[k]), k
     exported = load_file(str(tmp_path / "export" / files[0]))
     assert exported, "an empty export"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_packed_rows_give_every_architecture_its_padded_log_probs(arch: str, tmp_path: Path) -> None:
+    """Rows packed several to a lane read the log-probs and entropies of
+    the same rows padded, within 1e-5: the model's own mask (found from the
+    position ids) keeps each row to itself in every architecture, sliding
+    windows and mixtures of experts included."""
+    from asyncrl_trainer.step import _entropy_sums, layout, layout_logprobs
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text(
+        json.dumps({"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    )
+    model = AutoModelForCausalLM.from_pretrained(write(arch, source, tmp_path / arch), dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    rows, width, completion = 8, 14, 4
+    lengths = torch.tensor([14, 6, 5, 9, 7, 8, 3, 12])
+    ids = torch.randint(3, VOCAB, (rows, width), generator=g)
+    t = torch.arange(completion).unsqueeze(0)
+    mask = t < (lengths.unsqueeze(1) - 2).clamp(max=completion)
+    # Each row's completion is its last tokens (up to four).
+    n_comp = mask.sum(1, keepdim=True)
+    gather = torch.where(mask, lengths.unsqueeze(1) - n_comp - 1 + t, torch.zeros_like(t))
+    b = StepBatch(
+        input_ids=ids,
+        gather_index=gather,
+        behaviour=torch.zeros(rows, completion),
+        versions=torch.zeros(rows, completion, dtype=torch.int32),
+        advantages=torch.zeros(rows, completion),
+        mask=mask,
+        lengths=lengths,
+    )
+    trainer = Trainer(model, TrainerOptions(), learning_rate=1e-3)
+    read = {}
+    for packing in (False, True):
+        at = layout(b, packing)
+        with torch.no_grad():
+            logits = trainer._logits(model, at)
+        read[packing] = (at.positions, layout_logprobs(logits, at, 0.8), _entropy_sums(logits, at, b, 0.8))
+    (padded, lp, ent), (packed, plp, pent) = read[False], read[True]
+    assert packed < padded, (packed, padded)
+    worst = float(((lp - plp).abs() * mask).max())
+    assert worst <= 1e-5, f"{arch}: log-probs differ by {worst}"
+    assert abs(ent[0] - pent[0]) <= 1e-5 * max(1.0, ent[0]) and ent[1] == pent[1]
+    assert float(lp[mask].std()) > 0.01, "the rows' log-probs are not all alike"
