@@ -213,6 +213,11 @@ pub struct LearnerConfig {
     /// to float rounding; only the positions computed shrink. With it,
     /// `max_tokens_per_microbatch` counts lanes × lane width.
     pub packing: bool,
+    /// The narrowest lane of a packed forward pass: lanes are as wide as
+    /// the longest row or this many positions if that is more, so that
+    /// short rows share a lane (attention within a lane costs its width
+    /// squared, so wider is not free). 0: the longest row.
+    pub packing_lane_tokens: usize,
     /// Linear learning-rate warmup over this many steps.
     pub warmup_steps: u64,
     pub weight_decay: f64,
@@ -260,6 +265,7 @@ impl Default for LearnerConfig {
             minibatches: 1,
             max_tokens_per_microbatch: 0,
             packing: true,
+            packing_lane_tokens: 0,
             warmup_steps: 0,
             weight_decay: 0.0,
             beta1: 0.9,
@@ -289,6 +295,12 @@ impl LearnerConfig {
         check_range(
             "learner.max_tokens_per_microbatch",
             self.max_tokens_per_microbatch,
+            0,
+            MAX_TOKENS_PER_MICROBATCH,
+        )?;
+        check_range(
+            "learner.packing_lane_tokens",
+            self.packing_lane_tokens,
             0,
             MAX_TOKENS_PER_MICROBATCH,
         )?;

@@ -636,7 +636,7 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
             0.0f64..=1e6,
             0.0f64..=100.0,
             prop_oneof![Just(KlEstimatorName::K1), Just(KlEstimatorName::K3)],
-            any::<bool>(),
+            (any::<bool>(), 0usize..=u32::MAX as usize),
         ),
         (
             proptest::option::of(path()),
@@ -662,7 +662,16 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
         .prop_map(
             |(
                 (proximal, norm, agg, m2po, minibatches, max_tokens, warmup),
-                (wd, beta1, beta2, eps, clip, kl_coef, kl_estimator, packing),
+                (
+                    wd,
+                    beta1,
+                    beta2,
+                    eps,
+                    clip,
+                    kl_coef,
+                    kl_estimator,
+                    (packing, packing_lane_tokens),
+                ),
                 (ckpt_dir, ckpt_every, keep_ckpt, keep_versions, (poll, lease_ttl), cores),
                 (world_size, python, mixed_precision, checkpointing, offload, start_timeout),
             )| LearnerConfig {
@@ -692,6 +701,7 @@ fn learner() -> impl Strategy<Value = LearnerConfig> {
                 minibatches,
                 max_tokens_per_microbatch: max_tokens,
                 packing,
+                packing_lane_tokens,
                 warmup_steps: warmup,
                 weight_decay: wd,
                 beta1,

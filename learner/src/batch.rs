@@ -597,14 +597,31 @@ impl TrainBatch {
     /// Positions of one forward pass over every row
     /// ([`TrainBatch::forward_inputs`]): lanes (packed) or rows (padded) ×
     /// the lane width.
-    pub fn positions(&self, packing: bool) -> i64 {
-        let width = self.longest().max(2).min(self.input_ids.size()[1]);
-        let lanes = if packing {
-            first_fit_decreasing(&self.lengths, width).len() as i64
-        } else {
-            self.lengths.len() as i64
+    pub fn positions(&self, lanes: Lanes) -> i64 {
+        match self.packed_lanes(lanes) {
+            Some((width, packed)) => packed.len() as i64 * width,
+            None => self.lengths.len() as i64 * self.padded_width(),
+        }
+    }
+
+    /// The padded layout's width: the longest row, at least two positions
+    /// (the shifted log-prob matrix needs one).
+    fn padded_width(&self) -> i64 {
+        Lanes::Padded.width(self.longest(), self.input_ids.size()[1])
+    }
+
+    /// The packed lanes (their width, and each lane's rows) of `lanes`, or
+    /// None where padding computes no more positions (padded lanes, or
+    /// rows that do not pack: the padded forward's causal attention is
+    /// then the cheaper one).
+    fn packed_lanes(&self, lanes: Lanes) -> Option<(i64, Vec<Vec<i64>>)> {
+        let Lanes::Packed { .. } = lanes else {
+            return None;
         };
-        lanes * width
+        let width = lanes.width(self.longest(), self.input_ids.size()[1]);
+        let packed = first_fit_decreasing(&self.lengths, width);
+        let padded = self.lengths.len() as i64 * self.padded_width();
+        (packed.len() as i64 * width < padded).then_some((width, packed))
     }
 
     /// The longest row (prompt + completion), at least 1.
@@ -631,46 +648,47 @@ impl TrainBatch {
     /// positions each. Returns the row indices of each micro-batch (into
     /// this batch).
     ///
-    /// Padded (`packing` false), a micro-batch's positions are rows × its
-    /// longest row; packed, they are lanes × its longest row, the rows
-    /// packed into lanes as [`TrainBatch::forward_inputs`] packs them.
+    /// Padded, a micro-batch's positions are rows × its longest row;
+    /// packed, they are lanes × the lane width, the rows packed into lanes
+    /// as [`TrainBatch::forward_inputs`] packs them.
     /// `max_tokens == 0`, or all rows fitting, gives one micro-batch of all
     /// rows in their order. Otherwise rows are sorted by length, longest
     /// first, and taken greedily, so each micro-batch pads to its own
     /// longest row and rows of similar length travel together. A row
     /// longer than `max_tokens` on its own is its own micro-batch: the
     /// budget is then exceeded by that one row, never refused.
-    pub fn microbatches(&self, max_tokens: usize, packing: bool) -> Vec<Vec<i64>> {
-        if packing {
-            pack_microbatches_packed(&self.lengths, max_tokens)
-        } else {
-            pack_microbatches(&self.lengths, max_tokens)
+    pub fn microbatches(&self, max_tokens: usize, lanes: Lanes) -> Vec<Vec<i64>> {
+        match lanes {
+            Lanes::Packed { min_width } => {
+                pack_microbatches_packed(&self.lengths, max_tokens, min_width)
+            }
+            Lanes::Padded => pack_microbatches(&self.lengths, max_tokens),
         }
     }
 
     /// The inputs of one forward pass over every row of this batch.
     ///
-    /// Padded (`packing` false): `input_ids` as they are, cut to the
-    /// longest row ([`TrainBatch::trimmed`]). Packed: the rows, longest
-    /// first, each into the first lane with room (first-fit decreasing),
-    /// lanes as wide as the longest row, so no lane is wider than the
-    /// padded batch and there are as many lanes as that takes, often far
-    /// fewer than rows. The log-probs and entropies read through
+    /// Padded: `input_ids` as they are, cut to the longest row
+    /// ([`TrainBatch::trimmed`]). Packed: the rows, longest first, each
+    /// into the first lane with room (first-fit decreasing), lanes as wide
+    /// as the longest row or `min_width` if that is more, in as many lanes
+    /// as that takes, often far fewer than rows; rows that pack into no
+    /// fewer positions than padding takes (rows of about one length) are
+    /// padded instead. The log-probs and entropies read through
     /// [`ForwardInputs::gather`] are the same either way (up to float
     /// rounding): see [`asyncrl_policy::Policy::forward_packed`].
-    pub fn forward_inputs(&self, packing: bool) -> ForwardInputs {
+    pub fn forward_inputs(&self, lanes: Lanes) -> ForwardInputs {
         let (n, l) = (self.input_ids.size()[0], self.input_ids.size()[1]);
-        let width = self.longest().max(2).min(l);
         let device = self.input_ids.device();
-        if !packing {
+        let Some((width, lanes)) = self.packed_lanes(lanes) else {
+            let width = self.padded_width();
             let base = Tensor::arange(n, (Kind::Int64, device)) * (width - 1);
             return ForwardInputs {
                 input_ids: self.input_ids.narrow(1, 0, width),
                 segments: None,
                 gather: &self.gather_index + base.unsqueeze(1),
             };
-        }
-        let lanes = first_fit_decreasing(&self.lengths, width);
+        };
         let s = lanes.len() as i64;
         // Where each lane position's token comes from in the flat
         // `input_ids`; padding repeats position 0 (a real token id, never
@@ -700,6 +718,41 @@ impl TrainBatch {
                 .view([s, width]),
             segments: Some(to(&segments).view([s, width])),
             gather: &self.gather_index + to(&base).unsqueeze(1),
+        }
+    }
+}
+
+/// How the rows of a forward pass are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lanes {
+    /// One row per lane, each padded to the longest row.
+    Padded,
+    /// Rows packed end to end into lanes as wide as the longest row, or
+    /// `min_width` positions if that is more.
+    Packed { min_width: i64 },
+}
+
+impl Lanes {
+    /// The lane width for rows of at most `longest` positions in a padded
+    /// batch `padded_len` wide: padded, the longest row (at least two
+    /// positions, as the shifted log-prob matrix needs one, and within the
+    /// padded width); packed, at least `min_width`.
+    pub fn width(self, longest: i64, padded_len: i64) -> i64 {
+        let rows = longest.max(2).min(padded_len.max(2));
+        match self {
+            Lanes::Padded => longest.max(2).min(padded_len),
+            Lanes::Packed { min_width } => rows.max(min_width),
+        }
+    }
+
+    /// These lanes under a micro-batch budget of `max_tokens` positions
+    /// (0: none): packed lanes at most that wide unless a row is wider.
+    pub fn within(self, max_tokens: usize) -> Lanes {
+        match self {
+            Lanes::Packed { min_width } if max_tokens > 0 => Lanes::Packed {
+                min_width: min_width.min(i64::try_from(max_tokens).unwrap_or(i64::MAX)),
+            },
+            other => other,
         }
     }
 }
@@ -829,12 +882,17 @@ pub fn pack_microbatches(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i64>> {
 }
 
 /// [`TrainBatch::microbatches`] over row lengths, packed: rows longest
-/// first, each micro-batch's lanes as wide as its first (longest) row, a
-/// row going to the first lane with room, and a new micro-batch when a new
-/// lane would take it over the budget.
-pub fn pack_microbatches_packed(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i64>> {
+/// first, each micro-batch's lanes as wide as its first (longest) row or
+/// `min_width`, a row going to the first lane with room, and a new
+/// micro-batch when a new lane would take it over the budget.
+pub fn pack_microbatches_packed(
+    lengths: &[i64],
+    max_tokens: usize,
+    min_width: i64,
+) -> Vec<Vec<i64>> {
     let n = lengths.len();
-    let longest = lengths.iter().copied().max().unwrap_or(0).max(1);
+    let lane = |longest: i64| longest.max(1).max(min_width);
+    let longest = lane(lengths.iter().copied().max().unwrap_or(0));
     let budget = i64::try_from(max_tokens).unwrap_or(i64::MAX);
     if max_tokens == 0
         || (first_fit_decreasing(lengths, longest).len() as i64).saturating_mul(longest) <= budget
@@ -850,7 +908,7 @@ pub fn pack_microbatches_packed(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i
     for i in order {
         let len = lengths[i as usize];
         if current.is_empty() {
-            width = len.max(1);
+            width = lane(len);
             fill = vec![len];
         } else if let Some(k) = fill.iter().position(|f| f + len <= width) {
             fill[k] += len;
@@ -858,7 +916,7 @@ pub fn pack_microbatches_packed(lengths: &[i64], max_tokens: usize) -> Vec<Vec<i
             fill.push(len);
         } else {
             out.push(std::mem::take(&mut current));
-            width = len.max(1);
+            width = lane(len);
             fill = vec![len];
         }
         current.push(i);
@@ -1037,8 +1095,17 @@ mod tests {
             (&[9, 2, 2], 4, &[&[0], &[1, 2]]),
             (&[], 4, &[&[]]),
         ];
+        // Lanes of at least 10: 5 + 3 + 2 in one.
+        assert_eq!(
+            pack_microbatches_packed(&[3, 5, 2], 10, 10),
+            vec![vec![0, 1, 2]]
+        );
+        assert_eq!(
+            pack_microbatches_packed(&[3, 5, 2, 4], 10, 10),
+            vec![vec![1, 3], vec![0, 2]]
+        );
         for (lengths, budget, want) in cases {
-            let got = pack_microbatches_packed(lengths, *budget);
+            let got = pack_microbatches_packed(lengths, *budget, 0);
             let want: Vec<Vec<i64>> = want.iter().map(|m| m.to_vec()).collect();
             assert_eq!(got, want, "lengths {lengths:?}, budget {budget}");
             let mut all: Vec<i64> = got.iter().flatten().copied().collect();
@@ -1073,14 +1140,20 @@ mod tests {
         .unwrap();
         let b = assemble(&[rb], 0, AdvantageNorm::Mean).unwrap();
         // Lengths 7, 3, 3, 1 into lanes of 7: [0] and [1, 2, 3].
-        let fwd = b.forward_inputs(true);
+        let fwd = b.forward_inputs(Lanes::Packed { min_width: 0 });
         let ids = Vec::<i64>::try_from(fwd.input_ids.reshape([-1])).unwrap();
         assert_eq!(ids, [1, 2, 3, 4, 3, 1, 2, 2, 5, 3, 2, 1, 1, 3]);
         let seg = Vec::<i64>::try_from(fwd.segments.as_ref().unwrap().reshape([-1])).unwrap();
         assert_eq!(seg, [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3]);
         assert_eq!(fwd.positions(), 14);
-        assert_eq!(b.positions(true), 14);
-        assert_eq!(b.positions(false), 28);
+        assert_eq!(b.positions(Lanes::Packed { min_width: 0 }), 14);
+        // Wider lanes: 7 | 3 + 3 + 1 in lanes of 8; all four in one of 14.
+        assert_eq!(b.positions(Lanes::Packed { min_width: 8 }), 16);
+        assert_eq!(b.positions(Lanes::Packed { min_width: 14 }), 14);
+        let wide = b.forward_inputs(Lanes::Packed { min_width: 14 });
+        let seg = Vec::<i64>::try_from(wide.segments.as_ref().unwrap().reshape([-1])).unwrap();
+        assert_eq!(seg, [1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]);
+        assert_eq!(b.positions(Lanes::Padded), 28);
         // Row 1's completion [5, 3] is predicted from lane 1's positions 0
         // and 1 (shifted matrix: 6 entries per lane); row 2's [1] from
         // lane 1's position 4.
@@ -1091,6 +1164,24 @@ mod tests {
         assert_eq!(gather(1), [6, 7]);
         assert_eq!(gather(2), [10]);
         assert!(gather(3).is_empty());
+
+        // Rows that do not pack (two of 5 in lanes of 5) are padded: the
+        // same positions, and the causal forward without segments.
+        let rb = asyncrl_protos::arrow_schema::to_record_batch(&[
+            traj(0, "g", vec![1, 2, 3], vec![3, 1], Some(1.0)),
+            traj(1, "g", vec![2, 2], vec![1, 3, 2], Some(0.0)),
+        ])
+        .unwrap();
+        let b = assemble(&[rb], 0, AdvantageNorm::Mean).unwrap();
+        let lanes = Lanes::Packed { min_width: 0 };
+        assert_eq!(b.positions(lanes), b.positions(Lanes::Padded));
+        let fwd = b.forward_inputs(lanes);
+        assert!(fwd.segments.is_none());
+        assert_eq!(fwd.positions(), 10);
+        // One lane of 10 computes as many positions as padding: padded.
+        let wide = Lanes::Packed { min_width: 10 };
+        assert!(b.forward_inputs(wide).segments.is_none());
+        assert_eq!(b.positions(wide), 10);
     }
 
     #[test]

@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use tch::Kind;
 use tonic::transport::{Channel, Endpoint, Uri};
 
-use crate::batch::{BatchLimits, TrainBatch, assemble};
+use crate::batch::{BatchLimits, Lanes, TrainBatch, assemble};
 use crate::checkpoint;
 use crate::engine::TrainerEngine;
 use crate::objective::{
@@ -176,10 +176,14 @@ pub fn group_command(
             "--max-tokens-per-microbatch={}",
             opts.max_tokens_per_microbatch
         ))
-        .arg(if opts.packing {
-            "--packing"
-        } else {
-            "--no-packing"
+        .args(match opts.lanes {
+            Lanes::Packed { min_width } => {
+                vec![
+                    "--packing".to_owned(),
+                    format!("--packing-lane-tokens={min_width}"),
+                ]
+            }
+            Lanes::Padded => vec!["--no-packing".to_owned()],
         })
         .arg(format!(
             "--learning-rate={}",
@@ -745,7 +749,8 @@ impl TrainerEngine for TorchEngine {
             },
             ..Default::default()
         };
-        record_batch_facts(&mut stats, &host, version_before, self.opts.packing);
+        let lanes = self.opts.lanes.within(self.opts.max_tokens_per_microbatch);
+        record_batch_facts(&mut stats, &host, version_before, lanes);
         stats.compute_seconds = start.elapsed().as_secs_f64();
         Ok(stats)
     }

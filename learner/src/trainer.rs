@@ -6,8 +6,9 @@
 //! the decoupled PPO loss, then bumps the policy version: step `s` produces
 //! version `s`.
 //!
-//! Packing (`packing`, on by default): each forward pass packs its rows
-//! into lanes as wide as its longest row, several rows to a lane, with
+//! Packing (`lanes`, on by default): each forward pass packs its rows
+//! into lanes as wide as its longest row (or a minimum width), several
+//! rows to a lane, with
 //! positions that restart and attention that stays inside each row
 //! ([`TrainBatch::forward_inputs`]), so it computes about the real tokens
 //! instead of rows × the longest row; log-probs, losses and gradients are
@@ -37,7 +38,7 @@ use tch::{Kind, Tensor};
 
 use crate::adamw::{AdamW, AdamWConfig};
 use crate::advantages::AdvantageNorm;
-use crate::batch::{TrainBatch, assemble};
+use crate::batch::{Lanes, TrainBatch, assemble};
 use crate::checkpoint::{self, CheckpointMeta, LoadedCheckpoint};
 use crate::objective::{
     LogprobGap, ObjectiveConfig, ObjectivePlan, ObjectiveStats, ObjectiveSums, PlanInputs,
@@ -97,9 +98,9 @@ pub struct TrainerOptions {
     /// micro-batches of this size, with gradient accumulation (0: no
     /// split). A row longer than this is a micro-batch of its own.
     pub max_tokens_per_microbatch: usize,
-    /// Pack several rows into each lane of a forward pass instead of
-    /// padding every row to the longest.
-    pub packing: bool,
+    /// How a forward pass lays out its rows: packed several to a lane
+    /// (the default, lanes as wide as the longest row), or padded.
+    pub lanes: Lanes,
 }
 
 impl Default for TrainerOptions {
@@ -115,7 +116,7 @@ impl Default for TrainerOptions {
             seed: 0,
             weight_dtype: WeightDtype::F32,
             max_tokens_per_microbatch: 0,
-            packing: true,
+            lanes: Lanes::Packed { min_width: 0 },
         }
     }
 }
@@ -266,7 +267,7 @@ impl Trainer {
                 r,
                 &batch,
                 budget,
-                self.opts.packing,
+                self.lanes(),
                 self.opts.temperature,
             )?)
         } else {
@@ -307,7 +308,7 @@ impl Trainer {
                 reference: mb_ref.as_ref(),
             };
             AdamW::zero_grad(&params);
-            let micro = mb.microbatches(budget, self.opts.packing);
+            let micro = mb.microbatches(budget, self.lanes());
             let gap_wanted = i == 0 && !recomputed;
             let (loss, objective, entropy, gap) = if micro.len() <= 1 {
                 stats.microbatches += 1;
@@ -376,9 +377,15 @@ impl Trainer {
         self.policy.mark_weights_changed();
         stats.step = self.step;
         stats.version = version;
-        record_batch_facts(&mut stats, &host, version_before, self.opts.packing);
+        record_batch_facts(&mut stats, &host, version_before, self.lanes());
         stats.compute_seconds = start.elapsed().as_secs_f64();
         Ok(stats)
+    }
+
+    /// The layout of the step's forward passes, under its micro-batch
+    /// budget.
+    fn lanes(&self) -> Lanes {
+        self.opts.lanes.within(self.opts.max_tokens_per_microbatch)
     }
 
     /// What a batch may hold for this model at this version.
@@ -402,7 +409,7 @@ impl Trainer {
             &self.policy,
             batch,
             budget,
-            self.opts.packing,
+            self.lanes(),
             self.opts.temperature,
         )
     }
@@ -419,7 +426,7 @@ impl Trainer {
         gap_wanted: bool,
     ) -> Result<MinibatchOutcome, TrainError> {
         let temperature = self.opts.temperature;
-        let fwd = mb.forward_inputs(self.opts.packing);
+        let fwd = mb.forward_inputs(self.lanes());
         let logits = fwd.logits(&self.policy)?;
         let current = fwd.completion_logprobs(&logits, temperature);
         let gap = gap_wanted.then(|| {
@@ -501,7 +508,7 @@ impl Trainer {
         for rows in micro {
             let part = mb.rows(rows);
             let idx = Tensor::from_slice(rows).to_device(device);
-            let fwd = part.forward_inputs(self.opts.packing);
+            let fwd = part.forward_inputs(self.lanes());
             let logits = fwd.logits(&self.policy)?;
             let current = fwd.completion_logprobs(&logits, temperature);
             if let Some(all) = gap_current.as_mut() {
@@ -665,12 +672,12 @@ pub(crate) fn record_batch_facts(
     stats: &mut StepStats,
     host: &TrainBatch,
     version_before: i32,
-    packing: bool,
+    lanes: Lanes,
 ) {
     stats.groups = host.groups;
     stats.trajectories = host.rewards.len();
     stats.tokens = host.tokens;
-    stats.padded_tokens = host.positions(packing);
+    stats.padded_tokens = host.positions(lanes);
     let scored: Vec<f64> = host
         .rewards
         .iter()
@@ -710,19 +717,19 @@ fn detached_logprobs(
     policy: &Policy,
     batch: &TrainBatch,
     budget: usize,
-    packing: bool,
+    lanes: Lanes,
     temperature: f64,
 ) -> Result<Tensor, TrainError> {
     let _g = tch::no_grad_guard();
-    let micro = batch.microbatches(budget, packing);
+    let micro = batch.microbatches(budget, lanes);
     if micro.len() <= 1 {
-        let fwd = batch.forward_inputs(packing);
+        let fwd = batch.forward_inputs(lanes);
         let logits = fwd.logits(policy)?;
         return Ok(fwd.completion_logprobs(&logits, temperature).detach());
     }
     let mut out = Tensor::zeros(batch.mask.size(), (Kind::Float, batch.mask.device()));
     for rows in &micro {
-        let fwd = batch.rows(rows).forward_inputs(packing);
+        let fwd = batch.rows(rows).forward_inputs(lanes);
         let logits = fwd.logits(policy)?;
         let lp = fwd.completion_logprobs(&logits, temperature);
         let idx = Tensor::from_slice(rows).to_device(out.device());

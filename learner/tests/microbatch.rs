@@ -5,7 +5,7 @@
 
 use arrow::array::RecordBatch;
 use asyncrl_learner::advantages::AdvantageNorm;
-use asyncrl_learner::batch::{assemble, completion_logprobs};
+use asyncrl_learner::batch::{Lanes, assemble, completion_logprobs};
 use asyncrl_learner::checkpoint::{self, LoadedCheckpoint};
 use asyncrl_learner::objective::{
     ClipMode, ImportanceCorrection, KlEstimator, LossAggregation, ObjectiveConfig, ProximalMode,
@@ -409,9 +409,9 @@ fn a_budget_every_minibatch_fits_in_changes_nothing() {
     }
 }
 
-fn packed(proximal: ProximalMode, budget: usize, packing: bool) -> TrainerOptions {
+fn packed(proximal: ProximalMode, budget: usize, lanes: Lanes) -> TrainerOptions {
     TrainerOptions {
-        packing,
+        lanes,
         ..options(proximal, budget)
     }
 }
@@ -422,8 +422,8 @@ fn packed_forward_passes_read_the_padded_log_probs_and_entropies() {
     let policy = tiny_policy();
     let rb = random_batch(&policy);
     let batch = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
-    let read = |packing: bool| {
-        let fwd = batch.forward_inputs(packing);
+    let read = |lanes: Lanes| {
+        let fwd = batch.forward_inputs(lanes);
         let logits = tch::no_grad(|| fwd.logits(&policy)).unwrap();
         (
             fwd.positions(),
@@ -431,8 +431,8 @@ fn packed_forward_passes_read_the_padded_log_probs_and_entropies() {
             fwd.completion_entropy(&logits, 0.7),
         )
     };
-    let (padded, lp, ent) = read(false);
-    let (lanes, packed_lp, packed_ent) = read(true);
+    let (padded, lp, ent) = read(Lanes::Padded);
+    let (lanes, packed_lp, packed_ent) = read(Lanes::Packed { min_width: 0 });
     let mask = batch.mask.to_kind(tch::Kind::Float);
     let diff = |a: &tch::Tensor, b: &tch::Tensor| ((a - b) * &mask).abs().max().double_value(&[]);
     assert!(
@@ -447,8 +447,16 @@ fn packed_forward_passes_read_the_padded_log_probs_and_entropies() {
     );
     // The same tokens read: the padded log-probs are not all alike.
     assert!(lp.masked_select(&batch.mask).std(true).double_value(&[]) > 0.1);
-    assert_eq!(padded, batch.positions(false));
-    assert_eq!(lanes, batch.positions(true));
+    assert_eq!(padded, batch.positions(Lanes::Padded));
+    assert_eq!(lanes, batch.positions(Lanes::Packed { min_width: 0 }));
+    // Lanes wider than any row: log-probs still the padded ones.
+    let (wide, wide_lp, _) = read(Lanes::Packed { min_width: 48 });
+    assert!(
+        diff(&lp, &wide_lp) <= 1e-5,
+        "wide lanes: {}",
+        diff(&lp, &wide_lp)
+    );
+    assert_eq!(wide % 48, 0);
     let real: i64 = batch.lengths.iter().sum();
     println!("positions: padded {padded}, packed {lanes}, real tokens {real}");
     assert!(
@@ -463,15 +471,16 @@ fn packed_steps_match_padded_steps() {
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, rb) = starting_point(dir.path());
     let mut worst: f64 = 0.0;
-    for budget in [0, SPLITTING_BUDGET] {
+    for (budget, min_width) in [(0, 0), (SPLITTING_BUDGET, 0), (0, 64)] {
+        let lanes = Lanes::Packed { min_width };
         for case in all_cases() {
             let (clip_mode, correction, proximal, aggregation, kl) = case;
             let what = format!(
-                "budget {budget}: {clip_mode} / {correction} / {proximal:?} / {aggregation:?} / kl {kl:?}"
+                "budget {budget}, lanes {min_width}: {clip_mode} / {correction} / {proximal:?} / {aggregation:?} / kl {kl:?}"
             );
             let k = case_knobs(case);
-            let (want, before) = step_from(&ckpt, &rb, packed(proximal, budget, false), &k);
-            let (got, after) = step_from(&ckpt, &rb, packed(proximal, budget, true), &k);
+            let (want, before) = step_from(&ckpt, &rb, packed(proximal, budget, Lanes::Padded), &k);
+            let (got, after) = step_from(&ckpt, &rb, packed(proximal, budget, lanes), &k);
             assert_same_stats(&what, &got, &want, 1e-5);
             assert!(
                 got.padded_tokens < want.padded_tokens,

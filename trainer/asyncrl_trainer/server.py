@@ -117,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="pack each micro-batch's rows several to a lane (learner.packing)",
     )
+    p.add_argument(
+        "--packing-lane-tokens",
+        type=int,
+        default=0,
+        help="the narrowest packed lane (learner.packing_lane_tokens); 0: the longest row",
+    )
     p.add_argument("--learning-rate", type=float, default=1e-5)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -334,6 +340,7 @@ class Engine:
                 temperature=args.temperature,
                 max_tokens_per_microbatch=budget if budget > 0 else 1 << 62,
                 packing=args.packing,
+                packing_lane_tokens=max(0, args.packing_lane_tokens),
                 grad_clip=args.grad_clip if args.grad_clip > 0 else float("inf"),
                 weight_decay=args.weight_decay,
                 beta1=args.beta1,

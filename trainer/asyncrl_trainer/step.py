@@ -97,6 +97,9 @@ class TrainerOptions:
     max_tokens_per_microbatch: int = 8192
     #: Pack each micro-batch's rows several to a lane (:func:`layout`).
     packing: bool = False
+    #: The narrowest packed lane (capped at the micro-batch budget); 0:
+    #: the longest row.
+    packing_lane_tokens: int = 0
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     beta1: float = 0.9
@@ -170,21 +173,26 @@ def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
     return lanes
 
 
-def layout(batch: StepBatch, packing: bool) -> Layout:
+def layout(batch: StepBatch, packing: bool, min_width: int = 0) -> Layout:
     """The forward inputs of ``batch``'s rows: as they are (cut to the
-    longest row), or packed into lanes as wide as the longest row."""
+    longest row), or packed into lanes as wide as the longest row or
+    ``min_width`` if that is more."""
     n, full = batch.input_ids.shape
     lengths = batch.row_lengths()
-    width = min(full, max(2, max(lengths, default=1)))
+    padded_width = min(full, max(2, max(lengths, default=1)))
+    width = max(padded_width, min_width)
+    lanes = first_fit_decreasing(lengths, width) if packing else []
     device = batch.input_ids.device
-    if not packing:
+    # Rows that pack into no fewer positions than padding takes are padded
+    # (the model's plain causal attention is then the cheaper).
+    if not packing or len(lanes) * width >= n * padded_width:
+        width = padded_width
         base = torch.arange(n, device=device, dtype=torch.int64) * (width - 1)
         return Layout(
             input_ids=batch.input_ids[:, :width],
             position_ids=None,
             gather=batch.gather_index + base.unsqueeze(1),
         )
-    lanes = first_fit_decreasing(lengths, width)
     s = len(lanes)
     source = torch.zeros(s * width, dtype=torch.int64)
     positions = torch.zeros(s * width, dtype=torch.int64)
@@ -314,8 +322,12 @@ class Trainer:
             return net(input_ids=at.input_ids, use_cache=False).logits
         return net(input_ids=at.input_ids, position_ids=at.position_ids, use_cache=False).logits
 
+    def _layout(self, batch: StepBatch) -> Layout:
+        min_width = min(self.opts.packing_lane_tokens, self.opts.max_tokens_per_microbatch)
+        return layout(batch, self.opts.packing, min_width)
+
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, Layout]:
-        at = layout(batch, self.opts.packing)
+        at = self._layout(batch)
         logits = self._logits(self.model, at)
         return logits, layout_logprobs(logits, at, self.opts.temperature), at
 
@@ -331,7 +343,7 @@ class Trainer:
                 batch.n_rows, batch.input_ids.shape[1], self.opts.max_tokens_per_microbatch
             ):
                 part = batch.rows(torch.tensor(rows, device=batch.input_ids.device))
-                at = layout(part, self.opts.packing)
+                at = self._layout(part)
                 logits = self._logits(net, at)
                 parts.append(layout_logprobs(logits, at, self.opts.temperature))
         return torch.cat(parts, 0).detach()

@@ -96,6 +96,7 @@ def run() -> None:
     parser.add_argument("--aggregation", default="token")
     parser.add_argument("--budget", type=int, default=24)
     parser.add_argument("--packing", action="store_true", help="pack each micro-batch's rows")
+    parser.add_argument("--lane-tokens", type=int, default=0, help="the narrowest packed lane")
     parser.add_argument("--kl", default=None, help="a KL loss (k1 or k3) against the starting weights")
     parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step and stop")
     parser.add_argument("--ckpt", type=Path, default=None, help="the checkpoint folder")
@@ -124,6 +125,7 @@ def run() -> None:
             proximal=ProximalMode(args.proximal),
             max_tokens_per_microbatch=args.budget,
             packing=args.packing,
+            packing_lane_tokens=args.lane_tokens,
             grad_clip=1.0,
         ),
         learning_rate=1e-3,

@@ -105,12 +105,12 @@ def test_packed_rows_give_every_architecture_its_padded_log_probs(arch: str, tmp
     trainer = Trainer(model, TrainerOptions(), learning_rate=1e-3)
     read = {}
     for packing in (False, True):
-        at = layout(b, packing)
+        at = layout(b, packing, 20)
         with torch.no_grad():
             logits = trainer._logits(model, at)
         read[packing] = (at.positions, layout_logprobs(logits, at, 0.8), _entropy_sums(logits, at, b, 0.8))
     (padded, lp, ent), (packed, plp, pent) = read[False], read[True]
-    assert packed < padded, (packed, padded)
+    assert packed < padded and packed % 20 == 0, (packed, padded)
     worst = float(((lp - plp).abs() * mask).max())
     assert worst <= 1e-5, f"{arch}: log-probs differ by {worst}"
     assert abs(ent[0] - pent[0]) <= 1e-5 * max(1.0, ent[0]) and ent[1] == pent[1]

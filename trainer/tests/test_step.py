@@ -61,7 +61,7 @@ def test_world_size_two_gives_the_weights_of_world_size_one(
     if kl is not None:
         args += ["--kl", kl]
     if packing:
-        args += ["--packing"]
+        args += ["--packing", "--lane-tokens", "16"]
     one, steps_one = _run(tmp_path / "w1", 1, *args)
     two, steps_two = _run(tmp_path / "w2", 2, *args)
     assert one.keys() == two.keys()
@@ -186,8 +186,8 @@ def test_a_batch_the_ranks_cannot_share_is_refused() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("budget", [1 << 62, 24])
-def test_packed_steps_match_padded_steps(budget: int) -> None:
+@pytest.mark.parametrize("budget,lane_tokens", [(1 << 62, 0), (24, 0), (1 << 62, 32)])
+def test_packed_steps_match_padded_steps(budget: int, lane_tokens: int) -> None:
     """Packing changes what the forward passes compute, not what they
     give: three steps (each objective family) packed and padded end at the
     same weights with the same statistics."""
@@ -204,7 +204,9 @@ def test_packed_steps_match_padded_steps(budget: int) -> None:
     for packing in (False, True):
         model = tiny_qwen3()
         reference = tiny_qwen3().requires_grad_(False)
-        opts = TrainerOptions(max_tokens_per_microbatch=budget, packing=packing)
+        opts = TrainerOptions(
+            max_tokens_per_microbatch=budget, packing=packing, packing_lane_tokens=lane_tokens
+        )
         trainer = Trainer(model, opts, learning_rate=1e-3, reference=reference)
         stats = [trainer.train_step(batch(i, i), cfg, 1e-3, i) for i, cfg in enumerate(cfgs)]
         runs[packing] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, stats)
@@ -221,4 +223,4 @@ def test_packed_steps_match_padded_steps(budget: int) -> None:
         for key, value in vars(a.objective).items():
             assert abs(value - getattr(b.objective, key)) <= 1e-5, (key, a, b)
     b0 = batch(0, 0)
-    assert layout(b0, True).positions < layout(b0, False).positions
+    assert layout(b0, True, lane_tokens).positions < layout(b0, False).positions
