@@ -7,6 +7,7 @@
 //! - `coordinator`: acquire → grant round trips against a raw echo;
 //! - `worker`: continuous against static batching;
 //! - `learner`: our training step against PyTorch eager;
+//! - `packing`: learner tokens/s packed against padded;
 //! - `engine`: the vLLM engine against the built-in one (tokens/s, the
 //!   worker's CPU per 1,000 tokens, a weight swap against the raw reload);
 //! - `staleness`: reward under η × clip mode × seeds;
@@ -29,6 +30,7 @@ mod engine;
 pub mod gpu;
 mod learner;
 mod memory;
+mod packing;
 pub mod scale;
 pub mod scale_buffer;
 pub mod scale_coordinator;
@@ -137,6 +139,9 @@ pub enum BenchCommand {
     /// memory and serve time vs resident trajectories, learner step time vs
     /// batch tokens; CSV, PNG and a markdown summary with the fitted growth.
     Scale(scale::ScaleArgs),
+    /// Learner tokens/s with sequence packing against padding, on the main
+    /// job's length mix and a long-tailed one, as ratios against padded.
+    Packing(packing::PackingArgs),
     /// Where the time of one synchronous (η = 0) step of a job goes:
     /// generation, scoring, training, weights, admission, trajectories →
     /// batch; one thread per role pinned against two threads on both cores.
@@ -550,6 +555,10 @@ pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
         }
         BenchCommand::SyncStep(args) => {
             let report = sync_step::run(&rt, args).context("sync-step bench")?;
+            print!("{report}");
+        }
+        BenchCommand::Packing(args) => {
+            let report = packing::run(&args).context("packing bench")?;
             print!("{report}");
         }
         BenchCommand::Scale(args) => {

@@ -1,0 +1,240 @@
+//! `asyncrl-bench packing`: learner tokens/s with sequence packing against
+//! padding, on the main job's length mix and on a long-tailed one, in one
+//! run.
+//!
+//! Each mix is a batch of real rows: the task's prompts, rendered and
+//! tokenized as the worker does, and as completion each prompt's reference
+//! answer plus the end token (what a policy that has learnt the task
+//! writes), in groups of G with rewards that vary inside each group.
+//!
+//! - `arith` (the main job, `examples/arith.toml`): every a ± b with
+//!   operands below 20, B = 16 groups × G = 8 (128 rows of 6–11 tokens);
+//! - `reverse` (long-tailed, the speedup bench's task): B = 8 × G = 8.
+//!
+//! Per mix, every layout takes whole learner steps (`Trainer::train_step`
+//! with the learner's default options otherwise: forward, loss, backward,
+//! clip, AdamW) on one libtorch thread: padded (every row padded to the
+//! longest), and packed with each `--lane-tokens` minimum lane width (0:
+//! lanes as wide as the longest row). Layouts alternate within each round,
+//! so machine noise hits each alike; a layout's step time is the median of
+//! its timed steps over all rounds. Throughput is the batch's trained
+//! (completion) tokens per second, and the ratio is against padded.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use asyncrl_config::Config;
+use asyncrl_learner::batch::{Lanes, assemble};
+use asyncrl_learner::objective::ObjectiveConfig;
+use asyncrl_learner::service::trainer_options;
+use asyncrl_learner::trainer::{StepSettings, Trainer};
+use asyncrl_policy::{DeviceOptions, ModelText, Policy, TinyModelSpec};
+use asyncrl_protos::arrow_schema::to_record_batch;
+use asyncrl_protos::v1::{FinishReason, RewardStatus, Timings, Trajectory};
+use asyncrl_tasks::{BuiltinTask, TaskItem};
+use clap::Args;
+
+use super::stats::median;
+
+#[derive(Debug, Args)]
+pub struct PackingArgs {
+    /// Timed steps per layout and round.
+    #[arg(long, default_value_t = 10)]
+    iterations: usize,
+    /// Untimed steps per layout and round first.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Rounds (layouts alternate within each).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Packed layouts to measure: minimum lane widths (0: the longest row).
+    #[arg(long, value_delimiter = ',', default_value = "0,32,64,128")]
+    lane_tokens: Vec<i64>,
+    /// Seed of the weights and of the long-tailed data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// One length mix: its rows as record-batch rows.
+struct Mix {
+    name: &'static str,
+    what: &'static str,
+    trajectories: Vec<Trajectory>,
+}
+
+/// G rows per item: the prompt as the worker tokenizes it and the
+/// reference answer plus the end token as the completion.
+fn rows_of(items: &[TaskItem], g: u32, text: &ModelText) -> anyhow::Result<Vec<Trajectory>> {
+    let eos = *text
+        .eos_token_ids()
+        .first()
+        .context("the model has no end token")?;
+    let mut out = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let rendered = text.render(&item.prompt).context("render a prompt")?;
+        let prompt = text
+            .tokenizer()
+            .encode(&rendered, true)
+            .context("tokenize a prompt")?;
+        let mut completion = text
+            .tokenizer()
+            .encode(&item.answer, false)
+            .context("tokenize an answer")?;
+        completion.push(eos);
+        let ids = |v: &[i64]| v.iter().map(|x| *x as i32).collect::<Vec<i32>>();
+        for k in 0..g {
+            let n = completion.len();
+            out.push(Trajectory {
+                uuid: format!("00000000-0000-4000-8000-{:012x}", (i << 8) + k as usize),
+                task_id: item.id.clone(),
+                group_id: format!("g{i}"),
+                prompt_token_ids: ids(&prompt),
+                completion_token_ids: ids(&completion),
+                behaviour_logprobs: vec![-1.0; n],
+                policy_versions: vec![0; n],
+                reward: (k % 2) as f32,
+                reward_status: RewardStatus::Ok as i32,
+                finish_reason: FinishReason::Stop as i32,
+                worker_id: "bench".into(),
+                timings: Some(Timings::default()),
+                group_size: g,
+                index_in_group: k,
+                admission_version: 0,
+                turns: Vec::new(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn mixes(seed: u64, text: &ModelText) -> anyhow::Result<Vec<Mix>> {
+    // The main job's 16 prompts per step, drawn across all 800 problems.
+    let all = asyncrl_tasks::arith_all(20);
+    let arith: Vec<TaskItem> = (0..16).map(|k| all[k * 50 + 7].clone()).collect();
+    let reverse = asyncrl_tasks::generate(BuiltinTask::Reverse, 8, seed);
+    Ok(vec![
+        Mix {
+            name: "arith",
+            what: "the main job: a ± b below 20, B = 16 × G = 8",
+            trajectories: rows_of(&arith, 8, text)?,
+        },
+        Mix {
+            name: "reverse",
+            what: "long-tailed: the reverse task, B = 8 × G = 8",
+            trajectories: rows_of(&reverse, 8, text)?,
+        },
+    ])
+}
+
+/// One layout's measurement on one mix.
+struct Measured {
+    lanes: Lanes,
+    positions: i64,
+    step_s: f64,
+}
+
+fn label(lanes: Lanes) -> String {
+    match lanes {
+        Lanes::Padded => "padded".into(),
+        Lanes::Packed { min_width: 0 } => "packed, lanes = longest row".into(),
+        Lanes::Packed { min_width } => format!("packed, lanes ≥ {min_width}"),
+    }
+}
+
+pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
+    anyhow::ensure!(args.iterations > 0, "--iterations must be at least 1");
+    anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    anyhow::ensure!(
+        args.lane_tokens.iter().all(|w| *w >= 0),
+        "--lane-tokens are minimum lane widths: 0 or more"
+    );
+    tch::set_num_threads(1);
+    let text = ModelText::builtin();
+    let spec = TinyModelSpec::default();
+    let mut layouts = vec![Lanes::Padded];
+    layouts.extend(
+        args.lane_tokens
+            .iter()
+            .map(|w| Lanes::Packed { min_width: *w }),
+    );
+    let settings = StepSettings {
+        objective: ObjectiveConfig::default(),
+        learning_rate: 1e-6,
+    };
+    let mut report = String::new();
+    writeln!(
+        report,
+        "# Learner tokens/s: packing against padding\n\n\
+         Built-in tiny model (`[model.tiny]` defaults), one libtorch thread, whole \
+         `Trainer::train_step`s; {} round(s) of {} timed steps per layout after {} untimed, \
+         layouts alternating; step time = median over the rounds.\n",
+        args.rounds, args.iterations, args.warmup
+    )?;
+    for mix in mixes(args.seed, &text)? {
+        let rb = to_record_batch(&mix.trajectories).context("build the batch")?;
+        let host = assemble(std::slice::from_ref(&rb), 0, Default::default())
+            .context("assemble the batch")?;
+        let real: i64 = host.lengths.iter().sum();
+        let mut trainers = layouts
+            .iter()
+            .map(|lanes| {
+                let policy = Policy::builtin_tiny(&spec, args.seed, DeviceOptions::cpu())?;
+                let mut opts = trainer_options(&Config::default());
+                opts.lanes = *lanes;
+                Ok(Trainer::new(policy, opts))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); layouts.len()];
+        let mut positions = vec![0i64; layouts.len()];
+        for _ in 0..args.rounds {
+            for (k, trainer) in trainers.iter_mut().enumerate() {
+                for i in 0..args.warmup + args.iterations {
+                    let t0 = Instant::now();
+                    let stats = trainer.train_step(std::slice::from_ref(&rb), &settings)?;
+                    if i >= args.warmup {
+                        times[k].push(t0.elapsed().as_secs_f64());
+                    }
+                    positions[k] = stats.padded_tokens;
+                }
+            }
+        }
+        let measured: Vec<Measured> = layouts
+            .iter()
+            .zip(times.iter_mut())
+            .zip(&positions)
+            .map(|((lanes, t), p)| Measured {
+                lanes: *lanes,
+                positions: *p,
+                step_s: median(std::mem::take(t)),
+            })
+            .collect();
+        let base = measured[0].step_s;
+        writeln!(
+            report,
+            "## {} ({})\n\n{} rows, {} trained tokens, {} real tokens (prompt + completion), \
+             longest row {}.\n\n\
+             | layout | positions computed | s/step (median) | trained tokens/s | vs padded |\n\
+             |---|---|---|---|---|",
+            mix.name,
+            mix.what,
+            host.lengths.len(),
+            host.tokens,
+            real,
+            host.longest()
+        )?;
+        for m in &measured {
+            writeln!(
+                report,
+                "| {} | {} | {:.4} | {:.0} | {:.2}× |",
+                label(m.lanes),
+                m.positions,
+                m.step_s,
+                host.tokens as f64 / m.step_s,
+                base / m.step_s
+            )?;
+        }
+        writeln!(report)?;
+    }
+    Ok(report)
+}
