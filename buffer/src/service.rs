@@ -607,8 +607,8 @@ fn recover(
     let seg_dir = segment_dir(&data_dir);
     std::fs::create_dir_all(&seg_dir).map_err(|e| BufferError::io("create", &seg_dir, e))?;
     let (log, records) = StateLog::open(&data_dir, cfg.fsync)?;
-    let mut core =
-        Core::new(cfg.sampling, cfg.max_serves(), seed).with_min_reward_spread(cfg.min_reward_spread);
+    let mut core = Core::new(cfg.sampling, cfg.max_serves(), seed)
+        .with_min_reward_spread(cfg.min_reward_spread);
     core.seed(&records);
     let mut rec = Recovered {
         log_records: records.len(),

@@ -1208,7 +1208,10 @@ fn a_complete_group_without_reward_spread_is_dropped_as_no_signal_and_never_serv
     // Both are complete; the plan drops the flat one before it serves.
     let mut log = Vec::new();
     let plan = c.plan(ask(1, 0, 0, 2));
-    assert_eq!(plan.drops, vec![(Arc::from("lease-0"), DropReason::NoSignal)]);
+    assert_eq!(
+        plan.drops,
+        vec![(Arc::from("lease-0"), DropReason::NoSignal)]
+    );
     assert_eq!(plan.outcome, Outcome::NotReady { ready: 1 });
     log.extend(c.records(&plan, 0));
     assert!(matches!(
