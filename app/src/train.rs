@@ -47,6 +47,34 @@ pub struct TrainSummary {
     pub telemetry: Option<std::net::SocketAddr>,
     /// `eval.csv` and its first and last rows, when `[eval]` is on.
     pub eval: Option<EvalSummary>,
+    /// With dynamic sampling on (`buffer.min_reward_spread > 0`): the
+    /// groups the buffer dropped for no signal, of those completed.
+    pub no_signal: Option<NoSignalSummary>,
+}
+
+/// What dynamic sampling dropped in a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NoSignalSummary {
+    pub dropped: u64,
+    pub completed: u64,
+}
+
+impl NoSignalSummary {
+    fn of(m: &asyncrl_buffer::BufferMetrics) -> Self {
+        Self {
+            dropped: m.no_signal_dropped(),
+            completed: m.groups_completed.get(),
+        }
+    }
+
+    /// Dropped per completed group (0 before any completed).
+    pub fn fraction(&self) -> f64 {
+        if self.completed == 0 {
+            0.0
+        } else {
+            (self.dropped as f64 / self.completed as f64).min(1.0)
+        }
+    }
 }
 
 /// The held-out evaluation of a run: where it started and ended.
@@ -70,6 +98,15 @@ impl std::fmt::Display for TrainSummary {
             "mean reward of the training batches: {:.3} (first 5 steps) -> {:.3} (last 5 steps)",
             self.reward_first, self.reward_last
         )?;
+        if let Some(n) = &self.no_signal {
+            writeln!(
+                f,
+                "dynamic sampling: {} of {} complete groups dropped for no reward signal ({:.1}%)",
+                n.dropped,
+                n.completed,
+                100.0 * n.fraction()
+            )?;
+        }
         if let Some(e) = &self.eval {
             writeln!(
                 f,
@@ -171,6 +208,16 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
         })
     };
     let bar = progress_bar(&config, opts.progress);
+    // The buffer's metrics (one registry per process): the progress line
+    // and the summary show what dynamic sampling drops.
+    let buffer_metrics = if config.buffer.dynamic_sampling() {
+        Some(
+            asyncrl_buffer::BufferMetrics::register(&process.metrics)
+                .context("reading the buffer's metrics")?,
+        )
+    } else {
+        None
+    };
     let start = Instant::now();
     let mut learner = learner;
     let mut last_eval = String::new();
@@ -179,8 +226,12 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
             Some(event) = rx.recv() => match event {
                 LearnerEvent::Step(stats) => {
                     bar.set_position(stats.step);
+                    let no_signal = buffer_metrics
+                        .as_ref()
+                        .map(|m| format!(" no-signal {:.1}%", 100.0 * NoSignalSummary::of(m).fraction()))
+                        .unwrap_or_default();
                     bar.set_message(format!(
-                        "v{} reward {:.3} lag {:.2} ({} max) {:.0} tok/s{last_eval}",
+                        "v{} reward {:.3} lag {:.2} ({} max) {:.0} tok/s{no_signal}{last_eval}",
                         stats.version,
                         stats.reward_mean,
                         stats.objective.mean_version_lag,
@@ -245,6 +296,7 @@ pub async fn train(config: Config, opts: TrainOptions) -> anyhow::Result<TrainSu
         curves,
         telemetry: process.telemetry_addr,
         eval,
+        no_signal: buffer_metrics.as_ref().map(NoSignalSummary::of),
     })
 }
 

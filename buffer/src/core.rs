@@ -20,7 +20,7 @@ use rand::seq::SliceRandom;
 
 use asyncrl_config::SamplingPolicy;
 use asyncrl_protos::subjects::split_wire_task_id;
-use asyncrl_protos::{GroupDropReason, Trajectory};
+use asyncrl_protos::{GroupDropReason, RewardStatus, Trajectory};
 
 use crate::statelog::{DropReason, GroupRef, Quarantined, Record};
 
@@ -36,6 +36,9 @@ pub struct RowMeta {
     pub oldest_version: i32,
     /// Prompt and completion tokens.
     pub tokens: u64,
+    /// The episode's reward; `None` when it could not be computed (or is
+    /// not finite), as the Arrow `reward` column's null.
+    pub reward: Option<f32>,
 }
 
 impl RowMeta {
@@ -50,6 +53,8 @@ impl RowMeta {
             admission_version: t.admission_version,
             oldest_version: t.oldest_version(),
             tokens: (t.prompt_token_ids.len() + t.completion_token_ids.len()) as u64,
+            reward: (t.reward_status == RewardStatus::Ok as i32 && t.reward.is_finite())
+                .then_some(t.reward),
         })
     }
 }
@@ -71,6 +76,7 @@ struct Member {
     segment: u64,
     tokens: u64,
     oldest: i32,
+    reward: Option<f32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +112,27 @@ impl Group {
             .map(|m| m.oldest)
             .min()
             .unwrap_or(i32::MAX)
+    }
+
+    /// Dynamic sampling: every member has a reward and the rewards span
+    /// less than `min_spread` (never with `min_spread` 0). A member without
+    /// a reward (its scoring failed) makes the spread unknown: the learner
+    /// masks that member and may still learn from the others, so the group
+    /// is kept.
+    fn no_signal(&self, min_spread: f64) -> bool {
+        if min_spread <= 0.0 {
+            return false;
+        }
+        let mut lo = f64::INFINITY;
+        let mut hi = f64::NEG_INFINITY;
+        for m in &self.members {
+            let Some(r) = m.reward else {
+                return false;
+            };
+            lo = lo.min(f64::from(r));
+            hi = hi.max(f64::from(r));
+        }
+        !self.members.is_empty() && hi - lo < min_spread
     }
 
     fn gref(&self) -> GroupRef {
@@ -305,6 +332,12 @@ struct Restore {
 pub struct Core {
     sampling: SamplingPolicy,
     max_serves: u32,
+    /// `buffer.min_reward_spread` (0: dynamic sampling off).
+    min_reward_spread: f64,
+    /// Ready groups never served that carry no signal (dynamic sampling),
+    /// by (admission version, completion order): the next plan drops them
+    /// (`no_signal`) before it serves, with a record in the served log.
+    no_signal: BTreeSet<(i32, u64, Arc<str>)>,
     batches: HashMap<u64, MemBatch>,
     next_batch: u64,
     groups: HashMap<Arc<str>, Group>,
@@ -349,6 +382,8 @@ impl Core {
         Self {
             sampling,
             max_serves: max_serves.max(1),
+            min_reward_spread: 0.0,
+            no_signal: BTreeSet::new(),
             batches: HashMap::new(),
             next_batch: 0,
             groups: HashMap::new(),
@@ -372,6 +407,13 @@ impl Core {
             live_rows: 0,
             restore: HashMap::new(),
         }
+    }
+
+    /// Dynamic sampling: complete groups whose rewards span less than
+    /// `min_spread` are dropped before they are served (0: off).
+    pub fn with_min_reward_spread(mut self, min_spread: f64) -> Self {
+        self.min_reward_spread = min_spread;
+        self
     }
 
     // ------------------------------------------------------------ ingest
@@ -587,6 +629,7 @@ impl Core {
                 segment,
                 tokens: m.tokens,
                 oldest: m.oldest_version,
+                reward: m.reward,
             };
             owners[row] = Some(m.group.clone());
             self.live_uuids.insert(m.uuid);
@@ -626,6 +669,10 @@ impl Core {
                     },
                 );
                 self.ready.insert(group);
+                if group.no_signal(self.min_reward_spread) {
+                    self.no_signal
+                        .insert((group.admission, group.order, group.id.clone()));
+                }
                 out.newly_ready += 1;
                 if !replay && self.sampling == SamplingPolicy::Reuse {
                     let at = self.rng.random_range(0..=self.reuse_queue.len());
@@ -670,6 +717,7 @@ impl Core {
     fn release(&mut self, id: &Arc<str>) -> Option<Group> {
         let g = self.groups.remove(id)?;
         self.ready.remove(&g);
+        self.no_signal.remove(&(g.admission, g.order, g.id.clone()));
         if g.state == GroupState::Collecting
             && let Some(list) = self.task_groups.get_mut(&g.task)
         {
@@ -1008,6 +1056,19 @@ impl Core {
             plan.drops.push((id.clone(), why));
             dropped.insert(id.clone());
         }
+        // Dynamic sampling: the groups without signal never served (a
+        // stale one is a stale drop above: its task is issued again).
+        for (_, _, id) in &self.no_signal {
+            if !dropped.contains(id)
+                && self
+                    .groups
+                    .get(id)
+                    .is_some_and(|g| g.state == GroupState::Ready && g.serves == 0)
+            {
+                plan.drops.push((id.clone(), DropReason::NoSignal));
+                dropped.insert(id.clone());
+            }
+        }
         let usable = |id: &Arc<str>| {
             !dropped.contains(id) && self.groups.get(id).is_some_and(|g| self.eligible(g))
         };
@@ -1089,7 +1150,7 @@ impl Core {
                         .get(&g.task)
                         .map(|groups| groups.iter().map(|x| x.to_string()).collect())
                         .unwrap_or_default(),
-                    DropReason::Expired => Vec::new(),
+                    DropReason::Expired | DropReason::NoSignal => Vec::new(),
                 };
                 out.push(Record::Dropped {
                     group: g.gref(),
@@ -1129,6 +1190,7 @@ impl Core {
                 reason: match why {
                     DropReason::Stale => GroupDropReason::Stale,
                     DropReason::Expired => GroupDropReason::Expired,
+                    DropReason::NoSignal => GroupDropReason::NoSignal,
                 },
                 trajectories: g.members.len() as u32,
             };
@@ -1146,6 +1208,14 @@ impl Core {
                     self.reopen(&task, id, closed);
                 }
                 DropReason::Expired => self.settle(id),
+                // Never served, and never will be: released now, and the
+                // task is done (not issued again, not trained): later
+                // attempts of it are superseded, copies of its rows are
+                // duplicates.
+                DropReason::NoSignal => {
+                    self.release(id);
+                    self.consumed(task, id.clone());
+                }
             }
             dropped.push(info);
         }
@@ -1425,6 +1495,17 @@ impl Core {
                             }
                         }
                         DropReason::Expired => e.expired = true,
+                        // Done without training: its rows are skipped
+                        // (whatever `min_reward_spread` is now), later
+                        // attempts superseded, and it is not reported
+                        // again.
+                        DropReason::NoSignal => {
+                            serves.remove(group);
+                            self.task_done.insert(
+                                Arc::from(group.task.as_str()),
+                                Done::consumed(&group.group),
+                            );
+                        }
                     }
                 }
             }

@@ -100,6 +100,13 @@ pub struct BufferMetrics {
     /// `asyncrl_stale_dropped_total`: groups never served because they were
     /// older than `v − η`. Stays 0 while the coordinator's admission works.
     pub stale_dropped: Counter,
+    /// Groups that became complete at ingest (the denominator of the
+    /// fraction dynamic sampling drops).
+    pub groups_completed: Counter,
+    /// `asyncrl_buffer_no_signal_fraction`: groups dropped for no signal
+    /// (`buffer.min_reward_spread`) per group completed, since the process
+    /// started (0 while dynamic sampling is off).
+    pub no_signal_fraction: Gauge<f64, AtomicU64>,
     pub ready_groups: Gauge,
     pub collecting_groups: Gauge,
     /// Completed tasks the buffer remembers (to drop late and repeated
@@ -162,13 +169,23 @@ impl BufferMetrics {
             )?,
             groups_dropped: m.get_or_register(
                 "buffer_groups_dropped",
-                "Groups dropped, by reason (superseded, duplicate_attempt, stale, expired)",
+                "Groups dropped, by reason (superseded, duplicate_attempt, stale, expired, quarantined, no_signal)",
                 Family::<Labels, Counter>::default,
             )?,
             stale_dropped: m.get_or_register(
                 "stale_dropped",
                 "Groups never served because a token was older than v - eta (must stay 0 outside faults)",
                 Counter::default,
+            )?,
+            groups_completed: m.get_or_register(
+                "buffer_groups_completed",
+                "Groups that became complete (all G trajectories stored) at ingest",
+                Counter::default,
+            )?,
+            no_signal_fraction: m.get_or_register(
+                "buffer_no_signal_fraction",
+                "Fraction of the completed groups dropped for carrying no reward signal (dynamic sampling, buffer.min_reward_spread) since the start",
+                Gauge::<f64, AtomicU64>::default,
             )?,
             ready_groups: m.get_or_register(
                 "buffer_ready_groups",
@@ -266,6 +283,26 @@ impl BufferMetrics {
                 || Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             )?,
         })
+    }
+
+    /// Groups dropped for no signal since the start.
+    pub fn no_signal_dropped(&self) -> u64 {
+        self.groups_dropped
+            .get_or_create(&Self::reason(
+                asyncrl_protos::GroupDropReason::NoSignal.label(),
+            ))
+            .get()
+    }
+
+    /// Sets `asyncrl_buffer_no_signal_fraction` from the counters: no-signal
+    /// drops per completed group (at most 1: a group completed before a
+    /// restart may be dropped after it).
+    pub fn update_no_signal_fraction(&self) {
+        let completed = self.groups_completed.get();
+        if completed > 0 {
+            let f = self.no_signal_dropped() as f64 / completed as f64;
+            self.no_signal_fraction.set(f.min(1.0));
+        }
     }
 
     pub fn reason(value: &str) -> Labels {

@@ -190,6 +190,9 @@ impl Shared {
             if d.reason == GroupDropReason::Stale {
                 self.metrics.stale_dropped.inc();
             }
+            if d.reason == GroupDropReason::NoSignal {
+                self.metrics.update_no_signal_fraction();
+            }
             tracing::info!(task = %d.task, group = %d.group, reason = d.reason.label(), trajectories = d.trajectories, "group dropped");
             self.send_drop_report(GroupDropped {
                 task_id: d.task.clone(),
@@ -604,7 +607,8 @@ fn recover(
     let seg_dir = segment_dir(&data_dir);
     std::fs::create_dir_all(&seg_dir).map_err(|e| BufferError::io("create", &seg_dir, e))?;
     let (log, records) = StateLog::open(&data_dir, cfg.fsync)?;
-    let mut core = Core::new(cfg.sampling, cfg.max_serves(), seed);
+    let mut core = Core::new(cfg.sampling, cfg.max_serves(), seed)
+        .with_min_reward_spread(cfg.min_reward_spread);
     core.seed(&records);
     let mut rec = Recovered {
         log_records: records.len(),
@@ -669,7 +673,8 @@ pub fn held_tasks(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => return Err(BufferError::io("read", &log, e)),
     };
-    let mut core = Core::new(cfg.sampling, cfg.max_serves(), 0);
+    let mut core =
+        Core::new(cfg.sampling, cfg.max_serves(), 0).with_min_reward_spread(cfg.min_reward_spread);
     core.seed(&records);
     let seg_dir = segment_dir(data_dir);
     let schema = trajectory_schema();
@@ -1094,6 +1099,10 @@ impl Ingest {
         }
         let m = &self.shared.metrics;
         m.ingested.inc_by(applied.stored as u64);
+        if applied.newly_ready > 0 {
+            m.groups_completed.inc_by(applied.newly_ready as u64);
+            m.update_no_signal_fraction();
+        }
         m.duplicates.inc_by(duplicates + applied.duplicates as u64);
         m.superseded_trajectories
             .inc_by(late + applied.superseded as u64);

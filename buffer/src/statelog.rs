@@ -38,6 +38,9 @@ pub enum DropReason {
     Stale,
     /// Served at least once (`reuse`), and now older than `v − η`.
     Expired,
+    /// Dynamic sampling: never served, its rewards span less than
+    /// `buffer.min_reward_spread`. Its task is done (not issued again).
+    NoSignal,
 }
 
 /// A group the learner refused, quarantined by a [`Record::Refused`].

@@ -577,3 +577,100 @@ async fn closed_epochs_bound_the_tasks_the_buffer_remembers() {
     assert_eq!((s.ready_groups, s.collecting_groups), (0, 0));
     buffer.shutdown().await;
 }
+
+/// `asyncrl_buffer_groups_dropped_total{reason="no_signal"}`.
+fn no_signal_dropped(b: &Running) -> f64 {
+    let text = b.metrics.encode_prometheus_text().unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("asyncrl_buffer_groups_dropped_total{reason=\"no_signal\"}"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Dynamic sampling over a real nats-server: the groups whose rewards do
+/// not spread are reported dropped (`no_signal`) once and never served;
+/// the others are served exactly once, the same to a learner that was
+/// killed and asks for its step again, and the same after a buffer restart,
+/// which neither serves a dropped group nor reports it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_sampling_never_serves_a_group_without_signal() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(&server.url(), dir.path());
+    config.buffer.min_reward_spread = 0.5;
+    config.validate().unwrap();
+    let bus = nats(&server.url()).await;
+    let buffer = Running::start(&config, bus.clone()).await;
+    let mut reports = bus.subscribe(BUFFER_GROUP_DROPPED).await.unwrap();
+    // Groups 0, 2, 4 all scored 1.0; groups 1, 3, 5 scored 0 and 1.
+    let mut all = groups(0, 6, 2, 0, 16);
+    for t in all
+        .iter_mut()
+        .filter(|t| t.task_id.ends_with(['0', '2', '4']))
+    {
+        t.reward = 1.0;
+    }
+    let (flat, mixed): (Vec<Trajectory>, Vec<Trajectory>) = all
+        .iter()
+        .cloned()
+        .partition(|t| t.task_id.ends_with(['0', '2', '4']));
+    publish(bus.as_ref(), &all).await;
+    eventually("6 complete groups", WAIT, || {
+        buffer.metric("buffer_groups_completed_total") == 6.0
+    })
+    .await;
+    // Step 1: the flat groups are dropped before anything is served.
+    let (_, step1) = ask(bus.as_ref(), 1, 0, 2, 2, 0).await.unwrap();
+    assert_eq!(groups_of(&step1).len(), 2);
+    let mut dropped = HashSet::new();
+    for _ in 0..3 {
+        let msg = tokio::time::timeout(WAIT, reports.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let d = GroupDropped::decode(msg.payload).unwrap();
+        assert_eq!(d.kind(), GroupDropReason::NoSignal);
+        assert_eq!(d.trajectories, 2);
+        dropped.insert(d.group_id);
+    }
+    assert_eq!(
+        dropped,
+        HashSet::from(["lease-0".into(), "lease-2".into(), "lease-4".into()])
+    );
+    assert_eq!(no_signal_dropped(&buffer), 3.0);
+    assert_eq!(buffer.metric("buffer_no_signal_fraction"), 0.5);
+    // The learner is killed after step 1 was served and asks again: the
+    // same groups, then the rest.
+    let (again, step1_again) = ask(bus.as_ref(), 1, 0, 2, 2, 0).await.unwrap();
+    assert!(again.replayed);
+    assert_eq!(step1_again, step1);
+    let (_, step2) = ask(bus.as_ref(), 2, 1, 2, 1, 0).await.unwrap();
+    // Copies of the flat groups' trajectories (new message ids, as after
+    // the dedupe window) are duplicates, not groups to serve.
+    for t in &flat {
+        publish_as(bus.as_ref(), t, &format!("again-{}", t.uuid)).await;
+    }
+    eventually("the copies seen", WAIT, || {
+        buffer.metric("buffer_duplicates_total") == 6.0
+    })
+    .await;
+    buffer.shutdown().await;
+    // A restarted buffer: step 2 is repeated identically, nothing more is
+    // ready, and no drop is reported again.
+    let buffer = Running::start(&config, bus.clone()).await;
+    let (r2, step2_again) = ask(bus.as_ref(), 2, 1, 2, 1, 0).await.unwrap();
+    assert!(r2.replayed);
+    assert_eq!(step2_again, step2);
+    let (r3, _) = ask(bus.as_ref(), 3, 2, 2, 1, 0).await.unwrap();
+    assert_eq!((r3.num_groups, r3.ready_groups), (0, 0));
+    assert_eq!(no_signal_dropped(&buffer), 0.0, "not reported again");
+    let mut served: Vec<String> = step1.iter().map(|t| t.uuid.clone()).collect();
+    served.extend(step2.iter().map(|t| t.uuid.clone()));
+    assert_eq!(served.len(), 6, "each served once");
+    assert_eq!(
+        served.into_iter().collect::<HashSet<_>>(),
+        uuids(&mixed),
+        "only the groups with signal"
+    );
+    buffer.shutdown().await;
+}

@@ -9,6 +9,8 @@
 //! sampling = "fifo"                  # or "reuse" (with reuse_max) or "fresh_first"
 //! retention = "delete"               # or "keep"
 //! serve_zstd = false                 # compress every batch, even if not asked to
+//! min_reward_spread = 0.0            # dynamic sampling: drop groups whose rewards
+//!                                    # span less than this (0: off)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -107,6 +109,12 @@ pub struct BufferConfig {
     pub max_request_wait: Duration,
     /// The served log is compacted into a snapshot past this size (bytes).
     pub state_log_compact_bytes: u64,
+    /// Dynamic sampling (DAPO): a complete group whose members all have a
+    /// reward and whose rewards span less than this (`max − min <
+    /// min_reward_spread`) carries no signal and is dropped before it is
+    /// served (`no_signal`). 0 (the default): off. A group with a member
+    /// whose reward could not be computed is never dropped for this.
+    pub min_reward_spread: f64,
 }
 
 impl Default for BufferConfig {
@@ -129,6 +137,7 @@ impl Default for BufferConfig {
             max_ack_pending: 8192,
             max_request_wait: Duration::from_secs(30),
             state_log_compact_bytes: 64 * 1024 * 1024,
+            min_reward_spread: 0.0,
         }
     }
 }
@@ -238,7 +247,21 @@ impl BufferConfig {
             4096,
             1 << 40,
         )?;
+        if !self.min_reward_spread.is_finite() || self.min_reward_spread < 0.0 {
+            return Err(ConfigError::invalid(
+                "buffer.min_reward_spread",
+                format!(
+                    "= {} must be a finite number ≥ 0 (0: dynamic sampling off)",
+                    self.min_reward_spread
+                ),
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether dynamic sampling is on (`min_reward_spread > 0`).
+    pub fn dynamic_sampling(&self) -> bool {
+        self.min_reward_spread > 0.0
     }
 }
 
@@ -298,6 +321,24 @@ mod tests {
             Some("buffer.max_request_wait"),
         );
         check("[buffer]\nsegment_size = 1", Some("buffer.segment_size"));
+        check("[buffer]\nmin_reward_spread = 0.01", None);
+        check("[buffer]\nmin_reward_spread = 0", None);
+        check(
+            "[buffer]\nmin_reward_spread = -0.5",
+            Some("buffer.min_reward_spread"),
+        );
+        check(
+            "[buffer]\nmin_reward_spread = nan",
+            Some("buffer.min_reward_spread"),
+        );
+        check(
+            "[buffer]\nmin_reward_spread = inf",
+            Some("buffer.min_reward_spread"),
+        );
+        check(
+            "[buffer]\nmin_reward_spread = \"wide\"",
+            Some("buffer.min_reward_spread"),
+        );
     }
 
     #[test]
@@ -305,6 +346,7 @@ mod tests {
         let c = BufferConfig::default();
         c.validate().unwrap();
         assert_eq!(c.max_serves(), 1);
+        assert!(!c.dynamic_sampling(), "dynamic sampling is off by default");
         assert_eq!(
             c.data_dir_in(Path::new("runs/x")),
             PathBuf::from("runs/x/buffer")

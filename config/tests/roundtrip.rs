@@ -564,6 +564,7 @@ fn buffer() -> impl Strategy<Value = BufferConfig> {
             sampling,
             prop_oneof![Just(RetentionPolicy::Delete), Just(RetentionPolicy::Keep)],
             any::<bool>(),
+            prop_oneof![Just(0.0f64), 0.0f64..=2.0],
         ),
         (
             1024u64..=64 * 1024 * 1024,
@@ -578,7 +579,16 @@ fn buffer() -> impl Strategy<Value = BufferConfig> {
     )
         .prop_flat_map(
             |(
-                (data_dir, seg, compression, fsync, (sampling, reuse_max), retention, zstd),
+                (
+                    data_dir,
+                    seg,
+                    compression,
+                    fsync,
+                    (sampling, reuse_max),
+                    retention,
+                    zstd,
+                    min_spread,
+                ),
                 (inline, bucket, consumer, ingest, ack_wait, extra_pending, max_wait, compact),
             )| {
                 // fetch_wait in (0, ack_wait / 2].
@@ -601,6 +611,7 @@ fn buffer() -> impl Strategy<Value = BufferConfig> {
                     max_ack_pending: (ingest + extra_pending).min(1_000_000),
                     max_request_wait: max_wait,
                     state_log_compact_bytes: compact,
+                    min_reward_spread: min_spread,
                 })
             },
         )

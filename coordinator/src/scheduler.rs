@@ -99,17 +99,28 @@ struct Completed {
     seq: u64,
     task: TaskRef,
     worker: Arc<str>,
+    /// The buffer's drop of its group was acted on when the completion
+    /// came (the report overtook it): remembered so that a retry of the
+    /// completion is answered as done, and a report delivered again is not
+    /// acted on twice.
+    dropped: bool,
     /// As [`Lease::persisted`].
     persisted: persisted::Fields,
 }
 
 impl Completed {
-    fn new(seq: u64, task: TaskRef, worker: Arc<str>) -> Self {
-        let persisted = persisted::Fields::new(&[(1, seq), (2, task.index), (3, task.epoch)]);
+    fn new(seq: u64, task: TaskRef, worker: Arc<str>, dropped: bool) -> Self {
+        let persisted = persisted::Fields::new(&[
+            (1, seq),
+            (2, task.index),
+            (3, task.epoch),
+            (5, u64::from(dropped)),
+        ]);
         Self {
             seq,
             task,
             worker,
+            dropped,
             persisted,
         }
     }
@@ -182,10 +193,50 @@ pub enum Completion {
     /// A retry of a completion that was already counted (e.g. its reply was
     /// lost in a coordinator restart): answered yes, counted once.
     AlreadyCompleted,
-    /// The buffer dropped the group as stale before its completion arrived
-    /// (the report overtook it): not counted as accepted, and the task is
-    /// issued again, as for a stale drop reported after the completion.
-    DroppedBefore { lease: Lease },
+    /// The buffer dropped the group before its completion arrived (the
+    /// report overtook it): not counted as accepted. The task is issued
+    /// again (`requeued`) after a stale or quarantined drop, as for one
+    /// reported after the completion; not after a no-signal drop.
+    DroppedBefore {
+        lease: Lease,
+        kind: DropKind,
+        requeued: bool,
+    },
+}
+
+/// What the buffer's drop of a group asks of the coordinator (from the
+/// report's reason, [`DropKind::of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropKind {
+    /// Nothing: trained on, superseded, a duplicate attempt, or expired
+    /// after it was trained.
+    Ignored,
+    /// Never served and older than v − η: its capacity is returned and its
+    /// task issued again.
+    Stale,
+    /// Refused by the learner: its capacity is returned; a failed attempt
+    /// of its task, which is issued again unless that quarantines it.
+    Refused,
+    /// No reward signal (dynamic sampling): its capacity is returned, and
+    /// its task is done for its epoch: not issued again, not trained.
+    NoSignal,
+}
+
+impl DropKind {
+    pub fn of(reason: asyncrl_protos::GroupDropReason) -> Self {
+        use asyncrl_protos::GroupDropReason as R;
+        match reason {
+            R::Stale => DropKind::Stale,
+            R::Quarantined => DropKind::Refused,
+            R::NoSignal => DropKind::NoSignal,
+            R::Unspecified | R::Superseded | R::DuplicateAttempt | R::Expired => DropKind::Ignored,
+        }
+    }
+
+    /// Its task is issued again.
+    pub fn reissues(self) -> bool {
+        matches!(self, DropKind::Stale | DropKind::Refused)
+    }
 }
 
 /// A lease that ended without completion.
@@ -207,10 +258,17 @@ pub enum Dropped {
     /// counted only.
     Unknown,
     /// Its lease is still running (the report overtook the completion):
-    /// the completion will not count, and the task is issued again then.
+    /// the completion will not count, and the task is issued again then
+    /// (unless the drop was for no signal).
     BeforeCompletion,
+    /// A report delivered again whose drop was acted on when the
+    /// completion came: nothing more.
+    AlreadyDropped,
     /// Its capacity is returned and its task is issued again.
     Requeued(TaskRef),
+    /// Its capacity is returned; its task is done (no signal), not issued
+    /// again.
+    Freed(TaskRef),
     /// Its capacity is returned; the task failed once too often and is
     /// quarantined.
     Quarantined(TaskRef),
@@ -296,10 +354,11 @@ pub struct Scheduler {
     /// Failed attempts per task (data set index) since the cursor last
     /// issued it.
     failures: BTreeMap<u64, u32>,
-    /// Leases whose group the buffer dropped as stale before their
-    /// completion arrived (not persisted: a coordinator restart in that
-    /// window counts the completion as accepted).
-    dropped_early: HashSet<u64>,
+    /// Leases whose group the buffer dropped (stale, refused, no signal)
+    /// before their completion arrived. Not persisted: the report stays
+    /// unacked until the completion has been counted, so a restarted
+    /// coordinator is told again.
+    dropped_early: HashMap<u64, DropKind>,
 }
 
 impl Scheduler {
@@ -335,7 +394,7 @@ impl Scheduler {
             expired_total: 0,
             quarantined: std::collections::BTreeSet::new(),
             failures: BTreeMap::new(),
-            dropped_early: HashSet::new(),
+            dropped_early: HashMap::new(),
         }
     }
 
@@ -406,7 +465,12 @@ impl Scheduler {
             .iter()
             .map(|t| t.epoch)
             .chain(self.leases.values().map(|l| l.task.epoch))
-            .chain(self.completed.values().map(|c| c.task.epoch))
+            .chain(
+                self.completed
+                    .values()
+                    .filter(|c| !c.dropped)
+                    .map(|c| c.task.epoch),
+            )
             .fold(self.epoch, u64::min);
         open.checked_sub(1)
     }
@@ -602,29 +666,36 @@ impl Scheduler {
         }
     }
 
-    /// The buffer dropped a group. A group never trained on (stale, or
-    /// quarantined: `reissue`) of a remembered completion gives its
-    /// capacity back and its task is issued again (front of the queue);
-    /// returns the task when that happened. `stale` counts it in
-    /// `stale_dropped_total` when it is acted on: a report delivered again
-    /// (the coordinator acks one only once its effect is written) finds
-    /// its completion gone and is neither acted on nor counted twice, and
-    /// neither is one whose completion was forgotten (`Unknown`).
-    /// A quarantined group (`stale` false) is a failed attempt of its task.
-    pub fn on_group_dropped(&mut self, group_id: &str, reissue: bool, stale: bool) -> Dropped {
-        if !reissue {
+    /// The buffer dropped a group. A group never trained on (`kind` not
+    /// [`DropKind::Ignored`]) of a remembered completion gives its capacity
+    /// back; after a stale or refused drop its task is issued again (front
+    /// of the queue), after a no-signal drop it is done. A stale drop is
+    /// counted in `stale_dropped_total` when it is acted on: a report
+    /// delivered again (the coordinator acks one only once its effect is
+    /// written) finds its completion gone, or marked dropped, and is
+    /// neither acted on nor counted twice, and neither is one whose
+    /// completion was forgotten (`Unknown`). A refused group is a failed
+    /// attempt of its task.
+    pub fn on_group_dropped(&mut self, group_id: &str, kind: DropKind) -> Dropped {
+        if kind == DropKind::Ignored {
             return Dropped::Ignored;
         }
         let seq = self.parse_lease(group_id);
+        if let Some(k) = seq.and_then(|seq| self.completed_seqs.get(&seq))
+            && self.completed.get(k).is_some_and(|c| c.dropped)
+        {
+            return Dropped::AlreadyDropped;
+        }
         let Some(c) = seq
             .and_then(|seq| self.completed_seqs.remove(&seq))
             .and_then(|k| self.completed.remove(&k))
         else {
             // The report can overtake the completion (the buffer stores
             // the group as soon as its trajectories are acked): the
-            // completion, when it comes, gives the task back instead.
+            // completion, when it comes, is not counted and gives the task
+            // back (or, for no signal, ends it) instead.
             if let Some(seq) = seq.filter(|s| self.leases.contains_key(s)) {
-                if self.dropped_early.insert(seq) && stale {
+                if self.dropped_early.insert(seq, kind).is_none() && kind == DropKind::Stale {
                     self.stale_dropped_total += 1;
                 }
                 return Dropped::BeforeCompletion;
@@ -633,11 +704,13 @@ impl Scheduler {
         };
         let floor = self.consumed_floor();
         self.accepted = self.accepted.saturating_sub(1).max(floor);
-        if stale {
-            self.stale_dropped_total += 1;
-        }
-        if !stale && self.task_failed(c.task) {
-            return Dropped::Quarantined(c.task);
+        match kind {
+            DropKind::Stale => self.stale_dropped_total += 1,
+            DropKind::Refused if self.task_failed(c.task) => {
+                return Dropped::Quarantined(c.task);
+            }
+            DropKind::NoSignal => return Dropped::Freed(c.task),
+            DropKind::Refused | DropKind::Ignored => {}
         }
         if self.quarantined.contains(&c.task.index) {
             // An attempt granted before its task was quarantined.

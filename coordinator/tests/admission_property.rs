@@ -7,12 +7,17 @@
 //! - `accepted`/`running` match the model, no task of an epoch completes
 //!   twice, no task is lost (each is done, leased or queued);
 //! - a completion of an expired or returned lease is refused;
-//! - the persisted state round-trips.
+//! - the persisted state round-trips;
+//! - dynamic sampling: a group the buffer drops for no signal, reported
+//!   after its completion or before it (the report overtaking it), and
+//!   delivered again, also across a coordinator restart, frees its
+//!   capacity exactly once, is never trained, and its task is not issued
+//!   again.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use asyncrl_coordinator::scheduler::{
-    CompleteRefusal, Completion, Scheduler, SchedulerParams, TaskRef,
+    CompleteRefusal, Completion, DropKind, Dropped, Scheduler, SchedulerParams, TaskRef,
 };
 use proptest::prelude::*;
 
@@ -21,12 +26,36 @@ const TIMEOUT: i64 = 100;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Acquire { worker: u8, n: u32 },
-    Complete { pick: usize },
-    Expire { pick: usize },
-    Return { pick: usize },
-    CompleteDead { pick: usize },
+    Acquire {
+        worker: u8,
+        n: u32,
+    },
+    Complete {
+        pick: usize,
+    },
+    Expire {
+        pick: usize,
+    },
+    Return {
+        pick: usize,
+    },
+    CompleteDead {
+        pick: usize,
+    },
     Bump,
+    /// The buffer drops a completed, untrained group for no signal (the
+    /// report delivered twice).
+    NoSignal {
+        pick: usize,
+    },
+    /// The buffer drops a running lease's group for no signal before its
+    /// completion arrives (delivered twice).
+    NoSignalEarly {
+        pick: usize,
+    },
+    /// The coordinator restarts from its persisted state; the reports it
+    /// had not acked (those that overtook their completion) come again.
+    Restart,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -37,6 +66,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|pick| Op::Return { pick }),
         1 => any::<usize>().prop_map(|pick| Op::CompleteDead { pick }),
         3 => Just(Op::Bump),
+        2 => any::<usize>().prop_map(|pick| Op::NoSignal { pick }),
+        1 => any::<usize>().prop_map(|pick| Op::NoSignalEarly { pick }),
+        1 => Just(Op::Restart),
     ]
 }
 
@@ -45,6 +77,8 @@ struct Live {
     lease_id: String,
     worker: String,
     task: TaskRef,
+    /// The buffer dropped its group for no signal before it completed.
+    no_signal: bool,
 }
 
 struct Model {
@@ -62,6 +96,8 @@ struct Model {
     completed: u64,
     done: HashMap<TaskRef, u32>,
     trained: u64,
+    /// Groups dropped for no signal (never trained).
+    no_signal: u64,
 }
 
 impl Model {
@@ -86,6 +122,7 @@ impl Model {
             completed: 0,
             done: HashMap::new(),
             trained: 0,
+            no_signal: 0,
         }
     }
 
@@ -109,6 +146,7 @@ impl Model {
                         lease_id: g.lease_id,
                         worker: worker.clone(),
                         task: g.task,
+                        no_signal: false,
                     });
                 }
             }
@@ -118,14 +156,34 @@ impl Model {
                     .s
                     .complete(&l.worker, &l.lease_id, Some(l.task.index), G)
                     .map_err(|e| TestCaseError::fail(format!("refused: {e}")))?;
-                let accepted = matches!(c, Completion::Accepted { .. });
-                prop_assert!(accepted, "not counted: {:?}", c);
-                self.completed += 1;
                 let n = self.done.entry(l.task).or_default();
                 *n += 1;
                 prop_assert_eq!(*n, 1, "task {:?} completed twice", l.task);
-                if let Some(entry) = self.fifo.iter_mut().find(|(id, ..)| *id == l.lease_id) {
-                    entry.2 = true;
+                if l.no_signal {
+                    // Not counted, not issued again, never trained.
+                    let done = matches!(
+                        c,
+                        Completion::DroppedBefore {
+                            kind: DropKind::NoSignal,
+                            requeued: false,
+                            ..
+                        }
+                    );
+                    prop_assert!(done, "a no-signal drop before completion: {:?}", c);
+                    self.remove_from_fifo(&l.lease_id);
+                    self.no_signal += 1;
+                    // The report comes again (it was not acked): nothing.
+                    prop_assert_eq!(
+                        self.s.on_group_dropped(&l.lease_id, DropKind::NoSignal),
+                        Dropped::AlreadyDropped
+                    );
+                } else {
+                    let accepted = matches!(c, Completion::Accepted { .. });
+                    prop_assert!(accepted, "not counted: {:?}", c);
+                    self.completed += 1;
+                    if let Some(entry) = self.fifo.iter_mut().find(|(id, ..)| *id == l.lease_id) {
+                        entry.2 = true;
+                    }
                 }
             }
             Op::Expire { pick } if !self.live.is_empty() => {
@@ -171,6 +229,51 @@ impl Model {
             }
             Op::Bump => {
                 self.try_bump()?;
+            }
+            Op::NoSignal { pick } => {
+                let done: Vec<String> = self
+                    .fifo
+                    .iter()
+                    .filter(|e| e.2)
+                    .map(|e| e.0.clone())
+                    .collect();
+                if done.is_empty() {
+                    return self.check();
+                }
+                let id = done[pick % done.len()].clone();
+                let before = self.s.queue_len();
+                let d = self.s.on_group_dropped(&id, DropKind::NoSignal);
+                prop_assert!(matches!(d, Dropped::Freed(_)), "{:?}", d);
+                self.remove_from_fifo(&id);
+                self.completed -= 1;
+                self.no_signal += 1;
+                // Delivered again: acted on once.
+                let again = self.s.on_group_dropped(&id, DropKind::NoSignal);
+                prop_assert_eq!(again, Dropped::Unknown);
+                prop_assert_eq!(self.s.queue_len(), before, "the task is not issued again");
+            }
+            Op::NoSignalEarly { pick } if !self.live.is_empty() => {
+                let i = pick % self.live.len();
+                let id = self.live[i].lease_id.clone();
+                for _ in 0..2 {
+                    let d = self.s.on_group_dropped(&id, DropKind::NoSignal);
+                    prop_assert_eq!(d, Dropped::BeforeCompletion);
+                }
+                self.live[i].no_signal = true;
+            }
+            Op::Restart => {
+                self.s = Scheduler::from_proto(
+                    self.s.params().clone(),
+                    &self.s.to_proto(),
+                    self.n_tasks,
+                    "fp",
+                    self.now,
+                )
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                for l in self.live.iter().filter(|l| l.no_signal) {
+                    let d = self.s.on_group_dropped(&l.lease_id, DropKind::NoSignal);
+                    prop_assert_eq!(d, Dropped::BeforeCompletion);
+                }
             }
             _ => {}
         }

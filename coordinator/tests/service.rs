@@ -450,6 +450,99 @@ async fn a_drop_reported_while_the_coordinator_is_down_is_applied_when_it_starts
     c.join().await.unwrap();
 }
 
+/// Dynamic sampling over the bus: a group the buffer drops for no reward
+/// signal gives its capacity back once (also when the report overtakes the
+/// completion, is delivered again, or meets a coordinator restart), and
+/// its task is not issued again: the next grant is a new task.
+#[tokio::test(start_paused = true)]
+async fn a_no_signal_drop_returns_capacity_without_reissuing_the_task() {
+    let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = write_tasks(dir.path(), 50);
+    let (c, metrics, w, got) = two_tasks_completed(dir.path(), &tasks, &bus).await;
+    assert!(w.acquire(5).await.tasks.is_empty());
+    let no_signal = |t: &asyncrl_protos::v1::Task| GroupDropped {
+        task_id: t.task_id.clone(),
+        group_id: t.lease_id.clone(),
+        kind: GroupDropReason::NoSignal as i32,
+        trajectories: 2,
+    };
+    let seen = |n: u64| {
+        let metrics = metrics.clone();
+        async move {
+            eventually(
+                &format!("{n} no-signal reports"),
+                Duration::from_secs(5),
+                || async {
+                    let text = metrics.encode_prometheus_text().unwrap();
+                    text.contains(&format!(
+                        "asyncrl_groups_dropped_reported_total{{reason=\"no_signal\"}} {n}"
+                    ))
+                    .then_some(())
+                },
+            )
+            .await;
+        }
+    };
+    // After the completion.
+    report(&bus, no_signal(&got[1])).await;
+    seen(1).await;
+    let s = c.status().await.unwrap();
+    assert_eq!((s.accepted_groups, s.capacity_left), (1, 1));
+    let next = w.acquire(5).await.tasks;
+    assert_eq!(next.len(), 1);
+    assert!(
+        got.iter().all(|g| g.task_id != next[0].task_id),
+        "a new task, not the dropped one again: {}",
+        next[0].task_id
+    );
+    // The same report delivered again: not acted on twice.
+    let repeat = no_signal(&got[1]);
+    bus.publish_durable(
+        BUFFER_GROUP_DROPPED,
+        &format!("dropped.{}.no_signal.again", repeat.group_id),
+        Bytes::from(repeat.encode_to_vec()),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let s = c.status().await.unwrap();
+    assert_eq!(
+        (s.accepted_groups, s.running_groups, s.capacity_left),
+        (1, 1, 0)
+    );
+    // Before the completion, across a coordinator restart: the report
+    // stays unacked until the completion has been handled.
+    report(&bus, no_signal(&next[0])).await;
+    seen(2).await;
+    c.shutdown();
+    c.join().await.unwrap();
+    let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 2, 0), &bus).await;
+    let w = Worker::new(&bus, "w");
+    w.register(8).await;
+    // The report comes again (unacked) before or after the completion;
+    // either way the completion is not counted and the task not reissued.
+    let done = w.complete(&next[0]).await;
+    assert!(done.accepted, "{}", done.reason);
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let s = c.status().await.unwrap();
+    assert_eq!(
+        (s.accepted_groups, s.running_groups, s.capacity_left),
+        (1, 0, 1)
+    );
+    w.register(8).await;
+    let last = w.acquire(5).await.tasks;
+    assert_eq!(last.len(), 1);
+    assert!(
+        got.iter()
+            .chain(&next)
+            .all(|g| g.task_id != last[0].task_id),
+        "no dropped task is issued again"
+    );
+    c.shutdown();
+    c.join().await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn malformed_requests_get_a_reason_and_bad_worker_ids_are_refused() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());

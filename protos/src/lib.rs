@@ -59,6 +59,7 @@ impl GroupDropReason {
             GroupDropReason::Stale => "stale",
             GroupDropReason::Expired => "expired",
             GroupDropReason::Quarantined => "quarantined",
+            GroupDropReason::NoSignal => "no_signal",
         }
     }
 
@@ -68,6 +69,14 @@ impl GroupDropReason {
     /// its capacity and issues it again.
     pub fn reissues_task(self) -> bool {
         matches!(self, GroupDropReason::Stale | GroupDropReason::Quarantined)
+    }
+
+    /// A group never trained on whose capacity the coordinator returns:
+    /// those that reissue their task, and a group dropped for carrying no
+    /// signal (dynamic sampling), whose task is done for its epoch and not
+    /// issued again.
+    pub fn frees_capacity(self) -> bool {
+        self.reissues_task() || self == GroupDropReason::NoSignal
     }
 }
 

@@ -51,17 +51,23 @@ impl Scheduler {
             .leases
             .remove(&seq)
             .ok_or(CompleteRefusal::UnknownLease)?;
-        if self.dropped_early.remove(&seq) {
-            // Remembered without counting: a retry is answered as done.
-            self.remember_completed(Completed::new(seq, lease.task, lease.worker.clone()));
-            if !self.quarantined.contains(&lease.task.index) {
+        if let Some(kind) = self.dropped_early.remove(&seq) {
+            // Remembered without counting, as dropped: a retry is answered
+            // as done, and the report delivered again changes nothing.
+            self.remember_completed(Completed::new(seq, lease.task, lease.worker.clone(), true));
+            let requeued = kind.reissues() && !self.quarantined.contains(&lease.task.index);
+            if requeued {
                 self.queue.push_front(lease.task);
             }
-            return Ok(Completion::DroppedBefore { lease });
+            return Ok(Completion::DroppedBefore {
+                lease,
+                kind,
+                requeued,
+            });
         }
         self.accepted += 1;
         self.completed_total += 1;
-        self.remember_completed(Completed::new(seq, lease.task, lease.worker.clone()));
+        self.remember_completed(Completed::new(seq, lease.task, lease.worker.clone(), false));
         Ok(Completion::Accepted { lease })
     }
 

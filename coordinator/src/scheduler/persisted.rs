@@ -38,6 +38,7 @@ impl Scheduler {
                 index: c.task.index,
                 epoch: c.task.epoch,
                 worker: workers.index(&c.worker),
+                dropped: c.dropped,
             })
             .collect();
         CoordinatorState {
@@ -216,6 +217,7 @@ impl Scheduler {
                 c.seq,
                 task(c.index, c.epoch)?,
                 worker(c.worker)?,
+                c.dropped,
             ));
         }
         s.accepted = state.accepted;

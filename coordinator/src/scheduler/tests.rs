@@ -286,11 +286,11 @@ fn stale_drop_returns_capacity_and_reissues_the_task() {
     }
     assert_eq!(s.capacity(0), 0);
     assert_eq!(
-        s.on_group_dropped(&g[1].lease_id, false, false),
+        s.on_group_dropped(&g[1].lease_id, DropKind::Ignored),
         Dropped::Ignored
     );
     assert_eq!(
-        s.on_group_dropped(&g[1].lease_id, true, true),
+        s.on_group_dropped(&g[1].lease_id, DropKind::Stale),
         Dropped::Requeued(TaskRef { index: 1, epoch: 0 })
     );
     assert_eq!(s.stale_dropped_total, 1);
@@ -301,13 +301,16 @@ fn stale_drop_returns_capacity_and_reissues_the_task() {
     // The same report delivered again (its ack was lost): neither acted on
     // nor counted twice.
     assert_eq!(
-        s.on_group_dropped(&g[1].lease_id, true, true),
+        s.on_group_dropped(&g[1].lease_id, DropKind::Stale),
         Dropped::Unknown
     );
     assert_eq!(s.stale_dropped_total, 1);
     assert_eq!(s.queue_len(), 0, "the task is issued again once, not twice");
     // Unknown group: nothing happens.
-    assert_eq!(s.on_group_dropped("L0-77", true, true), Dropped::Unknown);
+    assert_eq!(
+        s.on_group_dropped("L0-77", DropKind::Stale),
+        Dropped::Unknown
+    );
     assert_eq!(s.stale_dropped_total, 1);
 }
 
@@ -320,7 +323,7 @@ fn a_quarantined_group_returns_capacity_and_reissues_its_task_without_counting_a
     }
     assert_eq!(s.capacity(0), 0);
     assert_eq!(
-        s.on_group_dropped(&g[0].lease_id, true, false),
+        s.on_group_dropped(&g[0].lease_id, DropKind::Refused),
         Dropped::Requeued(TaskRef { index: 0, epoch: 0 })
     );
     assert_eq!(s.stale_dropped_total, 0);
@@ -436,7 +439,7 @@ fn the_state_is_written_as_its_protobuf_message() {
         s.complete(w, &g.lease_id, Some(g.task.index), 4).unwrap();
     }
     s.expire_worker("w3", 1_700_000_000_100);
-    s.on_group_dropped(&held[0].1.lease_id, true, true);
+    s.on_group_dropped(&held[0].1.lease_id, DropKind::Stale);
     s.on_version(2);
     s.on_version(-1);
     s.acquire("w4", 2, 4, 1_700_000_000_200);
@@ -511,7 +514,7 @@ fn a_task_whose_groups_the_learner_refuses_is_quarantined_after_max_task_attempt
         assert_eq!(g[0].task.index, 0, "the refused task comes back first");
         s.complete("w", &g[0].lease_id, Some(0), 4).unwrap();
         let before = s.capacity(8);
-        last = s.on_group_dropped(&g[0].lease_id, true, false);
+        last = s.on_group_dropped(&g[0].lease_id, DropKind::Refused);
         assert_eq!(s.capacity(8), before + 1, "capacity returned");
     }
     assert_eq!(last, Dropped::Quarantined(TaskRef { index: 0, epoch: 0 }));
@@ -520,7 +523,7 @@ fn a_task_whose_groups_the_learner_refuses_is_quarantined_after_max_task_attempt
         let g = s.acquire("w", 1, 8, 0);
         assert_eq!(g[0].task.index, 1);
         s.complete("w", &g[0].lease_id, Some(1), 4).unwrap();
-        s.on_group_dropped(&g[0].lease_id, true, false);
+        s.on_group_dropped(&g[0].lease_id, DropKind::Refused);
     }
     assert_eq!(s.quarantined().len(), 2);
     assert!(s.acquire("w", 4, 8, 0).is_empty());
@@ -536,7 +539,7 @@ fn a_stale_drop_reported_before_the_completion_still_reissues_the_task() {
     let mut s = sched(2, 100);
     let g = s.acquire("w", 2, 0, 0);
     assert_eq!(
-        s.on_group_dropped(&g[0].lease_id, true, true),
+        s.on_group_dropped(&g[0].lease_id, DropKind::Stale),
         Dropped::BeforeCompletion
     );
     let done = s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4);
@@ -586,7 +589,7 @@ fn an_epoch_closes_once_no_task_of_it_is_queued_leased_or_remembered() {
     );
     // A stale drop of a remembered completion queues its task again.
     assert_eq!(
-        s.on_group_dropped(&again[0].lease_id, true, true),
+        s.on_group_dropped(&again[0].lease_id, DropKind::Stale),
         Dropped::Requeued(TaskRef { index: 1, epoch: 0 })
     );
     let third = s.acquire("w", 1, 4, 1_000);
@@ -614,4 +617,146 @@ fn an_epoch_closes_once_no_task_of_it_is_queued_leased_or_remembered() {
         Some(0),
         "epoch 1's completions are remembered"
     );
+}
+
+#[test]
+fn drop_kinds_follow_the_buffer_reasons() {
+    use asyncrl_protos::GroupDropReason as R;
+    assert_eq!(DropKind::of(R::Stale), DropKind::Stale);
+    assert_eq!(DropKind::of(R::Quarantined), DropKind::Refused);
+    assert_eq!(DropKind::of(R::NoSignal), DropKind::NoSignal);
+    for r in [
+        R::Unspecified,
+        R::Superseded,
+        R::DuplicateAttempt,
+        R::Expired,
+    ] {
+        assert_eq!(DropKind::of(r), DropKind::Ignored);
+        assert!(!r.frees_capacity());
+    }
+    for r in [R::Stale, R::Quarantined, R::NoSignal] {
+        assert!(r.frees_capacity());
+        assert_eq!(DropKind::of(r).reissues(), r.reissues_task());
+    }
+}
+
+/// Dynamic sampling: a group without reward signal frees its capacity
+/// once, and its task is done (not issued again, not counted as stale).
+#[test]
+fn a_no_signal_drop_frees_capacity_once_without_reissuing_the_task() {
+    let mut s = sched(2, 100);
+    let g = s.acquire("w", 2, 0, 0);
+    for g in &g {
+        s.complete("w", &g.lease_id, Some(g.task.index), 4).unwrap();
+    }
+    assert_eq!((s.accepted(), s.capacity(0)), (2, 0));
+    assert_eq!(
+        s.on_group_dropped(&g[1].lease_id, DropKind::NoSignal),
+        Dropped::Freed(TaskRef { index: 1, epoch: 0 })
+    );
+    assert_eq!((s.accepted(), s.capacity(0)), (1, 1));
+    assert_eq!(s.queue_len(), 0, "the task is not issued again");
+    assert_eq!(s.stale_dropped_total, 0);
+    // Delivered again (its ack was lost): not acted on twice.
+    assert_eq!(
+        s.on_group_dropped(&g[1].lease_id, DropKind::NoSignal),
+        Dropped::Unknown
+    );
+    assert_eq!((s.accepted(), s.capacity(0)), (1, 1));
+    // The freed capacity admits the next task of the data set.
+    let next = s.acquire("w", 5, 0, 0);
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].task, TaskRef { index: 2, epoch: 0 });
+}
+
+/// The report overtakes the completion, and is delivered again before
+/// and after it, and after a coordinator restart: the capacity is freed
+/// once (the completion is not counted), the task is never issued again.
+#[test]
+fn a_no_signal_drop_reported_before_the_completion_frees_capacity_once() {
+    let mut s = sched(2, 100);
+    let g = s.acquire("w", 2, 0, 0);
+    for _ in 0..2 {
+        assert_eq!(
+            s.on_group_dropped(&g[0].lease_id, DropKind::NoSignal),
+            Dropped::BeforeCompletion
+        );
+    }
+    assert_eq!(s.capacity(0), 0, "still running");
+    // A coordinator restart forgets the early drop; the report, not acked,
+    // comes again.
+    let mut s = Scheduler::from_proto(params(2), &s.to_proto(), 100, "fp", 0).unwrap();
+    assert_eq!(
+        s.on_group_dropped(&g[0].lease_id, DropKind::NoSignal),
+        Dropped::BeforeCompletion
+    );
+    let done = s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4);
+    assert!(
+        matches!(
+            done,
+            Ok(Completion::DroppedBefore {
+                kind: DropKind::NoSignal,
+                requeued: false,
+                ..
+            })
+        ),
+        "{done:?}"
+    );
+    assert_eq!((s.accepted(), s.running(), s.capacity(0)), (0, 1, 1));
+    assert_eq!(s.queue_len(), 0);
+    // A retry of the completion is answered as done, counted once.
+    assert_eq!(
+        s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4),
+        Ok(Completion::AlreadyCompleted)
+    );
+    // The report delivered again after the completion, before and after a
+    // restart: nothing more.
+    for _ in 0..2 {
+        assert_eq!(
+            s.on_group_dropped(&g[0].lease_id, DropKind::NoSignal),
+            Dropped::AlreadyDropped
+        );
+        assert_eq!((s.accepted(), s.capacity(0)), (0, 1));
+        s = Scheduler::from_proto(params(2), &s.to_proto(), 100, "fp", 0).unwrap();
+    }
+    // The other lease completes as usual; the freed slot admits task 2.
+    s.complete("w", &g[1].lease_id, Some(g[1].task.index), 4)
+        .unwrap();
+    assert_eq!((s.accepted(), s.capacity(0)), (1, 1));
+    let next = s.acquire("w", 5, 0, 0);
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].task, TaskRef { index: 2, epoch: 0 });
+    // A completion handled as dropped does not keep its epoch open.
+    assert!(s.to_proto().completed.iter().any(|c| c.dropped));
+}
+
+/// A stale report that overtook its completion and is delivered again
+/// after it (it stays unacked until then) issues the task once.
+#[test]
+fn a_stale_report_delivered_again_after_its_completion_reissues_the_task_once() {
+    let mut s = sched(2, 100);
+    let g = s.acquire("w", 2, 0, 0);
+    assert_eq!(
+        s.on_group_dropped(&g[0].lease_id, DropKind::Stale),
+        Dropped::BeforeCompletion
+    );
+    let done = s.complete("w", &g[0].lease_id, Some(g[0].task.index), 4);
+    assert!(
+        matches!(
+            done,
+            Ok(Completion::DroppedBefore {
+                kind: DropKind::Stale,
+                requeued: true,
+                ..
+            })
+        ),
+        "{done:?}"
+    );
+    assert_eq!(
+        s.on_group_dropped(&g[0].lease_id, DropKind::Stale),
+        Dropped::AlreadyDropped
+    );
+    assert_eq!(s.queue_len(), 1, "issued again once");
+    assert_eq!(s.accepted(), 0);
+    assert_eq!(s.stale_dropped_total, 1);
 }

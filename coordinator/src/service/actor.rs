@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use asyncrl_common::SharedClock;
 use asyncrl_config::Config;
-use asyncrl_protos::GroupDropReason;
 use asyncrl_protos::subjects::subject_worker;
 use asyncrl_protos::v1::StatusReply;
 use asyncrl_telemetry::Health;
@@ -27,7 +26,7 @@ use super::settings::Settings;
 use crate::dataset::TaskSet;
 use crate::error::CoordinatorError;
 use crate::metrics::CoordinatorMetrics;
-use crate::scheduler::{Dropped, Scheduler, VersionChange};
+use crate::scheduler::{DropKind, Dropped, Scheduler, VersionChange};
 
 /// The learner as the persisted state records it; a learner-status event
 /// that changes it is written.
@@ -379,15 +378,17 @@ impl Actor {
                 report: g,
                 delivery,
             } => {
-                let reissue = g.kind().reissues_task();
-                let stale = g.kind() == GroupDropReason::Stale;
-                *dirty |= reissue;
-                let outcome = self.sched.on_group_dropped(&g.group_id, reissue, stale);
+                let kind = DropKind::of(g.kind());
+                *dirty |= kind != DropKind::Ignored;
+                let outcome = self.sched.on_group_dropped(&g.group_id, kind);
                 // A report delivered again is counted once (unless this
                 // process had not counted it: its effect was lost with a
                 // coordinator that stopped before writing it).
                 if delivery.delivered == 1
-                    || matches!(outcome, Dropped::Requeued(_) | Dropped::Quarantined(_))
+                    || matches!(
+                        outcome,
+                        Dropped::Requeued(_) | Dropped::Quarantined(_) | Dropped::Freed(_)
+                    )
                 {
                     CoordinatorMetrics::reason(&self.metrics.groups_dropped, g.kind().label());
                 }
@@ -421,9 +422,17 @@ impl Actor {
                             "a task failed too often (the learner refused its groups) and is quarantined: it is not issued again (coordinator.max_task_attempts)"
                         );
                     }
+                    Dropped::Freed(task) => tracing::info!(
+                        task_id = %g.task_id, group_id = %g.group_id, index = task.index, epoch = task.epoch, reason = g.kind().label(),
+                        "the buffer dropped a group without reward signal (dynamic sampling); its capacity is returned, the task is done for this epoch"
+                    ),
                     Dropped::BeforeCompletion => tracing::info!(
                         task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(),
-                        "the buffer dropped a group before its completion arrived; the task is issued again when it does"
+                        "the buffer dropped a group before its completion arrived; the completion will not be counted (and the task is issued again, unless the drop was for no signal)"
+                    ),
+                    Dropped::AlreadyDropped => tracing::debug!(
+                        task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(),
+                        "a drop report delivered again; it was acted on when the completion came"
                     ),
                     Dropped::Unknown => tracing::warn!(
                         task_id = %g.task_id, group_id = %g.group_id, reason = g.kind().label(),

@@ -16,7 +16,7 @@ use super::knob_admin::{Admission, KnobAdmin};
 use super::settings::Settings;
 use crate::dataset::TaskSet;
 use crate::metrics::{BadRequestLabel, CoordinatorMetrics};
-use crate::scheduler::{Completion, Scheduler};
+use crate::scheduler::{Completion, DropKind, Scheduler};
 use asyncrl_tasks::{Prompt, valid_task_id};
 
 /// Object-safe encoding of the reply messages.
@@ -296,16 +296,28 @@ impl WorkerRequests<'_> {
                             if_unwritten: None,
                         }
                     }
-                    Ok(Completion::DroppedBefore { lease }) => {
+                    Ok(Completion::DroppedBefore {
+                        lease,
+                        kind,
+                        requeued,
+                    }) => {
+                        let why = match kind {
+                            DropKind::NoSignal => "without reward signal (dynamic sampling)",
+                            DropKind::Refused => "as refused by the learner",
+                            DropKind::Stale | DropKind::Ignored => "as stale",
+                        };
+                        let then = if requeued {
+                            "the task is issued again"
+                        } else {
+                            "the task is not issued again"
+                        };
                         tracing::info!(
-                            worker = %c.worker_id, task_id = %c.task_id, lease_id = %c.lease_id, index = lease.task.index,
-                            "the buffer dropped this group as stale before its completion arrived; the task is issued again"
+                            worker = %c.worker_id, task_id = %c.task_id, lease_id = %c.lease_id, index = lease.task.index, requeued,
+                            "the buffer dropped this group {why} before its completion arrived; {then}"
                         );
                         let ok = enc(&CompleteTaskReply {
                             accepted: true,
-                            reason:
-                                "the buffer dropped the group as stale; the task is issued again"
-                                    .into(),
+                            reason: format!("the buffer dropped the group {why}; {then}"),
                         });
                         Handled::Durable {
                             reply: ok,
