@@ -340,7 +340,10 @@ pub struct StalenessArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,2,8,32")]
     etas: Vec<u32>,
     /// naive (PPO around the behaviour policy), decoupled, adaptive, m2po,
-    /// gspo, tis, icepop, rloo (decoupled with leave-one-out advantages).
+    /// gspo, tis, icepop, rloo (decoupled with leave-one-out advantages);
+    /// job (the base config's objective as it is), job-dynamic (with
+    /// dynamic sampling: buffer.min_reward_spread = 0.5), job-padded (with
+    /// learner.packing off).
     #[arg(
         long,
         value_delimiter = ',',

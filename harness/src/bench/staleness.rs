@@ -52,20 +52,33 @@ pub enum Objective {
     Icepop,
     /// Decoupled PPO with RLOO's leave-one-out advantages.
     Rloo,
+    /// The base config's objective as it is (the main job's, say).
+    Job,
+    /// The base config's, with dynamic sampling: groups whose rewards span
+    /// less than [`DYNAMIC_MIN_SPREAD`] are dropped at the buffer.
+    JobDynamic,
+    /// The base config's, with the learner padding every row instead of
+    /// packing (`learner.packing = false`).
+    JobPadded,
 }
 
-/// What an [`Objective`] sets in the config.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `buffer.min_reward_spread` of [`Objective::JobDynamic`]: with 0/1
+/// rewards, a group is kept unless every completion scored alike.
+pub const DYNAMIC_MIN_SPREAD: f64 = 0.5;
+
+/// What an [`Objective`] sets in the config (`None`: the base config's).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ObjectiveSettings {
-    pub clip_mode: ClipModeName,
-    pub proximal: ProximalName,
-    pub correction: ImportanceCorrectionName,
-    /// `None`: the base config's.
+    pub clip_mode: Option<ClipModeName>,
+    pub proximal: Option<ProximalName>,
+    pub correction: Option<ImportanceCorrectionName>,
     pub advantage_norm: Option<AdvantageNormName>,
+    pub min_reward_spread: Option<f64>,
+    pub packing: Option<bool>,
 }
 
 impl Objective {
-    pub const ALL: [Objective; 8] = [
+    pub const ALL: [Objective; 11] = [
         Objective::Naive,
         Objective::Decoupled,
         Objective::Adaptive,
@@ -74,6 +87,9 @@ impl Objective {
         Objective::Tis,
         Objective::Icepop,
         Objective::Rloo,
+        Objective::Job,
+        Objective::JobDynamic,
+        Objective::JobPadded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -86,6 +102,9 @@ impl Objective {
             Objective::Tis => "tis",
             Objective::Icepop => "icepop",
             Objective::Rloo => "rloo",
+            Objective::Job => "job",
+            Objective::JobDynamic => "job-dynamic",
+            Objective::JobPadded => "job-padded",
         }
     }
 
@@ -95,15 +114,36 @@ impl Objective {
             .find(|o| o.as_str() == s)
             .with_context(|| {
                 format!(
-                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo)"
+                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded)"
                 )
             })
     }
 
     /// The clip mode, proximal policy, importance correction and advantage
-    /// of this objective.
+    /// of this objective, and the job variants' sampling and packing.
     pub fn settings(self) -> ObjectiveSettings {
+        let job = ObjectiveSettings {
+            clip_mode: None,
+            proximal: None,
+            correction: None,
+            advantage_norm: None,
+            min_reward_spread: None,
+            packing: None,
+        };
         let (clip_mode, proximal, correction, advantage_norm) = match self {
+            Objective::Job => return job,
+            Objective::JobDynamic => {
+                return ObjectiveSettings {
+                    min_reward_spread: Some(DYNAMIC_MIN_SPREAD),
+                    ..job
+                };
+            }
+            Objective::JobPadded => {
+                return ObjectiveSettings {
+                    packing: Some(false),
+                    ..job
+                };
+            }
             Objective::Naive => (
                 ClipModeName::Ppo,
                 ProximalName::Behaviour,
@@ -154,10 +194,11 @@ impl Objective {
             ),
         };
         ObjectiveSettings {
-            clip_mode,
-            proximal,
-            correction,
+            clip_mode: Some(clip_mode),
+            proximal: Some(proximal),
+            correction: Some(correction),
             advantage_norm,
+            ..job
         }
     }
 }
@@ -208,6 +249,33 @@ struct Run {
     seed: u64,
     steps: Vec<StepRow>,
     evals: Vec<EvalPoint>,
+    /// Dynamic sampling's drops: (groups dropped for no signal, groups
+    /// completed), from the run's [`NO_SIGNAL_CSV`].
+    no_signal: Option<(u64, u64)>,
+}
+
+/// What dynamic sampling dropped in a run (written next to its CSVs).
+const NO_SIGNAL_CSV: &str = "no_signal.csv";
+
+fn read_no_signal(path: &Path) -> anyhow::Result<Option<(u64, u64)>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let row = text
+        .lines()
+        .nth(1)
+        .with_context(|| format!("{} has no data row", path.display()))?;
+    let (d, c) = row
+        .split_once(',')
+        .with_context(|| format!("{}: expected dropped,completed", path.display()))?;
+    let num = |x: &str| {
+        x.trim()
+            .parse::<u64>()
+            .with_context(|| format!("{}: {x:?} is not a count", path.display()))
+    };
+    Ok(Some((num(d)?, num(c)?)))
 }
 
 impl Run {
@@ -276,13 +344,14 @@ fn run_config(
     let name = format!("eta{eta}-{}-seed{seed}", objective.as_str());
     let mut c = base.clone();
     c.staleness.eta = eta;
-    let settings = objective.settings();
-    c.coordinator.initial_knobs.clip_mode = settings.clip_mode;
-    c.coordinator.initial_knobs.importance_correction = settings.correction;
-    c.learner.proximal = settings.proximal;
-    if let Some(norm) = settings.advantage_norm {
-        c.learner.advantage_norm = norm;
-    }
+    let s = objective.settings();
+    let knobs = &mut c.coordinator.initial_knobs;
+    knobs.clip_mode = s.clip_mode.unwrap_or(knobs.clip_mode);
+    knobs.importance_correction = s.correction.unwrap_or(knobs.importance_correction);
+    c.learner.proximal = s.proximal.unwrap_or(c.learner.proximal);
+    c.learner.advantage_norm = s.advantage_norm.unwrap_or(c.learner.advantage_norm);
+    c.learner.packing = s.packing.unwrap_or(c.learner.packing);
+    c.buffer.min_reward_spread = s.min_reward_spread.unwrap_or(c.buffer.min_reward_spread);
     c.run.seed = seed;
     c.run.max_steps = bench.steps;
     c.run.name = name.clone();
@@ -334,6 +403,14 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
                         "bench staleness: {name}: {} steps in {:.1}s",
                         summary.steps, summary.seconds
                     );
+                    if let Some(n) = summary.no_signal {
+                        let path = dir.join(NO_SIGNAL_CSV);
+                        std::fs::write(
+                            &path,
+                            format!("dropped,completed\n{},{}\n", n.dropped, n.completed),
+                        )
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                    }
                 }
                 let evals: Vec<EvalPoint> = read_eval(&dir.join(EVAL_CSV))
                     .with_context(|| format!("run {name}"))?
@@ -352,6 +429,7 @@ pub async fn staleness(base: Config, bench: StalenessBench) -> anyhow::Result<St
                     steps: read_steps(&dir.join(METRICS_CSV))
                         .with_context(|| format!("run {name}"))?,
                     evals,
+                    no_signal: read_no_signal(&dir.join(NO_SIGNAL_CSV))?,
                 };
                 eprintln!(
                     "bench staleness: {name}: held-out accuracy {:.3} -> {:.3}, mean lag {:.2}",
@@ -676,6 +754,37 @@ fn markdown(bench: &StalenessBench, settings: &BTreeMap<(usize, usize), Vec<&Run
                 f.1,
                 sync_t / f.1
             );
+        }
+    }
+    let dropped: Vec<&Run> = settings
+        .values()
+        .flatten()
+        .copied()
+        .filter(|r| r.no_signal.is_some())
+        .collect();
+    if !dropped.is_empty() {
+        let _ = writeln!(
+            md,
+            "
+**Dynamic sampling** (groups dropped for no reward signal, of the groups completed; \
+             the samples columns count trained samples, so the samples generated are more by \
+             this share):\n"
+        );
+        for r in dropped {
+            if let Some((d, c)) = r.no_signal {
+                let _ = writeln!(
+                    md,
+                    "- η = {}, {}, seed {}: {d} of {c} ({:.1} %)",
+                    r.eta,
+                    r.objective.as_str(),
+                    r.seed,
+                    if c > 0 {
+                        100.0 * d as f64 / c as f64
+                    } else {
+                        0.0
+                    }
+                );
+            }
         }
     }
     md
