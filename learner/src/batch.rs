@@ -681,13 +681,7 @@ impl TrainBatch {
         let (n, l) = (self.input_ids.size()[0], self.input_ids.size()[1]);
         let device = self.input_ids.device();
         let Some((width, lanes)) = self.packed_lanes(lanes) else {
-            let width = self.padded_width();
-            let base = Tensor::arange(n, (Kind::Int64, device)) * (width - 1);
-            return ForwardInputs {
-                input_ids: self.input_ids.narrow(1, 0, width),
-                segments: None,
-                gather: &self.gather_index + base.unsqueeze(1),
-            };
+            return ForwardInputs::padded(&self.input_ids, &self.gather_index, self.padded_width());
         };
         let s = lanes.len() as i64;
         // Where each lane position's token comes from in the flat
@@ -738,10 +732,10 @@ impl Lanes {
     /// positions, as the shifted log-prob matrix needs one, and within the
     /// padded width); packed, at least `min_width`.
     pub fn width(self, longest: i64, padded_len: i64) -> i64 {
-        let rows = longest.max(2).min(padded_len.max(2));
+        let padded = longest.max(2).min(padded_len);
         match self {
-            Lanes::Padded => longest.max(2).min(padded_len),
-            Lanes::Packed { min_width } => rows.max(min_width),
+            Lanes::Padded => padded,
+            Lanes::Packed { min_width } => padded.max(2).max(min_width),
         }
     }
 
@@ -774,6 +768,19 @@ pub struct ForwardInputs {
 }
 
 impl ForwardInputs {
+    /// Right-padded rows `input_ids` (`[N, ≥ width]`) cut to `width`, their
+    /// completion tokens at `gather_index` (`[N, T]`, into each row's
+    /// shifted log-probs).
+    fn padded(input_ids: &Tensor, gather_index: &Tensor, width: i64) -> Self {
+        let n = input_ids.size()[0];
+        let base = Tensor::arange(n, (Kind::Int64, input_ids.device())) * (width - 1);
+        ForwardInputs {
+            input_ids: input_ids.narrow(1, 0, width),
+            segments: None,
+            gather: gather_index + base.unsqueeze(1),
+        }
+    }
+
     /// Positions the forward pass computes: lanes × lane width.
     pub fn positions(&self) -> i64 {
         self.input_ids.numel() as i64
@@ -931,15 +938,8 @@ pub fn pack_microbatches_packed(
 /// the whole padded sequences, at sampling temperature `temperature` (the
 /// same distribution the worker's behaviour log-probs refer to).
 pub fn completion_logprobs(logits: &Tensor, batch: &TrainBatch, temperature: f64) -> Tensor {
-    let l = logits.size()[1];
-    let n = logits.size()[0];
-    let base = Tensor::arange(n, (Kind::Int64, logits.device())) * (l - 1);
-    ForwardInputs {
-        input_ids: batch.input_ids.narrow(1, 0, l),
-        segments: None,
-        gather: &batch.gather_index + base.unsqueeze(1),
-    }
-    .completion_logprobs(logits, temperature)
+    ForwardInputs::padded(&batch.input_ids, &batch.gather_index, logits.size()[1])
+        .completion_logprobs(logits, temperature)
 }
 
 #[cfg(test)]

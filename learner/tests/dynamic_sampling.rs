@@ -4,13 +4,16 @@
 //! reported dropped, `no_signal`, once), and every other trajectory is
 //! trained exactly once across the kill.
 
-use std::collections::{BTreeMap, HashSet};
+mod common;
+
+use std::collections::HashSet;
+
+use common::trained_steps;
 use std::sync::Arc;
 use std::time::Duration;
 
 use asyncrl_config::{Config, DeviceName};
 use asyncrl_control::knobs::{KNOBS_KEY, encode_schedule, initial_knobs, new_schedule};
-use asyncrl_learner::outputs::{TRAINED_JSONL, TrainedStep, read_trained};
 use asyncrl_protos::subjects::{self, BUFFER_GROUP_DROPPED, trajectory_subject};
 use asyncrl_protos::v1::{FinishReason, GroupDropped, RewardStatus, Timings, Trajectory};
 use asyncrl_protos::{GroupDropReason, Message};
@@ -71,18 +74,6 @@ fn group(g: u32, flat: bool) -> Vec<Trajectory> {
             admission_version: 0,
             turns: Vec::new(),
         })
-        .collect()
-}
-
-fn trained_steps(out: &std::path::Path) -> BTreeMap<u64, TrainedStep> {
-    let path = out.join(TRAINED_JSONL);
-    if !path.exists() {
-        return BTreeMap::new();
-    }
-    read_trained(&path)
-        .unwrap()
-        .into_iter()
-        .map(|t| (t.step, t))
         .collect()
 }
 

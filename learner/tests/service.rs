@@ -5,13 +5,17 @@
 //! sequence without going backwards. A checkpoint it cannot write is
 //! counted and it trains on; what a crash cut off is removed at start.
 
+mod common;
+
 use std::sync::Arc;
+
+use common::trained_steps;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use asyncrl_config::{Config, DeviceName};
 use asyncrl_control::knobs::{KNOBS_KEY, encode_schedule, initial_knobs, new_schedule};
-use asyncrl_learner::outputs::{TRAINED_JSONL, TrainedStep, read_metrics, read_trained};
+use asyncrl_learner::outputs::read_metrics;
 use asyncrl_protos::v1::{
     BatchReply, BatchRequest, FinishReason, LearnerStatus, RewardStatus, Timings, Trajectory,
     WeightAnnouncement,
@@ -569,20 +573,6 @@ mod gated {
             self.0.inner.flush().await
         }
     }
-}
-
-/// The last `trained.jsonl` entry of each step (none before the learner
-/// created the file).
-fn trained_steps(dir: &std::path::Path) -> std::collections::BTreeMap<u64, TrainedStep> {
-    let path = dir.join(TRAINED_JSONL);
-    if !path.exists() {
-        return Default::default();
-    }
-    read_trained(&path)
-        .unwrap()
-        .into_iter()
-        .map(|t| (t.step, t))
-        .collect()
 }
 
 /// The learner asks for step s + 1 while step s trains and uploads the

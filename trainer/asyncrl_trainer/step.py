@@ -173,6 +173,17 @@ def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
     return lanes
 
 
+def _padded(batch: StepBatch, width: int) -> Layout:
+    """``batch``'s right-padded rows as they are, cut to ``width``."""
+    n = batch.input_ids.shape[0]
+    base = torch.arange(n, device=batch.input_ids.device, dtype=torch.int64) * (width - 1)
+    return Layout(
+        input_ids=batch.input_ids[:, :width],
+        position_ids=None,
+        gather=batch.gather_index + base.unsqueeze(1),
+    )
+
+
 def layout(batch: StepBatch, packing: bool, min_width: int = 0) -> Layout:
     """The forward inputs of ``batch``'s rows: as they are (cut to the
     longest row), or packed into lanes as wide as the longest row or
@@ -186,13 +197,7 @@ def layout(batch: StepBatch, packing: bool, min_width: int = 0) -> Layout:
     # Rows that pack into no fewer positions than padding takes are padded
     # (the model's plain causal attention is then the cheaper).
     if not packing or len(lanes) * width >= n * padded_width:
-        width = padded_width
-        base = torch.arange(n, device=device, dtype=torch.int64) * (width - 1)
-        return Layout(
-            input_ids=batch.input_ids[:, :width],
-            position_ids=None,
-            gather=batch.gather_index + base.unsqueeze(1),
-        )
+        return _padded(batch, padded_width)
     s = len(lanes)
     source = torch.zeros(s * width, dtype=torch.int64)
     positions = torch.zeros(s * width, dtype=torch.int64)
@@ -240,14 +245,7 @@ def completion_logprobs(
 ) -> torch.Tensor:
     """Log-probs of the completion tokens, ``[N, T]``, from logits
     ``[N, L, V]`` of the padded rows at the sampling temperature."""
-    n, length = logits.shape[0], logits.shape[1]
-    base = torch.arange(n, device=logits.device, dtype=torch.int64) * (length - 1)
-    at = Layout(
-        input_ids=batch.input_ids[:, :length],
-        position_ids=None,
-        gather=batch.gather_index + base.unsqueeze(1),
-    )
-    return layout_logprobs(logits, at, temperature)
+    return layout_logprobs(logits, _padded(batch, logits.shape[1]), temperature)
 
 
 def _gap_sums(

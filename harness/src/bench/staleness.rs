@@ -25,7 +25,7 @@ use asyncrl_config::{
 };
 
 use asyncrl_app::plot::{Series, panel_chart};
-use asyncrl_app::train::{TrainOptions, train};
+use asyncrl_app::train::{NoSignalSummary, TrainOptions, train};
 use asyncrl_learner::outputs::{EVAL_CSV, METRICS_CSV, read_eval, read_metrics};
 
 /// The objectives the study compares.
@@ -249,15 +249,14 @@ struct Run {
     seed: u64,
     steps: Vec<StepRow>,
     evals: Vec<EvalPoint>,
-    /// Dynamic sampling's drops: (groups dropped for no signal, groups
-    /// completed), from the run's [`NO_SIGNAL_CSV`].
-    no_signal: Option<(u64, u64)>,
+    /// Dynamic sampling's drops, from the run's [`NO_SIGNAL_CSV`].
+    no_signal: Option<NoSignalSummary>,
 }
 
 /// What dynamic sampling dropped in a run (written next to its CSVs).
 const NO_SIGNAL_CSV: &str = "no_signal.csv";
 
-fn read_no_signal(path: &Path) -> anyhow::Result<Option<(u64, u64)>> {
+fn read_no_signal(path: &Path) -> anyhow::Result<Option<NoSignalSummary>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -275,7 +274,10 @@ fn read_no_signal(path: &Path) -> anyhow::Result<Option<(u64, u64)>> {
             .parse::<u64>()
             .with_context(|| format!("{}: {x:?} is not a count", path.display()))
     };
-    Ok(Some((num(d)?, num(c)?)))
+    Ok(Some(NoSignalSummary {
+        dropped: num(d)?,
+        completed: num(c)?,
+    }))
 }
 
 impl Run {
@@ -765,24 +767,21 @@ fn markdown(bench: &StalenessBench, settings: &BTreeMap<(usize, usize), Vec<&Run
     if !dropped.is_empty() {
         let _ = writeln!(
             md,
-            "
-**Dynamic sampling** (groups dropped for no reward signal, of the groups completed; \
+            "\n**Dynamic sampling** (groups dropped for no reward signal, of the groups completed; \
              the samples columns count trained samples, so the samples generated are more by \
              this share):\n"
         );
         for r in dropped {
-            if let Some((d, c)) = r.no_signal {
+            if let Some(n) = r.no_signal {
                 let _ = writeln!(
                     md,
-                    "- η = {}, {}, seed {}: {d} of {c} ({:.1} %)",
+                    "- η = {}, {}, seed {}: {} of {} ({:.1} %)",
                     r.eta,
                     r.objective.as_str(),
                     r.seed,
-                    if c > 0 {
-                        100.0 * d as f64 / c as f64
-                    } else {
-                        0.0
-                    }
+                    n.dropped,
+                    n.completed,
+                    100.0 * n.fraction()
                 );
             }
         }
