@@ -121,6 +121,20 @@ fn a_run_evaluates_its_versions_and_asyncrl_eval_reproduces_them() {
         "--eval",
         "4",
     ]);
+    // warmstart.json records what the warm start was made with (scripts/run
+    // redoes one made with other settings) and how it scored.
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(model.join("warmstart.json")).expect("warmstart.json"),
+    )
+    .expect("warmstart.json is JSON");
+    assert_eq!(record["steps"], 150, "{record}");
+    assert_eq!(record["batch_size"], 64, "{record}");
+    assert_eq!(record["learning_rate"], 3e-3, "{record}");
+    assert_eq!(record["eval_items"], 4, "{record}");
+    for when in ["before", "after"] {
+        let greedy = record[when]["greedy"].as_f64().expect("a greedy accuracy");
+        assert!((0.0..=1.0).contains(&greedy), "{record}");
+    }
     let text = ok(&[
         "eval",
         s(&model),

@@ -37,7 +37,7 @@ impl Default for SftOptions {
 }
 
 /// Mean reward of a model on tasks: greedy and sampled.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct Accuracy {
     pub greedy: f64,
     pub sampled: f64,
@@ -284,11 +284,29 @@ pub enum WarmStartError {
     Policy(#[from] asyncrl_policy::PolicyError),
     #[error("the warm start's episodes: {0:#}")]
     Episodes(anyhow::Error),
+    #[error("cannot encode the warm start's record")]
+    Record(#[source] serde_json::Error),
     #[error("cannot write {path}: {source}")]
     Write {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+}
+
+/// `warmstart.json`, beside a warm start's weights: what it was made with
+/// (`scripts/run` redoes a warm start made with other settings) and its
+/// held-out accuracy before and after.
+#[derive(Debug, serde::Serialize)]
+struct WarmStartRecord<'a> {
+    dataset: &'a str,
+    steps: usize,
+    batch_size: usize,
+    learning_rate: f64,
+    eval_items: usize,
+    before: Accuracy,
+    after: Accuracy,
+    temperature: f64,
+    seconds: f64,
 }
 
 /// `asyncrl warmstart`: builds the model of `[model]` (the built-in one when
@@ -345,21 +363,20 @@ pub fn run_warm_start(
     )?;
     policy.set_version(0);
     policy.save_pretrained(out, None)?;
-    let json = format!(
-        "{{\"dataset\":{:?},\"steps\":{},\"batch_size\":{},\"learning_rate\":{},\"eval_items\":{},\"before\":{{\"greedy\":{},\"sampled\":{}}},\"after\":{{\"greedy\":{},\"sampled\":{}}},\"temperature\":{},\"seconds\":{:.1}}}\n",
-        dataset.name,
-        opts.steps,
-        opts.batch_size,
-        opts.learning_rate,
-        eval.len(),
-        report.before.greedy,
-        report.before.sampled,
-        report.after.greedy,
-        report.after.sampled,
-        opts.temperature,
-        report.seconds
-    );
+    let record = WarmStartRecord {
+        dataset: &dataset.name,
+        steps: opts.steps,
+        batch_size: opts.batch_size,
+        learning_rate: opts.learning_rate,
+        eval_items: eval.len(),
+        before: report.before,
+        after: report.after,
+        temperature: opts.temperature,
+        seconds: (report.seconds * 10.0).round() / 10.0,
+    };
     let path = out.join("warmstart.json");
+    let mut json = serde_json::to_vec(&record).map_err(WarmStartError::Record)?;
+    json.push(b'\n');
     std::fs::write(&path, json).map_err(|source| WarmStartError::Write { path, source })?;
     Ok(report)
 }
