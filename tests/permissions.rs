@@ -10,6 +10,7 @@
 //!   exits with one error line naming the permission and the subject;
 //! - no role reads another's replies: each may subscribe to its own inbox
 //!   prefix only, not to `_INBOX.>` nor to another role's or worker's;
+//! - the coordinator's tasks-available hint reaches every worker user;
 //! - a worker started before the stores it reads exist waits for their
 //!   owners to create them, and never asks to create one;
 //! - a worker with its own user (nats-worker-user.conf.template) cannot
@@ -27,8 +28,9 @@ use asyncrl_harness::cluster::{Cluster, Expect, NatsSetup, Spec};
 use asyncrl_protos::subjects::{
     BUFFER_GROUP_DROPPED, CONTROL_BUCKET, COORDINATOR_QUEUE_GROUP, COORDINATOR_STATE_KEY,
     KNOBS_KEY, LEARNER_LEASE_KEY, LEARNER_STATUS_KEY, POLICY_VERSION_KEY, TASKS_ACQUIRE,
-    TASKS_COMPLETE, TASKS_RETURN, WEIGHTS_BUCKET, WORKER_REQUEST_SUBJECTS, WORKERS_HEARTBEAT,
-    WORKERS_REGISTER, role_inbox_prefix, weights_object_name, worker_inbox_prefix, worker_subject,
+    TASKS_AVAILABLE, TASKS_COMPLETE, TASKS_RETURN, WEIGHTS_BUCKET, WORKER_REQUEST_SUBJECTS,
+    WORKERS_HEARTBEAT, WORKERS_REGISTER, role_inbox_prefix, weights_object_name,
+    worker_inbox_prefix, worker_subject,
 };
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, CompleteTask, CompleteTaskReply, HeartbeatReply,
@@ -666,6 +668,48 @@ async fn no_role_subscribes_to_replies_not_its_own() {
             "{user}"
         );
     }
+}
+
+/// The coordinator's tasks-available hint reaches every worker user (the
+/// shared one and those with their own users), and the coordinator may
+/// publish it: a refused worker is woken when capacity comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinators_tasks_available_hint_reaches_every_worker_user() {
+    let server = NatsServer::start_with_config(&server_config()).expect("start nats-server");
+    let (coordinator, coordinator_metrics) =
+        connect(&server, "coordinator", &password("coordinator")).await;
+    let workers: Vec<String> = std::iter::once("worker".to_owned())
+        .chain(BOUND_WORKERS.iter().map(|id| bound_user(id)))
+        .collect();
+    for user in &workers {
+        let (bus, metrics) = connect(&server, user, &password(user)).await;
+        let mut hints = bus.subscribe(TASKS_AVAILABLE).await.unwrap();
+        // The subscription reaches the server on its own connection: publish
+        // until it arrives.
+        let hint = async {
+            loop {
+                coordinator
+                    .publish(TASKS_AVAILABLE, Bytes::new())
+                    .await
+                    .unwrap();
+                coordinator.flush().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        let got = tokio::select! {
+            got = tokio::time::timeout(Duration::from_secs(20), hints.next()) => got,
+            () = hint => unreachable!(),
+        };
+        got.unwrap_or_else(|_| panic!("{user}: no hint arrived"))
+            .unwrap_or_else(|| panic!("{user}: the hint was refused: {:?}", bus.refusals()));
+        assert_eq!(metrics.permission_violation_count("subscribe"), 0, "{user}");
+    }
+    assert_eq!(
+        coordinator_metrics.permission_violation_count("publish"),
+        0,
+        "the coordinator was refused the hint: {:?}",
+        coordinator.refusals()
+    );
 }
 
 async fn call<Rep: prost::Message + Default>(

@@ -15,7 +15,7 @@ use std::time::Duration;
 use asyncrl_common::{SharedClock, SystemClock, TokioClock};
 use asyncrl_config::Config;
 use asyncrl_coordinator::Coordinator;
-use asyncrl_protos::subjects::BUFFER_GROUP_DROPPED;
+use asyncrl_protos::subjects::{BUFFER_GROUP_DROPPED, TASKS_AVAILABLE};
 use asyncrl_protos::v1::{GroupDropReason, GroupDropped};
 use asyncrl_telemetry::{Health, Metrics};
 use asyncrl_testkit::NatsServer;
@@ -456,9 +456,11 @@ async fn a_drop_reported_while_the_coordinator_is_down_is_applied_when_it_starts
 /// its task is not issued again: the next grant is a new task.
 #[tokio::test(start_paused = true)]
 async fn a_no_signal_drop_returns_capacity_without_reissuing_the_task() {
+    use futures::StreamExt as _;
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
+    let mut hints = bus.subscribe(TASKS_AVAILABLE).await.unwrap();
     let (c, metrics, w, got) = two_tasks_completed(dir.path(), &tasks, &bus).await;
     assert!(w.acquire(5).await.tasks.is_empty());
     let no_signal = |t: &asyncrl_protos::v1::Task| GroupDropped {
@@ -489,6 +491,14 @@ async fn a_no_signal_drop_returns_capacity_without_reissuing_the_task() {
     seen(1).await;
     let s = c.status().await.unwrap();
     assert_eq!((s.accepted_groups, s.capacity_left), (1, 1));
+    // Capacity came back at the same version: the refused workers are told
+    // (η = 0: otherwise each refill waits out retry_after).
+    let hint = tokio::time::timeout(Duration::from_secs(5), hints.next())
+        .await
+        .expect("no tasks-available hint after a no-signal drop")
+        .expect("the hint subscription ended");
+    assert!(hint.payload.is_empty());
+    assert_eq!(s.policy_version, 0);
     let next = w.acquire(5).await.tasks;
     assert_eq!(next.len(), 1);
     assert!(

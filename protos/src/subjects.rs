@@ -20,6 +20,13 @@ pub const TASKS_COMPLETE: &str = "asyncrl.tasks.complete";
 pub const TASKS_RETURN: &str = "asyncrl.tasks.return";
 pub const WORKERS_REGISTER: &str = "asyncrl.workers.register";
 pub const WORKERS_HEARTBEAT: &str = "asyncrl.workers.heartbeat";
+/// The coordinator's hint that capacity came back without a new policy
+/// version (a group the buffer dropped returned its share: no reward
+/// signal, or stale and issued again), published with an empty payload
+/// (plain publish, fire-and-forget). A worker whose acquire was refused
+/// asks again at once instead of at the refusal's `retry_after_ms`; a hint
+/// that is lost costs only that wait.
+pub const TASKS_AVAILABLE: &str = "asyncrl.tasks.available";
 /// The coordinator's request subjects, each of which a worker addresses
 /// with its own id appended (`asyncrl.tasks.acquire.<worker id>`,
 /// [`worker_subject`]): the NATS permission of a worker's user names the

@@ -18,6 +18,7 @@ fn exact_literals() -> Vec<(&'static str, &'static str)> {
         (TASKS_ACQUIRE, "TASKS_ACQUIRE"),
         (TASKS_COMPLETE, "TASKS_COMPLETE"),
         (TASKS_RETURN, "TASKS_RETURN"),
+        (TASKS_AVAILABLE, "TASKS_AVAILABLE"),
         (WORKERS_REGISTER, "WORKERS_REGISTER"),
         (WORKERS_HEARTBEAT, "WORKERS_HEARTBEAT"),
         (BUFFER_BATCH, "BUFFER_BATCH"),

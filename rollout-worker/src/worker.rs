@@ -11,14 +11,17 @@ use asyncrl_config::{BatchingMode, Config};
 use asyncrl_policy::ModelHandle;
 use asyncrl_protos::Task;
 use asyncrl_protos::subjects::{
-    TASKS_ACQUIRE, TASKS_RETURN, WORKERS_HEARTBEAT, WORKERS_REGISTER, worker_subject,
+    TASKS_ACQUIRE, TASKS_AVAILABLE, TASKS_RETURN, WORKERS_HEARTBEAT, WORKERS_REGISTER,
+    worker_subject,
 };
 use asyncrl_protos::v1::{
     AcquireTasks, AcquireTasksReply, HeartbeatReply, RegisterWorker, RegisterWorkerReply,
     ReturnTasks, ReturnTasksReply, WorkerHeartbeat,
 };
 use asyncrl_telemetry::{Health, Metrics};
-use asyncrl_transport::Bus;
+use asyncrl_transport::{Bus, Message};
+use futures::stream::BoxStream;
+use futures::{FutureExt as _, StreamExt as _};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -538,6 +541,19 @@ async fn return_some(shared: &Arc<Shared>, leases: Vec<(String, String)>, task_f
         .extend(ids);
 }
 
+/// The coordinator's [`TASKS_AVAILABLE`] hints; none (a stream that ends at
+/// once) when the subscription fails: a refused acquire then waits out
+/// `retry_after`, as it did before the hint.
+async fn subscribe_to_capacity_hints(bus: &dyn Bus) -> BoxStream<'static, Message> {
+    match bus.subscribe(TASKS_AVAILABLE).await {
+        Ok(hints) => hints,
+        Err(e) => {
+            tracing::warn!(error = %e, subject = TASKS_AVAILABLE, "cannot subscribe to the coordinator's tasks-available hints; a refused acquire waits out retry_after");
+            futures::stream::empty().boxed()
+        }
+    }
+}
+
 /// The acquire loop, then the drain. Returns whether the drain was clean.
 async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -> bool {
     let s = &shared.settings;
@@ -553,6 +569,7 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
     let (min, max) = s.acquire_backoff;
     let mut backoff = Backoff::new(min, max);
     let mut engine_ready = shared.engine.readiness();
+    let mut available = subscribe_to_capacity_hints(shared.bus.as_ref()).await;
     loop {
         if !run.to_return.is_empty() {
             return_tasks(shared, std::mem::take(&mut run.to_return)).await;
@@ -588,6 +605,9 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
             }
             continue;
         }
+        // Hints that came while the worker was busy are answered by this
+        // acquire.
+        while let Some(Some(_)) = available.next().now_or_never() {}
         let req = AcquireTasks {
             worker_id: s.worker_id.clone(),
             free_slots: u32::try_from(want).unwrap_or(u32::MAX),
@@ -639,7 +659,9 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
         // A refusal mostly means "not before the learner's next version"
         // (η): a swap to new weights ends the wait at once instead of at the
         // coordinator's retry_after, which would otherwise sit on the
-        // critical path of every synchronous (η = 0) step.
+        // critical path of every synchronous (η = 0) step. So does the
+        // coordinator's hint that capacity came back without a new version
+        // (a group dropped for no reward signal, or stale).
         let sleep = tokio::time::sleep(delay);
         tokio::pin!(sleep);
         let mut loaded = shared.loaded.clone();
@@ -649,6 +671,7 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
                 _ = shutdown.cancelled() => break,
                 _ = &mut sleep => break,
                 Ok(()) = loaded.changed() => break,
+                Some(_) = available.next() => break,
                 Some(r) = run.tasks.join_next() => run.finished(shared, r),
             }
         }

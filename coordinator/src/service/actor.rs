@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use asyncrl_common::SharedClock;
 use asyncrl_config::Config;
-use asyncrl_protos::subjects::subject_worker;
+use asyncrl_protos::subjects::{TASKS_AVAILABLE, subject_worker};
 use asyncrl_protos::v1::StatusReply;
 use asyncrl_telemetry::Health;
 use asyncrl_transport::Bus;
+use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -150,6 +151,14 @@ impl Actor {
             health,
             clock,
         })
+    }
+
+    /// Publishes [`TASKS_AVAILABLE`]: a hint, so a failure is only logged
+    /// (the refused workers ask again after `retry_after`).
+    async fn wake_refused_workers(&self) {
+        if let Err(e) = self.bus.publish(TASKS_AVAILABLE, Bytes::new()).await {
+            tracing::debug!(error = %e, subject = TASKS_AVAILABLE, "cannot publish the tasks-available hint; refused workers ask again after retry_after");
+        }
     }
 
     /// The highest closed epoch of the stored state, as it changes.
@@ -398,6 +407,14 @@ impl Actor {
                 // that a restart in between still issues the task again.
                 if outcome != Dropped::BeforeCompletion {
                     out.acks.push(delivery);
+                }
+                // Capacity came back without a new version: a worker whose
+                // acquire was refused asks again now, not after retry_after
+                // (with η = 0 each refill of a no-signal drop would wait it
+                // out). A drop that overtook its completion frees nothing
+                // yet; the worker that completes it asks again by itself.
+                if matches!(outcome, Dropped::Requeued(_) | Dropped::Freed(_)) {
+                    self.wake_refused_workers().await;
                 }
                 // `asyncrl_stale_dropped_total` is shared with a buffer in the
                 // same process (which counts before it reports): raise it to
