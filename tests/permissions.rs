@@ -630,23 +630,15 @@ async fn no_role_subscribes_to_replies_not_its_own() {
         let own = inbox_of(user).unwrap();
         // Its own: what is published there arrives.
         let mut mine = bus.subscribe(&format!("{own}.>")).await.unwrap();
-        let probe = async {
-            loop {
-                observer
-                    .publish(&format!("{own}.probe"), Bytes::from_static(b"reply"))
-                    .await
-                    .unwrap();
-                observer.flush().await.unwrap();
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        };
-        let got = tokio::select! {
-            got = tokio::time::timeout(Duration::from_secs(20), mine.next()) => got,
-            () = probe => unreachable!(),
-        };
-        let got = got
-            .unwrap_or_else(|_| panic!("{user}: nothing arrived on its own inbox"))
-            .unwrap_or_else(|| panic!("{user}: its own inbox was refused: {:?}", bus.refusals()));
+        let got = first_delivery(
+            &observer,
+            &format!("{own}.probe"),
+            Bytes::from_static(b"reply"),
+            &mut mine,
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{user}: nothing arrived on its own inbox"))
+        .unwrap_or_else(|| panic!("{user}: its own inbox was refused: {:?}", bus.refusals()));
         assert_eq!(got.payload, Bytes::from_static(b"reply"));
 
         let mut others = vec!["_INBOX.>".to_owned(), "_INBOX.asyncrl.>".to_owned()];
@@ -684,23 +676,9 @@ async fn the_coordinators_tasks_available_hint_reaches_every_worker_user() {
     for user in &workers {
         let (bus, metrics) = connect(&server, user, &password(user)).await;
         let mut hints = bus.subscribe(TASKS_AVAILABLE).await.unwrap();
-        // The subscription reaches the server on its own connection: publish
-        // until it arrives.
-        let hint = async {
-            loop {
-                coordinator
-                    .publish(TASKS_AVAILABLE, Bytes::new())
-                    .await
-                    .unwrap();
-                coordinator.flush().await.unwrap();
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        };
-        let got = tokio::select! {
-            got = tokio::time::timeout(Duration::from_secs(20), hints.next()) => got,
-            () = hint => unreachable!(),
-        };
-        got.unwrap_or_else(|_| panic!("{user}: no hint arrived"))
+        first_delivery(&coordinator, TASKS_AVAILABLE, Bytes::new(), &mut hints)
+            .await
+            .unwrap_or_else(|_| panic!("{user}: no hint arrived"))
             .unwrap_or_else(|| panic!("{user}: the hint was refused: {:?}", bus.refusals()));
         assert_eq!(metrics.permission_violation_count("subscribe"), 0, "{user}");
     }
@@ -710,6 +688,29 @@ async fn the_coordinators_tasks_available_hint_reaches_every_worker_user() {
         "the coordinator was refused the hint: {:?}",
         coordinator.refusals()
     );
+}
+
+/// What `sub` yields first while `from` publishes `payload` on `subject`
+/// every 200 ms (a subscription reaches the server on its own connection,
+/// so the first publishes may come before it), for at most 20 s: `Err` when
+/// nothing came, `Ok(None)` when the subscription ended (refused).
+async fn first_delivery(
+    from: &NatsBus,
+    subject: &str,
+    payload: Bytes,
+    sub: &mut futures::stream::BoxStream<'static, asyncrl_transport::Message>,
+) -> Result<Option<asyncrl_transport::Message>, tokio::time::error::Elapsed> {
+    let publish = async {
+        loop {
+            from.publish(subject, payload.clone()).await.unwrap();
+            from.flush().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::select! {
+        got = tokio::time::timeout(Duration::from_secs(20), sub.next()) => got,
+        () = publish => unreachable!(),
+    }
 }
 
 async fn call<Rep: prost::Message + Default>(
