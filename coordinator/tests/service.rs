@@ -69,6 +69,19 @@ async fn start_paused(
     (c, metrics, health, clock)
 }
 
+/// The next tasks-available hint (the coordinator's "capacity came back
+/// without a new version"), within 5 s.
+async fn next_hint(
+    hints: &mut futures::stream::BoxStream<'static, asyncrl_transport::Message>,
+    after: &str,
+) {
+    let hint = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(hints))
+        .await
+        .unwrap_or_else(|_| panic!("no tasks-available hint {after}"))
+        .expect("the hint subscription ended");
+    assert!(hint.payload.is_empty());
+}
+
 async fn wait_version(c: &Coordinator, v: i32) {
     eventually(&format!("version {v}"), Duration::from_secs(5), || async {
         (c.status().await.unwrap().policy_version == v).then_some(())
@@ -143,6 +156,7 @@ async fn expired_leases_go_back_to_the_front_and_their_completion_is_refused() {
     let tasks = write_tasks(dir.path(), 50);
     let mut cfg = config(dir.path(), &tasks, 8, 2);
     cfg.coordinator.lease_timeout = Duration::from_millis(400);
+    let mut hints = bus.subscribe(TASKS_AVAILABLE).await.unwrap();
     let (c, metrics, _, clock) = start_paused(cfg, &bus).await;
     let a = Worker::new(&bus, "a");
     let b = Worker::new(&bus, "b");
@@ -164,6 +178,9 @@ async fn expired_leases_go_back_to_the_front_and_their_completion_is_refused() {
     }
     let s = c.status().await.unwrap();
     assert_eq!((s.running_groups, s.requeued_tasks), (1, 2));
+    // The expiry returned capacity at the same version: refused workers are
+    // told at once.
+    next_hint(&mut hints, "after leases expired").await;
     // The expired tasks are issued again first, under new leases.
     let again = b.acquire(3).await.tasks;
     let ids: Vec<&str> = again.iter().map(|t| t.task_id.as_str()).collect();
@@ -210,6 +227,7 @@ async fn a_worker_without_heartbeats_is_marked_dead_and_its_tasks_reissued() {
     let tasks = write_tasks(dir.path(), 50);
     let mut cfg = config(dir.path(), &tasks, 8, 2);
     cfg.coordinator.dead_after = Duration::from_millis(300);
+    let mut hints = bus.subscribe(TASKS_AVAILABLE).await.unwrap();
     let (c, metrics, _, _) = start_paused(cfg, &bus).await;
     let quiet = Worker::new(&bus, "quiet");
     let chatty = Worker::new(&bus, "chatty");
@@ -223,6 +241,8 @@ async fn a_worker_without_heartbeats_is_marked_dead_and_its_tasks_reissued() {
         (!q.alive).then_some(())
     })
     .await;
+    // Its leases ended: capacity back at the same version.
+    next_hint(&mut hints, "after a worker was marked dead").await;
     let workers = c.workers().await.unwrap().workers;
     let chatty_info = workers.iter().find(|w| w.worker_id == "chatty").unwrap();
     assert!(chatty_info.alive && chatty_info.capacity == 4 && chatty_info.hostname == "test-host");
@@ -254,6 +274,7 @@ async fn a_draining_worker_returns_its_tasks_and_gets_no_more() {
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
+    let mut hints = bus.subscribe(TASKS_AVAILABLE).await.unwrap();
     let (c, _, _, _) = start_paused(config(dir.path(), &tasks, 8, 2), &bus).await;
     let a = Worker::new(&bus, "a");
     let b = Worker::new(&bus, "b");
@@ -269,8 +290,14 @@ async fn a_draining_worker_returns_its_tasks_and_gets_no_more() {
     );
     // Another worker's lease cannot be returned by it.
     let other = b.acquire(1).await.tasks;
+    assert!(
+        futures::FutureExt::now_or_never(futures::StreamExt::next(&mut hints)).is_none(),
+        "a tasks-available hint before any capacity came back"
+    );
     let r = a.return_tasks(&[&held[1], &held[2], &other[0]]).await;
     assert_eq!(r.returned, 2);
+    // The returned leases are capacity back at the same version.
+    next_hint(&mut hints, "after tasks were returned").await;
     let again = b.acquire(2).await.tasks;
     assert_eq!(
         [&again[0].task_id, &again[1].task_id],
@@ -456,7 +483,6 @@ async fn a_drop_reported_while_the_coordinator_is_down_is_applied_when_it_starts
 /// its task is not issued again: the next grant is a new task.
 #[tokio::test(start_paused = true)]
 async fn a_no_signal_drop_returns_capacity_without_reissuing_the_task() {
-    use futures::StreamExt as _;
     let bus: Arc<dyn Bus> = Arc::new(LocalBus::new());
     let dir = tempfile::tempdir().unwrap();
     let tasks = write_tasks(dir.path(), 50);
@@ -493,11 +519,7 @@ async fn a_no_signal_drop_returns_capacity_without_reissuing_the_task() {
     assert_eq!((s.accepted_groups, s.capacity_left), (1, 1));
     // Capacity came back at the same version: the refused workers are told
     // (η = 0: otherwise each refill waits out retry_after).
-    let hint = tokio::time::timeout(Duration::from_secs(5), hints.next())
-        .await
-        .expect("no tasks-available hint after a no-signal drop")
-        .expect("the hint subscription ended");
-    assert!(hint.payload.is_empty());
+    next_hint(&mut hints, "after a no-signal drop").await;
     assert_eq!(s.policy_version, 0);
     let next = w.acquire(5).await.tasks;
     assert_eq!(next.len(), 1);

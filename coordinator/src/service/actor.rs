@@ -357,6 +357,11 @@ impl Actor {
                         reply,
                         if_unwritten,
                     });
+                    // Returned leases are capacity back at the same version
+                    // (a durable return ended at least one).
+                    if kind == RequestKind::Return {
+                        self.wake_refused_workers().await;
+                    }
                 }
             },
             Event::Version(a) => {
@@ -487,11 +492,17 @@ impl Actor {
                     Some(since) => self.fleet.sweep(now, self.settings.dead_after_ms, since),
                     None => Vec::new(),
                 };
+                let mut freed = !expired.is_empty();
                 for w in died {
                     let ended = self.sched.expire_worker(&w, now);
                     tracing::warn!(worker = %w, leases = ended.len(), "worker missed its heartbeats: marked dead, its leases expire");
                     self.metrics.tasks_expired.inc_by(ended.len() as u64);
                     *dirty |= !ended.is_empty();
+                    freed |= !ended.is_empty();
+                }
+                // Expired leases are capacity back at the same version.
+                if freed {
+                    self.wake_refused_workers().await;
                 }
                 self.fleet.update_capacity_model(&self.settings);
             }
