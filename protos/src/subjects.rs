@@ -23,7 +23,7 @@ pub const WORKERS_HEARTBEAT: &str = "asyncrl.workers.heartbeat";
 /// The coordinator's hint that capacity came back without a new policy
 /// version (a group the buffer dropped returned its share: no reward
 /// signal, or stale and issued again; leases expired, ended with a dead
-/// worker or returned by their worker), published with an empty payload
+/// worker or returned; a knob change), published with an empty payload
 /// (plain publish, fire-and-forget). A worker whose acquire was refused
 /// asks again at once instead of at the refusal's `retry_after_ms`; a hint
 /// that is lost costs only that wait.

@@ -660,8 +660,7 @@ async fn acquire_and_drain(shared: &Arc<Shared>, shutdown: &CancellationToken) -
         // (η): a swap to new weights ends the wait at once instead of at the
         // coordinator's retry_after, which would otherwise sit on the
         // critical path of every synchronous (η = 0) step. So does the
-        // coordinator's hint that capacity came back without a new version
-        // (a group dropped for no reward signal, or stale).
+        // coordinator's hint that capacity came back without a new version.
         let sleep = tokio::time::sleep(delay);
         tokio::pin!(sleep);
         let mut loaded = shared.loaded.clone();

@@ -29,6 +29,26 @@ use crate::error::CoordinatorError;
 use crate::metrics::CoordinatorMetrics;
 use crate::scheduler::{DropKind, Dropped, Scheduler, VersionChange};
 
+/// Admission at one moment: the policy version, the tasks that may still
+/// be admitted at it, and whether admission is paused.
+#[derive(Clone, Copy)]
+struct Room {
+    version: i32,
+    capacity: i64,
+    paused: bool,
+}
+
+impl Room {
+    /// Whether tasks may be admitted now that could not be `before`, at the
+    /// same version.
+    fn came_back_since(self, before: Room) -> bool {
+        self.version == before.version
+            && !self.paused
+            && self.capacity > 0
+            && (before.paused || self.capacity > before.capacity)
+    }
+}
+
 /// The learner as the persisted state records it; a learner-status event
 /// that changes it is written.
 #[derive(PartialEq)]
@@ -158,6 +178,17 @@ impl Actor {
     async fn wake_refused_workers(&self) {
         if let Err(e) = self.bus.publish(TASKS_AVAILABLE, Bytes::new()).await {
             tracing::debug!(error = %e, subject = TASKS_AVAILABLE, "cannot publish the tasks-available hint; refused workers ask again after retry_after");
+        }
+    }
+
+    /// Where admission stands now.
+    fn room(&self) -> Room {
+        let version = self.sched.version();
+        let Admission { eta, paused } = self.knobs.admission(version);
+        Room {
+            version,
+            capacity: self.sched.capacity(eta),
+            paused,
         }
     }
 
@@ -325,7 +356,17 @@ impl Actor {
                 ..
             }
         );
+        let before = self.room();
         self.handle_event(ev, out).await?;
+        // Capacity came back without a new version (a dropped group, an
+        // expired, dead or returned lease, a completion that a drop report
+        // overtook, a knob change): a worker whose acquire was refused asks
+        // again now, not after retry_after (with η = 0 each refill of a
+        // no-signal drop would wait it out). A new version needs no hint:
+        // workers ask again when they swap in its weights.
+        if self.room().came_back_since(before) {
+            self.wake_refused_workers().await;
+        }
         if labelled {
             self.update_labelled_metrics();
         }
@@ -357,11 +398,6 @@ impl Actor {
                         reply,
                         if_unwritten,
                     });
-                    // Returned leases are capacity back at the same version
-                    // (a durable return ended at least one).
-                    if kind == RequestKind::Return {
-                        self.wake_refused_workers().await;
-                    }
                 }
             },
             Event::Version(a) => {
@@ -412,14 +448,6 @@ impl Actor {
                 // that a restart in between still issues the task again.
                 if outcome != Dropped::BeforeCompletion {
                     out.acks.push(delivery);
-                }
-                // Capacity came back without a new version: a worker whose
-                // acquire was refused asks again now, not after retry_after
-                // (with η = 0 each refill of a no-signal drop would wait it
-                // out). A drop that overtook its completion frees nothing
-                // yet; the worker that completes it asks again by itself.
-                if matches!(outcome, Dropped::Requeued(_) | Dropped::Freed(_)) {
-                    self.wake_refused_workers().await;
                 }
                 // `asyncrl_stale_dropped_total` is shared with a buffer in the
                 // same process (which counts before it reports): raise it to
@@ -492,17 +520,11 @@ impl Actor {
                     Some(since) => self.fleet.sweep(now, self.settings.dead_after_ms, since),
                     None => Vec::new(),
                 };
-                let mut freed = !expired.is_empty();
                 for w in died {
                     let ended = self.sched.expire_worker(&w, now);
                     tracing::warn!(worker = %w, leases = ended.len(), "worker missed its heartbeats: marked dead, its leases expire");
                     self.metrics.tasks_expired.inc_by(ended.len() as u64);
                     *dirty |= !ended.is_empty();
-                    freed |= !ended.is_empty();
-                }
-                // Expired leases are capacity back at the same version.
-                if freed {
-                    self.wake_refused_workers().await;
                 }
                 self.fleet.update_capacity_model(&self.settings);
             }
