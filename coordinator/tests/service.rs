@@ -554,6 +554,9 @@ async fn a_no_signal_drop_returns_capacity_without_reissuing_the_task() {
     w.register(8).await;
     // The report comes again (unacked) before or after the completion;
     // either way the completion is not counted and the task not reissued.
+    while let Some(Some(_)) = futures::FutureExt::now_or_never(futures::StreamExt::next(&mut hints))
+    {
+    }
     let done = w.complete(&next[0]).await;
     assert!(done.accepted, "{}", done.reason);
     tokio::time::sleep(Duration::from_secs(12)).await;
@@ -562,6 +565,13 @@ async fn a_no_signal_drop_returns_capacity_without_reissuing_the_task() {
         (s.accepted_groups, s.running_groups, s.capacity_left),
         (1, 0, 1)
     );
+    // Whichever came second, the report or the completion, returned the
+    // group's capacity: the refused workers are told.
+    next_hint(
+        &mut hints,
+        "after a completion whose drop report came first",
+    )
+    .await;
     w.register(8).await;
     let last = w.acquire(5).await.tasks;
     assert_eq!(last.len(), 1);
