@@ -50,7 +50,8 @@ enum CtlCliCommand {
         /// name=value pairs: eta, eps_low, eps_high, clip_mode (ppo, adaptive,
         /// m2po, gspo), adaptive_quantile, adaptive_temperature,
         /// importance_weight_cap, importance_correction (mask, truncate,
-        /// icepop), importance_weight_floor, learning_rate (lr), paused.
+        /// icepop), importance_weight_floor, dual_clip (0: off; else at least 1),
+        /// learning_rate (lr), paused.
         #[arg(required = true)]
         assignments: Vec<String>,
         /// The learner step from which the change applies (default: the next

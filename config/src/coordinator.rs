@@ -396,6 +396,9 @@ pub struct InitialKnobs {
     pub importance_correction: ImportanceCorrectionName,
     /// IcePop's lower bound on the importance weight.
     pub importance_weight_floor: f64,
+    /// Dual-clip PPO's bound on the ratio of a token with a negative
+    /// advantage (0: off; otherwise at least 1).
+    pub dual_clip: f64,
     pub learning_rate: f64,
     pub paused: bool,
 }
@@ -411,6 +414,7 @@ impl Default for InitialKnobs {
             importance_weight_cap: 5.0,
             importance_correction: ImportanceCorrectionName::Mask,
             importance_weight_floor: 0.5,
+            dual_clip: 0.0,
             learning_rate: 1e-6,
             paused: false,
         }
@@ -425,11 +429,24 @@ pub struct KnobRange {
     pub name: &'static str,
     pub lo: f64,
     pub hi: f64,
+    /// A value outside `[lo, hi]` that turns the knob off (dual clip's 0).
+    pub off: Option<f64>,
 }
 
 impl KnobRange {
     pub fn contains(&self, value: f64) -> bool {
-        value.is_finite() && value >= self.lo && value <= self.hi
+        (value.is_finite() && value >= self.lo && value <= self.hi) || Some(value) == self.off
+    }
+}
+
+impl std::fmt::Display for KnobRange {
+    /// `[lo, hi]`, and `or <off> (off)` when the knob has an off value.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[{}, {}]", self.lo, self.hi)?;
+        match self.off {
+            Some(off) => write!(f, " or {off} (off)"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -441,41 +458,55 @@ pub mod knob_ranges {
         name: "eta",
         lo: 0.0,
         hi: crate::StalenessConfig::MAX_ETA as f64,
+        off: None,
     };
     pub const EPS_LOW: KnobRange = KnobRange {
         name: "eps_low",
         lo: 0.0,
         hi: 0.99,
+        off: None,
     };
     pub const EPS_HIGH: KnobRange = KnobRange {
         name: "eps_high",
         lo: 0.0,
         hi: 10.0,
+        off: None,
     };
     pub const ADAPTIVE_QUANTILE: KnobRange = KnobRange {
         name: "adaptive_quantile",
         lo: 0.01,
         hi: 0.999,
+        off: None,
     };
     pub const ADAPTIVE_TEMPERATURE: KnobRange = KnobRange {
         name: "adaptive_temperature",
         lo: 1e-4,
         hi: 100.0,
+        off: None,
     };
     pub const IMPORTANCE_WEIGHT_CAP: KnobRange = KnobRange {
         name: "importance_weight_cap",
         lo: 1.0,
         hi: 1000.0,
+        off: None,
     };
     pub const IMPORTANCE_WEIGHT_FLOOR: KnobRange = KnobRange {
         name: "importance_weight_floor",
         lo: 0.0,
         hi: 1.0,
+        off: None,
+    };
+    pub const DUAL_CLIP: KnobRange = KnobRange {
+        name: "dual_clip",
+        lo: 1.0,
+        hi: 1000.0,
+        off: Some(0.0),
     };
     pub const LEARNING_RATE: KnobRange = KnobRange {
         name: "learning_rate",
         lo: 1e-9,
         hi: 1.0,
+        off: None,
     };
 }
 
@@ -602,12 +633,13 @@ impl CoordinatorConfig {
                 knob_ranges::IMPORTANCE_WEIGHT_FLOOR,
                 k.importance_weight_floor,
             ),
+            (knob_ranges::DUAL_CLIP, k.dual_clip),
             (knob_ranges::LEARNING_RATE, k.learning_rate),
         ] {
             if !range.contains(value) {
                 return Err(ConfigError::invalid(
                     format!("coordinator.initial_knobs.{}", range.name),
-                    format!("= {value} is out of range [{}, {}]", range.lo, range.hi),
+                    format!("= {value} is out of range {range}"),
                 ));
             }
         }

@@ -174,6 +174,7 @@ const FLOAT_KEYS: &[&str] = &[
     "coordinator.initial_knobs.adaptive_temperature",
     "coordinator.initial_knobs.importance_weight_cap",
     "coordinator.initial_knobs.importance_weight_floor",
+    "coordinator.initial_knobs.dual_clip",
     "learner.kl_coef",
     "coordinator.initial_knobs.learning_rate",
     "eval.temperature",

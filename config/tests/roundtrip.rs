@@ -445,22 +445,26 @@ fn knobs() -> impl Strategy<Value = InitialKnobs> {
         (
             proptest::sample::select(ImportanceCorrectionName::ALL.to_vec()),
             0.0f64..=1.0,
+            prop_oneof![Just(0.0f64), 1.0f64..=1000.0],
         ),
         1e-9f64..=1.0,
         any::<bool>(),
     )
         .prop_map(
-            |(lo, hi, clip_mode, q, t, cap, (correction, floor), lr, paused)| InitialKnobs {
-                eps_low: lo,
-                eps_high: hi,
-                clip_mode,
-                adaptive_quantile: q,
-                adaptive_temperature: t,
-                importance_weight_cap: cap,
-                importance_correction: correction,
-                importance_weight_floor: floor,
-                learning_rate: lr,
-                paused,
+            |(lo, hi, clip_mode, q, t, cap, (correction, floor, dual_clip), lr, paused)| {
+                InitialKnobs {
+                    eps_low: lo,
+                    eps_high: hi,
+                    clip_mode,
+                    adaptive_quantile: q,
+                    adaptive_temperature: t,
+                    importance_weight_cap: cap,
+                    importance_correction: correction,
+                    importance_weight_floor: floor,
+                    dual_clip,
+                    learning_rate: lr,
+                    paused,
+                }
             },
         )
 }

@@ -30,12 +30,11 @@ pub use asyncrl_protos::subjects::KNOBS_KEY;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KnobError {
-    #[error("knob `{name}` = {value} is out of range [{lo}, {hi}]")]
+    #[error("knob `{name}` = {value} is out of range {range}")]
     OutOfRange {
         name: &'static str,
         value: f64,
-        lo: f64,
-        hi: f64,
+        range: KnobRange,
     },
     #[error("knob `clip_mode` must be ppo, adaptive, m2po or gspo")]
     ClipMode,
@@ -44,7 +43,7 @@ pub enum KnobError {
     #[error("the change sets no knob")]
     Empty,
     #[error(
-        "unknown knob `{0}` (known: eta, eps_low, eps_high, clip_mode, adaptive_quantile, adaptive_temperature, importance_weight_cap, importance_correction, importance_weight_floor, learning_rate (lr), paused)"
+        "unknown knob `{0}` (known: eta, eps_low, eps_high, clip_mode, adaptive_quantile, adaptive_temperature, importance_weight_cap, importance_correction, importance_weight_floor, dual_clip, learning_rate (lr), paused)"
     )]
     Unknown(String),
     #[error("`{0}` is not a knob assignment; write name=value, e.g. eta=2")]
@@ -130,6 +129,7 @@ pub fn initial_knobs(config: &Config) -> Knobs {
         importance_weight_cap: Some(k.importance_weight_cap as f32),
         importance_correction: Some(importance_correction_to_wire(k.importance_correction) as i32),
         importance_weight_floor: Some(k.importance_weight_floor as f32),
+        dual_clip: Some(k.dual_clip as f32),
         learning_rate: Some(k.learning_rate),
         paused: Some(k.paused),
     }
@@ -140,8 +140,7 @@ fn check(range: KnobRange, value: Option<f64>) -> Result<(), KnobError> {
         Some(v) if !range.contains(v) => Err(KnobError::OutOfRange {
             name: range.name,
             value: v,
-            lo: range.lo,
-            hi: range.hi,
+            range,
         }),
         _ => Ok(()),
     }
@@ -171,6 +170,7 @@ pub fn validate(k: &Knobs) -> Result<(), KnobError> {
         knob_ranges::IMPORTANCE_WEIGHT_FLOOR,
         k.importance_weight_floor.map(f64::from),
     )?;
+    check(knob_ranges::DUAL_CLIP, k.dual_clip.map(f64::from))?;
     check(knob_ranges::LEARNING_RATE, k.learning_rate)?;
     if k.clip_mode
         .is_some_and(|m| clip_mode_from_wire(m).is_none())
@@ -205,6 +205,7 @@ pub fn merge(base: &mut Knobs, change: &Knobs) {
         importance_weight_cap,
         importance_correction,
         importance_weight_floor,
+        dual_clip,
         learning_rate,
         paused
     );
@@ -319,6 +320,8 @@ pub struct StepKnobs {
     pub importance_weight_cap: f32,
     pub importance_correction: ImportanceCorrectionName,
     pub importance_weight_floor: f32,
+    /// Dual-clip PPO's bound (0: off).
+    pub dual_clip: f32,
     pub learning_rate: f64,
     pub paused: bool,
     /// Write a checkpoint before training this step.
@@ -356,6 +359,7 @@ impl StepKnobs {
             importance_weight_floor: k
                 .importance_weight_floor
                 .unwrap_or(d.importance_weight_floor as f32),
+            dual_clip: k.dual_clip.unwrap_or(d.dual_clip as f32),
             learning_rate: k.learning_rate.unwrap_or(d.learning_rate),
             paused: k.paused.unwrap_or(d.paused),
             checkpoint: s.checkpoint_steps.contains(&step),
@@ -436,6 +440,7 @@ pub fn parse_assignment(text: &str, into: &mut Knobs) -> Result<(), KnobError> {
         "importance_weight_floor" | "iw_floor" => {
             into.importance_weight_floor = Some(num("importance_weight_floor", value)?)
         }
+        "dual_clip" | "clip_ratio_c" => into.dual_clip = Some(num("dual_clip", value)?),
         "learning_rate" | "lr" => into.learning_rate = Some(num("learning_rate", value)?),
         "paused" => {
             into.paused = Some(match value.to_ascii_lowercase().as_str() {
@@ -498,6 +503,9 @@ pub fn knob_rows(k: &Knobs) -> Vec<(&'static str, String)> {
     if let Some(v) = k.importance_weight_floor {
         rows.push(("importance_weight_floor", v.to_string()));
     }
+    if let Some(v) = k.dual_clip {
+        rows.push(("dual_clip", v.to_string()));
+    }
     if let Some(v) = k.learning_rate {
         rows.push(("learning_rate", format!("{v:e}")));
     }
@@ -537,6 +545,7 @@ pub fn knob_values(k: &Knobs) -> Vec<(&'static str, f64)> {
         "importance_weight_floor",
         k.importance_weight_floor.map(f64::from),
     );
+    push("dual_clip", k.dual_clip.map(f64::from));
     push("learning_rate", k.learning_rate);
     push("paused", k.paused.map(|p| if p { 1.0 } else { 0.0 }));
     out
@@ -655,6 +664,20 @@ mod tests {
             ),
             (
                 Knobs {
+                    dual_clip: Some(0.5),
+                    ..Default::default()
+                },
+                "`dual_clip` = 0.5 is out of range [1, 1000] or 0 (off)",
+            ),
+            (
+                Knobs {
+                    dual_clip: Some(f32::INFINITY),
+                    ..Default::default()
+                },
+                "`dual_clip`",
+            ),
+            (
+                Knobs {
                     learning_rate: Some(2.0),
                     ..Default::default()
                 },
@@ -678,6 +701,14 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
+        // Dual clip: 0 turns it off; a bound of at least 1 turns it on.
+        for on_or_off in [0.0, 1.0, 3.0] {
+            validate(&Knobs {
+                dual_clip: Some(on_or_off),
+                ..Default::default()
+            })
+            .unwrap();
+        }
     }
 
     #[test]
@@ -771,6 +802,7 @@ mod tests {
             "clip_mode=gspo",
             "importance_correction=TIS",
             "iw_floor=0.25",
+            "clip_ratio_c=3",
         ] {
             parse_assignment(a, &mut k).unwrap();
         }
@@ -782,6 +814,7 @@ mod tests {
             Some(ImportanceCorrection::Truncate as i32)
         );
         assert_eq!(k.importance_weight_floor, Some(0.25));
+        assert_eq!(k.dual_clip, Some(3.0));
         parse_assignment("is_correction=icepop", &mut k).unwrap();
         assert_eq!(
             k.importance_correction,

@@ -94,7 +94,7 @@ impl LearnerMetrics {
             loss: m.register("learner_loss", "Loss of the last step", F64Gauge::default())?,
             clip_fraction: m.register(
                 "learner_clip_fraction",
-                "Fraction of trained tokens whose ratio hit the lower / upper clip bound",
+                "Fraction of trained tokens whose ratio hit the lower / upper clip bound, or (dual) the dual-clip bound with a negative advantage",
                 Family::default(),
             )?,
             masked_fraction: m.register(
@@ -230,6 +230,9 @@ impl LearnerMetrics {
         self.clip_fraction
             .get_or_create(&BoundLabel { bound: "high" })
             .set(s.objective.clip_high_fraction);
+        self.clip_fraction
+            .get_or_create(&BoundLabel { bound: "dual" })
+            .set(s.objective.dual_clip_fraction);
         self.masked_fraction
             .get_or_create(&ReasonLabel {
                 reason: "weight_cap",

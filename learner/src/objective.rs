@@ -28,6 +28,14 @@
 //! aggregation is GSPO's objective exactly and the token aggregation weighs
 //! each sequence by its length).
 //!
+//! Dual clip (dual-clip PPO, Ye et al. 2020, arXiv:1912.09729; verl's
+//! `clip_ratio_c`), when `dual_clip = d > 0` (then `d ≥ 1`): a token with
+//! `A < 0` carries `max(min(u·A, clip(u, lo, hi)·A), d·A)`, so a token whose
+//! ratio has run above `d` (a likely token of a bad completion that the
+//! policy now favours much more than the sampler did) adds a bounded,
+//! gradient-free term instead of one that grows with `u`. Under gspo `u` is
+//! the sequence's ratio.
+//!
 //! Importance corrections of `w` (of a token, of a sequence under gspo):
 //! `mask` (decoupled PPO: `w > cap` masks); `truncate` (TIS, Yao et al.
 //! 2025, "Your efficient RL framework secretly brings you off-policy RL
@@ -111,6 +119,9 @@ pub struct ObjectiveConfig {
     /// Weight β of the KL loss against the reference policy (0: none).
     pub kl_coef: f64,
     pub kl_estimator: KlEstimator,
+    /// Dual-clip PPO's bound on the ratio of a token with `A < 0`
+    /// (0: off; otherwise at least 1).
+    pub dual_clip: f64,
 }
 
 impl Default for ObjectiveConfig {
@@ -128,6 +139,7 @@ impl Default for ObjectiveConfig {
             aggregation: LossAggregation::Token,
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
+            dual_clip: 0.0,
         }
     }
 }
@@ -171,6 +183,8 @@ pub struct ObjectiveStats {
     pub weight_masked_fraction: f64,
     /// Tokens masked by m2po.
     pub m2po_masked_fraction: f64,
+    /// Tokens with `A < 0` whose ratio was above the dual-clip bound.
+    pub dual_clip_fraction: f64,
     /// `mean 0.5·(c − p)²` over valid tokens.
     pub approx_kl: f64,
     pub mean_importance_weight: f64,
@@ -419,6 +433,7 @@ pub struct ObjectiveSums {
     pub clip_low: f64,
     pub clip_high: f64,
     pub weight_masked: f64,
+    pub dual_clip: f64,
     /// Σ `0.5·(c − p)²` over valid tokens.
     pub approx_kl: f64,
     /// Σ `w` over valid tokens.
@@ -432,6 +447,7 @@ impl ObjectiveSums {
         self.clip_low += other.clip_low;
         self.clip_high += other.clip_high;
         self.weight_masked += other.weight_masked;
+        self.dual_clip += other.dual_clip;
         self.approx_kl += other.approx_kl;
         self.importance_weight += other.importance_weight;
         self.kl_ref += other.kl_ref;
@@ -636,6 +652,19 @@ impl ObjectivePlan {
         };
         let clipped = u.clamp_tensor(Some(&lo), Some(&hi));
         let surrogate = (&u * &a).minimum(&(&clipped * &a));
+        // Dual clip: a term with A < 0 is at least d·A; `dual_clipped` are
+        // the tokens above the bound (none when off).
+        let (surrogate, dual_clipped) = if cfg.dual_clip > 0.0 {
+            let negative = a.lt(0.0);
+            (
+                surrogate
+                    .maximum(&(&a * cfg.dual_clip))
+                    .where_self(&negative, &surrogate),
+                negative.logical_and(&u.gt(cfg.dual_clip)),
+            )
+        } else {
+            (surrogate, valid.zeros_like())
+        };
         // The KL estimate against the reference, 0 on padding (where, not a
         // product: a padded position's values may be anything).
         let kl = match &self.reference {
@@ -672,6 +701,7 @@ impl ObjectivePlan {
             clip_low: count(keep.logical_and(&a.lt(0.0)).logical_and(&u.lt_tensor(&lo))),
             clip_high: count(keep.logical_and(&a.gt(0.0)).logical_and(&u.gt_tensor(&hi))),
             weight_masked: count(corrected),
+            dual_clip: count(keep.logical_and(&dual_clipped)),
             approx_kl: count((c.detach() - &p).square() * 0.5 * &valid_f),
             importance_weight: count(&w * &valid_f),
             kl_ref: kl.map_or(0.0, |k| count(k.detach())),
@@ -690,6 +720,7 @@ impl ObjectivePlan {
             clip_high_fraction: f(sums.clip_high),
             weight_masked_fraction: f(sums.weight_masked),
             m2po_masked_fraction: self.m2po_masked,
+            dual_clip_fraction: f(sums.dual_clip),
             approx_kl: f(sums.approx_kl),
             mean_importance_weight: f(sums.importance_weight),
             mean_version_lag: f(self.lag_sum),
@@ -737,6 +768,7 @@ mod tests {
         clip_high: f64,
         masked: f64,
         m2po_masked: f64,
+        dual_clipped: f64,
         /// Expected sign of d loss / d c at token (0, 0): -1, 0 or +1.
         grad_sign: i32,
     }
@@ -755,6 +787,7 @@ mod tests {
             clip_high: 0.0,
             masked: 0.0,
             m2po_masked: 0.0,
+            dual_clipped: 0.0,
             grad_sign: -1,
         }
     }
@@ -828,6 +861,11 @@ mod tests {
             "m2po_masked_fraction",
             out.stats.m2po_masked_fraction,
             case.m2po_masked,
+        );
+        close(
+            "dual_clip_fraction",
+            out.stats.dual_clip_fraction,
+            case.dual_clipped,
         );
         assert!(loss.is_finite(), "{name}: loss not finite");
         out.loss.backward();
@@ -958,6 +996,89 @@ mod tests {
                 ..Default::default()
             },
             ..base("sequence mean", vec![one, three], 0.0)
+        });
+    }
+
+    #[test]
+    fn dual_clip_table() {
+        let dual = |d: f64| ObjectiveConfig {
+            clip_mode: ClipMode::Ppo,
+            dual_clip: d,
+            ..Default::default()
+        };
+        let ratio = |u: f64, a: f64| tok(-1.0, -1.0, -1.0 + u.ln(), a);
+        // A < 0, ratio 4 above the bound 3: max(min(−4, −1.2), −3) = −3,
+        // loss 3, no gradient.
+        check(Case {
+            cfg: dual(3.0),
+            dual_clipped: 1.0,
+            grad_sign: 0,
+            ..base(
+                "dual clip, ratio above the bound",
+                vec![vec![ratio(4.0, -1.0)]],
+                3.0,
+            )
+        });
+        // Without it the same token costs u·|A| = 4 and pushes c down.
+        check(Case {
+            grad_sign: 1,
+            ..base(
+                "no dual clip, same token",
+                vec![vec![ratio(4.0, -1.0)]],
+                4.0,
+            )
+        });
+        // A < 0, ratio 2 between 1 + ε and the bound: unchanged (u·A = −2).
+        check(Case {
+            cfg: dual(3.0),
+            grad_sign: 1,
+            ..base(
+                "dual clip, ratio below the bound",
+                vec![vec![ratio(2.0, -1.0)]],
+                2.0,
+            )
+        });
+        // A > 0 is never dual-clipped: ratio 4 clips to 1.2 as in PPO.
+        check(Case {
+            cfg: dual(3.0),
+            clip_high: 1.0,
+            grad_sign: 0,
+            ..base(
+                "dual clip, positive advantage",
+                vec![vec![ratio(4.0, 1.0)]],
+                -1.2,
+            )
+        });
+        // With the off-policy weight w = 2 and A = −0.5: 2·max(−5·0.5, −3·0.5)
+        // = −3 on one of two tokens; the other (on-policy, A = −0.5) adds
+        // −0.5. Mean loss (3 + 0.5)/2; the first token has no gradient.
+        check(Case {
+            cfg: dual(3.0),
+            dual_clipped: 0.5,
+            grad_sign: 0,
+            ..base(
+                "dual clip, weighted",
+                vec![vec![
+                    tok(-2.0, -2.0 + LN2, -2.0 + LN2 + 5f64.ln(), -0.5),
+                    tok(-1.0, -1.0, -1.0, -0.5),
+                ]],
+                1.75,
+            )
+        });
+        // gspo: the bound applies to the sequence's ratio, s = exp(mean(c − p))
+        // = exp((ln 16 + 0)/2) = 4 > 3: both tokens carry −3·A.
+        check(Case {
+            cfg: ObjectiveConfig {
+                clip_mode: ClipMode::Gspo,
+                ..dual(3.0)
+            },
+            dual_clipped: 1.0,
+            grad_sign: 0,
+            ..base(
+                "dual clip, gspo sequence ratio",
+                vec![vec![ratio(16.0, -1.0), ratio(1.0, -1.0)]],
+                3.0,
+            )
         });
     }
 
@@ -1424,6 +1545,8 @@ mod tests {
             clip_low: f64,
             clip_high: f64,
             corrected: f64,
+            /// Tokens the dual clip acted on.
+            dual: f64,
         }
 
         /// The tensor objective on `r` (recompute mode: `p` given).
@@ -1496,6 +1619,11 @@ mod tests {
                 out.stats.weight_masked_fraction,
                 want.corrected / tokens as f64,
             );
+            close(
+                "dual_clip_fraction",
+                out.stats.dual_clip_fraction,
+                want.dual / tokens as f64,
+            );
             for (i, row) in want.grad.iter().enumerate() {
                 for (j, g) in row.iter().enumerate() {
                     close(&format!("d loss/d c[{i}][{j}]"), grad[i][j], *g);
@@ -1518,14 +1646,23 @@ mod tests {
         }
 
         /// PPO's clipped surrogate `min(x·A, clip(x, 1 − ε_lo, 1 + ε_hi)·A)`
-        /// of a ratio `x`: its value, `∂/∂x`, and which bound clipped it.
+        /// of a ratio `x`: its value, `∂/∂x`, and which bound clipped it
+        /// (−1 low, 1 high, 2 the dual clip). With dual clip (Ye et al.
+        /// 2020, arXiv:1912.09729, eq. 6) `c > 0` and `A < 0` it is
+        /// `max(min(x·A, clip(x)·A), c·A)`.
         fn surrogate(x: f64, a: f64, cfg: &ObjectiveConfig) -> (f64, f64, i32) {
             let (lo, hi) = (1.0 - cfg.eps_low, 1.0 + cfg.eps_high);
             let clipped = x.clamp(lo, hi);
-            if clipped * a < x * a {
+            let ppo = if clipped * a < x * a {
                 (clipped * a, 0.0, if x > hi { 1 } else { -1 })
             } else {
                 (x * a, a, 0)
+            };
+            let bound = cfg.dual_clip * a;
+            if cfg.dual_clip > 0.0 && a < 0.0 && bound > ppo.0 {
+                (bound, 0.0, 2)
+            } else {
+                ppo
             }
         }
 
@@ -1541,6 +1678,7 @@ mod tests {
                 clip_low: 0.0,
                 clip_high: 0.0,
                 corrected: 0.0,
+                dual: 0.0,
             };
             for i in 0..r.b.len() {
                 let mut g = vec![];
@@ -1553,7 +1691,8 @@ mod tests {
                     out.corrected += f64::from(u8::from(acted));
                     let kept = w > 0.0;
                     out.clip_low += f64::from(u8::from(kept && side < 0));
-                    out.clip_high += f64::from(u8::from(kept && side > 0));
+                    out.clip_high += f64::from(u8::from(kept && side == 1));
+                    out.dual += f64::from(u8::from(kept && side == 2));
                 }
                 out.grad.push(g);
             }
@@ -1575,6 +1714,7 @@ mod tests {
                 clip_low: 0.0,
                 clip_high: 0.0,
                 corrected: 0.0,
+                dual: 0.0,
             };
             for i in 0..r.b.len() {
                 let len = r.b[i].len() as f64;
@@ -1590,7 +1730,8 @@ mod tests {
                 out.corrected += len * f64::from(u8::from(acted));
                 let kept = w > 0.0;
                 out.clip_low += len * f64::from(u8::from(kept && side < 0));
-                out.clip_high += len * f64::from(u8::from(kept && side > 0));
+                out.clip_high += len * f64::from(u8::from(kept && side == 1));
+                out.dual += len * f64::from(u8::from(kept && side == 2));
             }
             out
         }
@@ -1660,6 +1801,52 @@ mod tests {
                     );
                 }
             }
+        }
+
+        /// Dual-clip PPO: the token-level objective (with each importance
+        /// correction) and GSPO's sequence-level one, with the bound on the
+        /// ratio of negative-advantage terms.
+        #[test]
+        fn dual_clip_is_the_published_bound() {
+            let (mut token_acted, mut gspo_acted) = (0.0, 0.0);
+            for seed in 31..=36 {
+                let r = rows(seed);
+                for correction in ImportanceCorrection::ALL {
+                    let cfg = ObjectiveConfig {
+                        clip_mode: ClipMode::Ppo,
+                        aggregation: LossAggregation::Token,
+                        importance_weight_cap: 2.0,
+                        importance_correction: correction,
+                        dual_clip: 1.25,
+                        ..Default::default()
+                    };
+                    let want = token_reference(&r, &cfg);
+                    token_acted += want.dual;
+                    compare(
+                        &format!("dual clip/{correction}, seed {seed}"),
+                        &r,
+                        &cfg,
+                        &want,
+                    );
+                }
+                let cfg = ObjectiveConfig {
+                    clip_mode: ClipMode::Gspo,
+                    aggregation: LossAggregation::Sequence,
+                    eps_low: 0.04,
+                    eps_high: 0.06,
+                    importance_weight_cap: 1.3,
+                    dual_clip: 1.08,
+                    ..Default::default()
+                };
+                let want = gspo_reference(&r, &cfg);
+                gspo_acted += want.dual;
+                compare(&format!("gspo dual clip, seed {seed}"), &r, &cfg, &want);
+            }
+            // These inputs do cross the bound, at both levels.
+            assert!(
+                token_acted > 0.0 && gspo_acted > 0.0,
+                "dual-clipped: {token_acted} tokens, {gspo_acted} gspo tokens"
+            );
         }
 
         /// The KL loss (Schulman 2020; GRPO, arXiv:2402.03300, eq. 4 uses

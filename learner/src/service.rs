@@ -139,6 +139,7 @@ pub fn step_settings(config: &Config, k: &asyncrl_control::StepKnobs) -> StepSet
             importance_weight_cap: f64::from(k.importance_weight_cap),
             importance_correction: k.importance_correction,
             importance_weight_floor: f64::from(k.importance_weight_floor),
+            dual_clip: f64::from(k.dual_clip),
             adaptive_quantile: f64::from(k.adaptive_quantile),
             adaptive_temperature: f64::from(k.adaptive_temperature),
             m2po_threshold: config.learner.m2po_threshold,

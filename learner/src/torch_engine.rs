@@ -669,6 +669,7 @@ fn objective(knobs: &StepSettings) -> StepObjective {
             KlEstimator::K1 => pb::step_objective::KlEstimator::K1,
             KlEstimator::K3 => pb::step_objective::KlEstimator::K3,
         } as i32,
+        dual_clip: o.dual_clip,
     }
 }
 
@@ -731,6 +732,7 @@ impl TrainerEngine for TorchEngine {
                 clip_high_fraction: reply.clip_high_fraction,
                 weight_masked_fraction: reply.weight_masked_fraction,
                 m2po_masked_fraction: reply.m2po_masked_fraction,
+                dual_clip_fraction: reply.dual_clip_fraction,
                 approx_kl: reply.approx_kl,
                 mean_importance_weight: reply.mean_importance_weight,
                 mean_version_lag: reply.mean_version_lag,

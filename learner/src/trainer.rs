@@ -343,6 +343,7 @@ impl Trainer {
             weighted.clip_high_fraction += s.clip_high_fraction * w;
             weighted.weight_masked_fraction += s.weight_masked_fraction * w;
             weighted.m2po_masked_fraction += s.m2po_masked_fraction * w;
+            weighted.dual_clip_fraction += s.dual_clip_fraction * w;
             weighted.approx_kl += s.approx_kl * w;
             weighted.mean_importance_weight += s.mean_importance_weight * w;
             weighted.mean_version_lag += s.mean_version_lag * w;
@@ -362,6 +363,7 @@ impl Trainer {
             clip_high_fraction: norm(weighted.clip_high_fraction),
             weight_masked_fraction: norm(weighted.weight_masked_fraction),
             m2po_masked_fraction: norm(weighted.m2po_masked_fraction),
+            dual_clip_fraction: norm(weighted.dual_clip_fraction),
             approx_kl: norm(weighted.approx_kl),
             mean_importance_weight: norm(weighted.mean_importance_weight),
             mean_version_lag: norm(weighted.mean_version_lag),

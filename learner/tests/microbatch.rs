@@ -136,6 +136,8 @@ fn corrected_knobs(
             m2po_threshold: 0.01,
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
+            // Just above the upper clip bound: dual clip acts too.
+            dual_clip: 1.15,
         },
         learning_rate: 5e-3,
     }
@@ -229,6 +231,11 @@ fn assert_same_stats(what: &str, got: &StepStats, want: &StepStats, tol: f64) {
         "m2po_masked_fraction",
         g.m2po_masked_fraction,
         w.m2po_masked_fraction,
+    );
+    close(
+        "dual_clip_fraction",
+        g.dual_clip_fraction,
+        w.dual_clip_fraction,
     );
     close("approx_kl", g.approx_kl, w.approx_kl);
     close(
@@ -327,6 +334,7 @@ fn microbatched_steps_match_the_unsplit_step() {
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, rb) = starting_point(dir.path());
     let mut worst: f64 = 0.0;
+    let mut dual_clipped: f64 = 0.0;
     for case in all_cases() {
         let (clip_mode, correction, proximal, aggregation, kl) = case;
         let what =
@@ -341,6 +349,7 @@ fn microbatched_steps_match_the_unsplit_step() {
             got.microbatches
         );
         assert_same_stats(&what, &got, &want, 1e-5);
+        dual_clipped = dual_clipped.max(want.objective.dual_clip_fraction);
         let diff = max_abs_diff(&after, &before);
         println!(
             "{what}: {} micro-batches, max |Δparam| {diff:.3e}",
@@ -350,6 +359,8 @@ fn microbatched_steps_match_the_unsplit_step() {
         worst = worst.max(diff);
     }
     println!("worst max |Δparam| over all cases: {worst:.3e}");
+    // The dual clip acted, so its accumulation over micro-batches was met.
+    assert!(dual_clipped > 0.0, "no case met the dual clip");
     // The step itself moves the weights far more than the tolerance.
     let mut t = Trainer::new(tiny_policy(), options(ProximalMode::Approx, 0));
     t.restore(&ckpt).unwrap();

@@ -143,6 +143,7 @@ fn stats_json(s: &ObjectiveStats) -> Value {
         "clip_high_fraction": s.clip_high_fraction,
         "weight_masked_fraction": s.weight_masked_fraction,
         "m2po_masked_fraction": s.m2po_masked_fraction,
+        "dual_clip_fraction": s.dual_clip_fraction,
         "approx_kl": s.approx_kl,
         "mean_importance_weight": s.mean_importance_weight,
         "mean_version_lag": s.mean_version_lag,
@@ -173,6 +174,7 @@ fn case(
     mode: ProximalMode,
     aggregation: LossAggregation,
     kl: Option<KlEstimator>,
+    dual_clip: f64,
     seed: u64,
 ) -> Value {
     let x = inputs(seed);
@@ -195,6 +197,7 @@ fn case(
         aggregation,
         kl_coef: if kl.is_some() { 0.3 } else { 0.0 },
         kl_estimator: kl.unwrap_or_default(),
+        dual_clip,
     };
     let behaviour = f64_tensor(&x.behaviour);
     // The proximal log-probs each mode hands the objective (as the trainer
@@ -254,12 +257,30 @@ fn case(
         micro_losses.push(part.loss.double_value(&[]));
     }
 
+    let name = match (correction, kl) {
+        (_, Some(k)) => format!(
+            "{}-{}-{}-kl-{}",
+            clip.as_str(),
+            proximal_name(mode),
+            aggregation_name(aggregation),
+            k.as_str()
+        ),
+        (ImportanceCorrection::Mask, None) => format!(
+            "{}-{}-{}",
+            clip.as_str(),
+            proximal_name(mode),
+            aggregation_name(aggregation)
+        ),
+        _ => format!(
+            "{}-{}-{}-{}",
+            clip.as_str(),
+            correction.as_str(),
+            proximal_name(mode),
+            aggregation_name(aggregation)
+        ),
+    };
     json!({
-        "name": match (correction, kl) {
-            (_, Some(k)) => format!("{}-{}-{}-kl-{}", clip.as_str(), proximal_name(mode), aggregation_name(aggregation), k.as_str()),
-            (ImportanceCorrection::Mask, None) => format!("{}-{}-{}", clip.as_str(), proximal_name(mode), aggregation_name(aggregation)),
-            _ => format!("{}-{}-{}-{}", clip.as_str(), correction.as_str(), proximal_name(mode), aggregation_name(aggregation)),
-        },
+        "name": if dual_clip > 0.0 { format!("{name}-dual-clip") } else { name },
         "config": {
             "eps_low": cfg.eps_low,
             "eps_high": cfg.eps_high,
@@ -273,6 +294,7 @@ fn case(
             "aggregation": aggregation_name(cfg.aggregation),
             "kl_coef": cfg.kl_coef,
             "kl_estimator": cfg.kl_estimator.as_str(),
+            "dual_clip": cfg.dual_clip,
         },
         "proximal_mode": proximal_name(mode),
         "learner_version": VERSION,
@@ -309,6 +331,7 @@ fn generate() -> Value {
                     proximal,
                     aggregation,
                     None,
+                    0.0,
                     seed,
                 ));
                 seed += 1;
@@ -319,7 +342,15 @@ fn generate() -> Value {
         for clip in [ClipMode::Ppo, ClipMode::M2po, ClipMode::Gspo] {
             for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
                 for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                    cases.push(case(clip, correction, proximal, aggregation, None, seed));
+                    cases.push(case(
+                        clip,
+                        correction,
+                        proximal,
+                        aggregation,
+                        None,
+                        0.0,
+                        seed,
+                    ));
                     seed += 1;
                 }
             }
@@ -345,10 +376,59 @@ fn generate() -> Value {
                 proximal,
                 aggregation,
                 Some(estimator),
+                0.0,
                 seed,
             ));
             seed += 1;
         }
+    }
+    // Dual clip, with a bound just above each mode's upper clip bound, on
+    // seeds of their own whose rows with a negative advantage have ratios
+    // (within about exp(±0.35) of the proximal ones, more for fresh tokens
+    // under approx) above it: it acts in every one of these cases.
+    for (clip, proximal, aggregation, correction, bound, seed) in [
+        (
+            ClipMode::Ppo,
+            ProximalMode::Recompute,
+            LossAggregation::Token,
+            ImportanceCorrection::Mask,
+            1.3,
+            61,
+        ),
+        (
+            ClipMode::Adaptive,
+            ProximalMode::Approx,
+            LossAggregation::Token,
+            ImportanceCorrection::Mask,
+            1.3,
+            62,
+        ),
+        (
+            ClipMode::M2po,
+            ProximalMode::Behaviour,
+            LossAggregation::Sequence,
+            ImportanceCorrection::Mask,
+            1.3,
+            64,
+        ),
+        (
+            ClipMode::Gspo,
+            ProximalMode::Approx,
+            LossAggregation::Sequence,
+            ImportanceCorrection::Truncate,
+            1.05,
+            69,
+        ),
+    ] {
+        cases.push(case(
+            clip,
+            correction,
+            proximal,
+            aggregation,
+            None,
+            bound,
+            seed,
+        ));
     }
     json!({
         "about": "asyncrl's learner objective (learner/src/objective.rs) on seeded inputs; written by learner/tests/objective_vectors.rs (ASYNCRL_WRITE_VECTORS=1), checked by it and by trainer/tests/test_objective.py",
@@ -417,7 +497,18 @@ fn the_checked_in_vectors_are_what_the_objective_computes() {
 fn the_vectors_exercise_every_branch() {
     let v = generate();
     let cases = v["cases"].as_array().expect("cases");
-    assert_eq!(cases.len(), 4 * 3 * 2 + 2 * 3 * 2 * 2 + 2 * 3);
+    assert_eq!(cases.len(), 4 * 3 * 2 + 2 * 3 * 2 * 2 + 2 * 3 + 4);
+    // Dual clip acts in each of its cases (and in no other).
+    for c in cases {
+        let dual = c["stats"]["dual_clip_fraction"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        if c["config"]["dual_clip"].as_f64().unwrap_or(0.0) > 0.0 {
+            assert!(dual > 0.0, "{}: dual_clip_fraction {dual}", c["name"]);
+        } else {
+            assert_eq!(dual, 0.0, "{}", c["name"]);
+        }
+    }
     // A KL case has a KL to its reference; the others none.
     for c in cases {
         let kl = c["stats"]["kl_ref"].as_f64().unwrap_or(f64::NAN);

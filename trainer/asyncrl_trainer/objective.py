@@ -3,7 +3,7 @@ A-3PO-approximated or behaviour proximal policy; PPO, staleness-adaptive,
 M2PO and GSPO (sequence-level) clipping; masking (decoupled PPO), truncating
 (TIS) or IcePop correction of the off-policy weight; a k1 or k3 KL loss
 against a reference policy's log-probs; token or sequence aggregation;
-micro-batches with mini-batch statistics.
+micro-batches with mini-batch statistics; optionally dual-clip PPO.
 
 It is the Rust learner's objective (``learner/src/objective.rs``, whose
 module documentation gives the formulas) term for term, and
@@ -14,6 +14,12 @@ writes. Per token: behaviour log-prob ``b``, proximal ``p``, current ``c``
     u = exp(c - p)          trust-region ratio
     w = exp(p - b)          off-policy weight (detached); w > cap masks the token
     loss = -agg[ w * min(u*A, clip(u, lo, hi)*A) ]
+
+Dual clip (dual-clip PPO, Ye et al. 2020, arXiv:1912.09729; verl's
+``clip_ratio_c``), when ``dual_clip = d > 0`` (then ``d >= 1``): a token with
+``A < 0`` carries ``max(min(u*A, clip(u, lo, hi)*A), d*A)``, so a token whose
+ratio has run above ``d`` adds a bounded, gradient-free term instead of one
+that grows with ``u``. Under gspo ``u`` is the sequence's ratio.
 
 A mini-batch is planned once (:class:`ObjectivePlan`: the normalisers,
 adaptive's quantile, M2PO's mask, ``p`` where known) and its loss is the
@@ -83,6 +89,9 @@ class ObjectiveConfig:
     aggregation: Aggregation = Aggregation.TOKEN
     kl_coef: float = 0.0
     kl_estimator: KlEstimator = KlEstimator.K3
+    # Dual-clip PPO's bound on the ratio of a token with A < 0 (0: off;
+    # otherwise at least 1).
+    dual_clip: float = 0.0
 
 
 @dataclass
@@ -96,6 +105,8 @@ class ObjectiveSums:
     approx_kl: float = 0.0
     importance_weight: float = 0.0
     kl_ref: float = 0.0
+    # Kept tokens with A < 0 whose ratio was above the dual-clip bound.
+    dual_clip: float = 0.0
 
     def add(self, other: "ObjectiveSums") -> None:
         self.clip_low += other.clip_low
@@ -104,6 +115,7 @@ class ObjectiveSums:
         self.approx_kl += other.approx_kl
         self.importance_weight += other.importance_weight
         self.kl_ref += other.kl_ref
+        self.dual_clip += other.dual_clip
 
 
 @dataclass
@@ -113,6 +125,7 @@ class ObjectiveStats:
     clip_high_fraction: float = 0.0
     weight_masked_fraction: float = 0.0
     m2po_masked_fraction: float = 0.0
+    dual_clip_fraction: float = 0.0
     approx_kl: float = 0.0
     mean_importance_weight: float = 0.0
     mean_version_lag: float = 0.0
@@ -342,6 +355,14 @@ class ObjectivePlan:
             lo, hi = ones * (1.0 - cfg.eps_low), ones * (1.0 + cfg.eps_high)
         clipped = torch.clamp(u, min=lo, max=hi)
         surrogate = torch.minimum(u * a, clipped * a)
+        # Dual clip: the tokens with A < 0 above the bound (none when off).
+        if cfg.dual_clip > 0.0:
+            negative = a < 0.0
+            dual_clipped = negative & (u > cfg.dual_clip)
+            bounded = torch.maximum(surrogate, a * cfg.dual_clip)
+            surrogate = torch.where(negative, bounded, surrogate)
+        else:
+            dual_clipped = torch.zeros_like(valid)
         # The KL estimate against the reference, 0 on padding (where, not a
         # product: a padded position's values may be anything).
         kl: Optional[torch.Tensor] = None
@@ -371,6 +392,7 @@ class ObjectivePlan:
                 clip_low=count(keep & (a < 0.0) & (u < lo)),
                 clip_high=count(keep & (a > 0.0) & (u > hi)),
                 weight_masked=count(corrected),
+                dual_clip=count(keep & dual_clipped),
                 approx_kl=count((c.detach() - p).square() * 0.5 * valid_f),
                 importance_weight=count(w * valid_f),
                 kl_ref=0.0 if kl is None else count(kl.detach()),
@@ -386,6 +408,7 @@ class ObjectivePlan:
             clip_high_fraction=_fraction(sums.clip_high, n),
             weight_masked_fraction=_fraction(sums.weight_masked, n),
             m2po_masked_fraction=self.m2po_masked,
+            dual_clip_fraction=_fraction(sums.dual_clip, n),
             approx_kl=_fraction(sums.approx_kl, n),
             mean_importance_weight=_fraction(sums.importance_weight, n),
             mean_version_lag=_fraction(self.lag_sum, n),

@@ -387,6 +387,9 @@ class Engine:
             )
         if not (math.isfinite(o.kl_coef) and o.kl_coef >= 0.0):
             raise StepError(f"the step's kl_coef {o.kl_coef} is not a finite number >= 0")
+        # 0 (also a learner from before the field): no dual clip.
+        if not (math.isfinite(o.dual_clip) and (o.dual_clip == 0.0 or o.dual_clip >= 1.0)):
+            raise StepError(f"the step's dual_clip {o.dual_clip} is neither 0 (off) nor at least 1")
         cfg = ObjectiveConfig(
             eps_low=o.eps_low,
             eps_high=o.eps_high,
@@ -400,6 +403,7 @@ class Engine:
             aggregation=aggregation,
             kl_coef=o.kl_coef,
             kl_estimator=estimator,
+            dual_clip=o.dual_clip,
         )
         batch = batch_from_ipc(req.batch_arrow_ipc, self.pad_id)
         if int(batch.input_ids.max()) >= self.vocab_size or int(batch.input_ids.min()) < 0:
@@ -419,6 +423,7 @@ class Engine:
             clip_high_fraction=s.clip_high_fraction,
             weight_masked_fraction=s.weight_masked_fraction,
             m2po_masked_fraction=s.m2po_masked_fraction,
+            dual_clip_fraction=s.dual_clip_fraction,
             approx_kl=s.approx_kl,
             mean_importance_weight=s.mean_importance_weight,
             mean_version_lag=s.mean_version_lag,

@@ -483,7 +483,7 @@ class Trainer:
                 entropy_n,
             ]
             + ([0.0, 0.0, 0.0] if recomputed else [gap[0], gap[1], gap[3]])
-            + [sums.kl_ref],
+            + [sums.kl_ref, sums.dual_clip],
             dist.ReduceOp.SUM,
         )
         if not recomputed:
@@ -506,7 +506,9 @@ class Trainer:
         gap_tokens = gap[0]
         return StepStats(
             loss=loss,
-            objective=plan.stats(ObjectiveSums(*totals[1:6], kl_ref=totals[12])),
+            objective=plan.stats(
+                ObjectiveSums(*totals[1:6], kl_ref=totals[12], dual_clip=totals[13])
+            ),
             entropy=totals[7] / totals[8] if totals[8] > 0 else 0.0,
             logprob_gap=LogprobGap(
                 tokens=int(gap_tokens),
@@ -585,6 +587,7 @@ class Trainer:
                 "clip_high_fraction",
                 "weight_masked_fraction",
                 "m2po_masked_fraction",
+                "dual_clip_fraction",
                 "approx_kl",
                 "mean_importance_weight",
                 "mean_version_lag",

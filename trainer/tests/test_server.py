@@ -367,6 +367,13 @@ def test_bad_calls_are_refused_with_the_reason_and_the_engine_keeps_serving(
     assert "no reference model" in refused.value.details()
     assert "--kl-reference" in refused.value.details()
 
+    # A dual-clip bound is 0 (off) or at least 1.
+    dual = request(0)
+    dual.objective.dual_clip = 0.5
+    with pytest.raises(grpc.RpcError) as refused:
+        engine.stub.TrainStep(dual, timeout=120)
+    assert "dual_clip 0.5" in refused.value.details()
+
     # Still serving, and nothing was applied: a good step trains.
     assert engine.stub.TrainStep(request(0), timeout=120).tokens > 0
 
@@ -383,6 +390,25 @@ def test_bad_calls_are_refused_with_the_reason_and_the_engine_keeps_serving(
     gspo.objective.importance_weight_cap = 1e9
     reply = engine.stub.TrainStep(gspo, timeout=120)
     assert reply.weight_masked_fraction == 0.0 and reply.loss != 0.0
+
+    # Dual clip reaches the objective and the reply: the second mini-batch
+    # repeats the first's rows with A = -1 where the first had A = +1, so
+    # the first's update raised their ratios, and a bound just above 1
+    # holds them.
+    twice = rows(2).to_pydict()
+    half = ROWS // 2
+    for key, column in twice.items():
+        twice[key] = column[:half] + column[:half]
+    twice["advantages"] = [
+        [1.0 if r < half else -1.0] * len(m) for r, m in enumerate(twice["mask"])
+    ]
+    dual = request(2)
+    dual.batch_arrow_ipc = ipc(pa.table(twice, schema=rows(2).schema))
+    dual.order[:] = list(range(ROWS))
+    assert engine.stub.TrainStep(dual, timeout=120).dual_clip_fraction == 0.0
+    dual.objective.dual_clip = 1.0 + 1e-6
+    reply = engine.stub.TrainStep(dual, timeout=120)
+    assert 0.0 < reply.dual_clip_fraction <= 0.5, reply.dual_clip_fraction
 
 
 def test_a_folder_transformers_cannot_load_ends_the_group_with_one_line_naming_the_key(
