@@ -343,7 +343,8 @@ pub struct StalenessArgs {
     /// gspo, tis, icepop, rloo (decoupled with leave-one-out advantages);
     /// job (the base config's objective as it is), job-dynamic (with
     /// dynamic sampling: buffer.min_reward_spread = 0.5), job-padded (with
-    /// learner.packing off).
+    /// learner.packing off), job-dual-clip (job-dynamic with the dual_clip
+    /// knob at 3).
     #[arg(
         long,
         value_delimiter = ',',

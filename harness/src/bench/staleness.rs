@@ -60,7 +60,14 @@ pub enum Objective {
     /// The base config's, with the learner padding every row instead of
     /// packing (`learner.packing = false`).
     JobPadded,
+    /// [`Objective::JobDynamic`] with dual-clip PPO's bound
+    /// [`DUAL_CLIP_BOUND`] on negative-advantage ratios.
+    JobDualClip,
 }
+
+/// The `dual_clip` knob of [`Objective::JobDualClip`]: verl's default
+/// `clip_ratio_c`.
+pub const DUAL_CLIP_BOUND: f64 = 3.0;
 
 /// `buffer.min_reward_spread` of [`Objective::JobDynamic`]: with 0/1
 /// rewards, a group is kept unless every completion scored alike.
@@ -75,10 +82,11 @@ pub struct ObjectiveSettings {
     pub advantage_norm: Option<AdvantageNormName>,
     pub min_reward_spread: Option<f64>,
     pub packing: Option<bool>,
+    pub dual_clip: Option<f64>,
 }
 
 impl Objective {
-    pub const ALL: [Objective; 11] = [
+    pub const ALL: [Objective; 12] = [
         Objective::Naive,
         Objective::Decoupled,
         Objective::Adaptive,
@@ -90,6 +98,7 @@ impl Objective {
         Objective::Job,
         Objective::JobDynamic,
         Objective::JobPadded,
+        Objective::JobDualClip,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -105,6 +114,7 @@ impl Objective {
             Objective::Job => "job",
             Objective::JobDynamic => "job-dynamic",
             Objective::JobPadded => "job-padded",
+            Objective::JobDualClip => "job-dual-clip",
         }
     }
 
@@ -114,7 +124,7 @@ impl Objective {
             .find(|o| o.as_str() == s)
             .with_context(|| {
                 format!(
-                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded)"
+                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded, job-dual-clip)"
                 )
             })
     }
@@ -129,6 +139,7 @@ impl Objective {
             advantage_norm: None,
             min_reward_spread: None,
             packing: None,
+            dual_clip: None,
         };
         let (clip_mode, proximal, correction, advantage_norm) = match self {
             Objective::Job => return job,
@@ -141,6 +152,13 @@ impl Objective {
             Objective::JobPadded => {
                 return ObjectiveSettings {
                     packing: Some(false),
+                    ..job
+                };
+            }
+            Objective::JobDualClip => {
+                return ObjectiveSettings {
+                    min_reward_spread: Some(DYNAMIC_MIN_SPREAD),
+                    dual_clip: Some(DUAL_CLIP_BOUND),
                     ..job
                 };
             }
@@ -350,6 +368,7 @@ fn run_config(
     let knobs = &mut c.coordinator.initial_knobs;
     knobs.clip_mode = s.clip_mode.unwrap_or(knobs.clip_mode);
     knobs.importance_correction = s.correction.unwrap_or(knobs.importance_correction);
+    knobs.dual_clip = s.dual_clip.unwrap_or(knobs.dual_clip);
     c.learner.proximal = s.proximal.unwrap_or(c.learner.proximal);
     c.learner.advantage_norm = s.advantage_norm.unwrap_or(c.learner.advantage_norm);
     c.learner.packing = s.packing.unwrap_or(c.learner.packing);
