@@ -168,15 +168,42 @@ fn aggregation_name(aggregation: LossAggregation) -> &'static str {
     }
 }
 
-fn case(
+/// What one case varies.
+#[derive(Clone, Copy)]
+struct Spec {
     clip: ClipMode,
     correction: ImportanceCorrection,
     mode: ProximalMode,
     aggregation: LossAggregation,
+    /// The KL loss's estimator (None: no KL loss).
     kl: Option<KlEstimator>,
+    /// The dual-clip bound (0: off).
     dual_clip: f64,
-    seed: u64,
-) -> Value {
+}
+
+impl Spec {
+    /// Decoupled PPO's masking correction, no KL loss, no dual clip.
+    fn new(clip: ClipMode, mode: ProximalMode, aggregation: LossAggregation) -> Self {
+        Spec {
+            clip,
+            correction: ImportanceCorrection::Mask,
+            mode,
+            aggregation,
+            kl: None,
+            dual_clip: 0.0,
+        }
+    }
+}
+
+fn case(spec: Spec, seed: u64) -> Value {
+    let Spec {
+        clip,
+        correction,
+        mode,
+        aggregation,
+        kl,
+        dual_clip,
+    } = spec;
     let x = inputs(seed);
     let reference_rows = kl.map(|_| reference(&x, seed));
     let reference = reference_rows.as_deref().map(f64_tensor);
@@ -325,15 +352,7 @@ fn generate() -> Value {
             ProximalMode::Behaviour,
         ] {
             for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                cases.push(case(
-                    clip,
-                    ImportanceCorrection::Mask,
-                    proximal,
-                    aggregation,
-                    None,
-                    0.0,
-                    seed,
-                ));
+                cases.push(case(Spec::new(clip, proximal, aggregation), seed));
                 seed += 1;
             }
         }
@@ -342,15 +361,11 @@ fn generate() -> Value {
         for clip in [ClipMode::Ppo, ClipMode::M2po, ClipMode::Gspo] {
             for proximal in [ProximalMode::Recompute, ProximalMode::Approx] {
                 for aggregation in [LossAggregation::Token, LossAggregation::Sequence] {
-                    cases.push(case(
-                        clip,
+                    let spec = Spec {
                         correction,
-                        proximal,
-                        aggregation,
-                        None,
-                        0.0,
-                        seed,
-                    ));
+                        ..Spec::new(clip, proximal, aggregation)
+                    };
+                    cases.push(case(spec, seed));
                     seed += 1;
                 }
             }
@@ -370,15 +385,11 @@ fn generate() -> Value {
             ),
             (ClipMode::M2po, ProximalMode::Approx, LossAggregation::Token),
         ] {
-            cases.push(case(
-                clip,
-                ImportanceCorrection::Mask,
-                proximal,
-                aggregation,
-                Some(estimator),
-                0.0,
-                seed,
-            ));
+            let spec = Spec {
+                kl: Some(estimator),
+                ..Spec::new(clip, proximal, aggregation)
+            };
+            cases.push(case(spec, seed));
             seed += 1;
         }
     }
@@ -420,15 +431,12 @@ fn generate() -> Value {
             69,
         ),
     ] {
-        cases.push(case(
-            clip,
+        let spec = Spec {
             correction,
-            proximal,
-            aggregation,
-            None,
-            bound,
-            seed,
-        ));
+            dual_clip: bound,
+            ..Spec::new(clip, proximal, aggregation)
+        };
+        cases.push(case(spec, seed));
     }
     json!({
         "about": "asyncrl's learner objective (learner/src/objective.rs) on seeded inputs; written by learner/tests/objective_vectors.rs (ASYNCRL_WRITE_VECTORS=1), checked by it and by trainer/tests/test_objective.py",
