@@ -112,6 +112,7 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
                     "clip_mode=gspo",
                     "importance_correction=icepop",
                     "iw_floor=0.25",
+                    "dual_clip=3",
                 ],
                 Some(4),
             ),
@@ -206,6 +207,7 @@ async fn knobs_apply_at_their_step_are_refused_when_late_or_unauthorized_and_are
         (k3.importance_correction, k3.importance_weight_floor),
         (ImportanceCorrectionName::Mask, 0.5)
     );
+    assert_eq!((k3.dual_clip, k4.dual_clip), (0.0, 3.0));
     assert_eq!(k4.eta, 2);
     wait_sealed(&c, 4).await;
 
