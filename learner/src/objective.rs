@@ -653,17 +653,17 @@ impl ObjectivePlan {
         let clipped = u.clamp_tensor(Some(&lo), Some(&hi));
         let surrogate = (&u * &a).minimum(&(&clipped * &a));
         // Dual clip: a term with A < 0 is at least d·A; `dual_clipped` are
-        // the tokens above the bound (none when off).
+        // the tokens above the bound (None when off: nothing to count).
         let (surrogate, dual_clipped) = if cfg.dual_clip > 0.0 {
             let negative = a.lt(0.0);
             (
                 surrogate
                     .maximum(&(&a * cfg.dual_clip))
                     .where_self(&negative, &surrogate),
-                negative.logical_and(&u.gt(cfg.dual_clip)),
+                Some(negative.logical_and(&u.gt(cfg.dual_clip))),
             )
         } else {
-            (surrogate, valid.zeros_like())
+            (surrogate, None)
         };
         // The KL estimate against the reference, 0 on padding (where, not a
         // product: a padded position's values may be anything).
@@ -701,7 +701,7 @@ impl ObjectivePlan {
             clip_low: count(keep.logical_and(&a.lt(0.0)).logical_and(&u.lt_tensor(&lo))),
             clip_high: count(keep.logical_and(&a.gt(0.0)).logical_and(&u.gt_tensor(&hi))),
             weight_masked: count(corrected),
-            dual_clip: count(keep.logical_and(&dual_clipped)),
+            dual_clip: dual_clipped.map_or(0.0, |d| count(keep.logical_and(&d))),
             approx_kl: count((c.detach() - &p).square() * 0.5 * &valid_f),
             importance_weight: count(&w * &valid_f),
             kl_ref: kl.map_or(0.0, |k| count(k.detach())),

@@ -355,14 +355,14 @@ class ObjectivePlan:
             lo, hi = ones * (1.0 - cfg.eps_low), ones * (1.0 + cfg.eps_high)
         clipped = torch.clamp(u, min=lo, max=hi)
         surrogate = torch.minimum(u * a, clipped * a)
-        # Dual clip: the tokens with A < 0 above the bound (none when off).
+        # Dual clip: the tokens with A < 0 above the bound (None when off:
+        # nothing to count).
+        dual_clipped: Optional[torch.Tensor] = None
         if cfg.dual_clip > 0.0:
             negative = a < 0.0
             dual_clipped = negative & (u > cfg.dual_clip)
             bounded = torch.maximum(surrogate, a * cfg.dual_clip)
             surrogate = torch.where(negative, bounded, surrogate)
-        else:
-            dual_clipped = torch.zeros_like(valid)
         # The KL estimate against the reference, 0 on padding (where, not a
         # product: a padded position's values may be anything).
         kl: Optional[torch.Tensor] = None
@@ -392,7 +392,7 @@ class ObjectivePlan:
                 clip_low=count(keep & (a < 0.0) & (u < lo)),
                 clip_high=count(keep & (a > 0.0) & (u > hi)),
                 weight_masked=count(corrected),
-                dual_clip=count(keep & dual_clipped),
+                dual_clip=0.0 if dual_clipped is None else count(keep & dual_clipped),
                 approx_kl=count((c.detach() - p).square() * 0.5 * valid_f),
                 importance_weight=count(w * valid_f),
                 kl_ref=0.0 if kl is None else count(kl.detach()),
