@@ -154,6 +154,12 @@ struct WarmstartArgs {
     /// Items held out of training to measure accuracy before and after.
     #[arg(long, default_value_t = 200)]
     eval: usize,
+    /// Use the fastest CPU kernels this machine offers. By default the warm
+    /// start pins libtorch to portable kernels, so that it makes the same
+    /// weights on every x86-64 CPU (a long supervised run amplifies the
+    /// last-bit differences between CPUs' kernels).
+    #[arg(long)]
+    native_kernels: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -182,6 +188,14 @@ enum DataCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    #[cfg(feature = "torch")]
+    if let Command::Warmstart(a) = &cli.command
+        && !a.native_kernels
+    {
+        // SAFETY: the process has one thread here (argument parsing
+        // starts none) and has run no tensor operation.
+        unsafe { commands::pin_portable_kernels() };
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

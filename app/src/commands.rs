@@ -251,6 +251,20 @@ pub struct Warmstart {
     pub eval: usize,
 }
 
+/// Pins libtorch's CPU kernels to their portable code paths
+/// ([`asyncrl_policy::kernels`]): `asyncrl warmstart` does so unless told
+/// `--native-kernels`, so that one command makes the same weights on every
+/// x86-64 CPU.
+///
+/// # Safety
+/// Call it first thing in `main`, while the process has one thread and
+/// before any tensor operation.
+#[cfg(feature = "torch")]
+pub unsafe fn pin_portable_kernels() {
+    // SAFETY: passed on to the caller.
+    unsafe { asyncrl_policy::kernels::pin_portable() }
+}
+
 /// `asyncrl warmstart`: supervised warm start of the built-in model.
 #[cfg(feature = "torch")]
 pub fn warmstart(args: &Warmstart) -> anyhow::Result<()> {
@@ -275,7 +289,14 @@ pub fn warmstart(args: &Warmstart) -> anyhow::Result<()> {
         report.before.sampled,
         report.after.sampled
     );
-    println!("model: {}", args.out.display());
+    println!(
+        "model: {} ({} CPU kernels)",
+        args.out.display(),
+        match asyncrl_policy::kernels::current() {
+            asyncrl_policy::kernels::Kernels::Portable => "portable",
+            asyncrl_policy::kernels::Kernels::Native => "native",
+        }
+    );
     Ok(())
 }
 

@@ -307,6 +307,9 @@ struct WarmStartRecord<'a> {
     after: Accuracy,
     temperature: f64,
     seconds: f64,
+    /// Portable kernels make the same weights on every x86-64 CPU; native
+    /// ones, weights that follow the CPU.
+    kernels: asyncrl_policy::kernels::Kernels,
 }
 
 /// `asyncrl warmstart`: builds the model of `[model]` (the built-in one when
@@ -373,6 +376,7 @@ pub fn run_warm_start(
         after: report.after,
         temperature: opts.temperature,
         seconds: (report.seconds * 10.0).round() / 10.0,
+        kernels: asyncrl_policy::kernels::current(),
     };
     let path = out.join("warmstart.json");
     let mut json = serde_json::to_vec(&record).map_err(WarmStartError::Record)?;

@@ -35,6 +35,7 @@ pub mod config;
 pub mod decode;
 pub mod error;
 pub mod from_config;
+pub mod kernels;
 pub mod model;
 pub mod sampling;
 pub mod tiny;
