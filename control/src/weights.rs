@@ -305,7 +305,10 @@ pub fn verify_folder(announcement: &WeightAnnouncement) -> Result<(), FolderErro
 
 /// Deletes the version folders `policy-vNNNNNNNN` of versions
 /// `≤ newest − keep` under `root`, and writes that were cut off
-/// (`.policy-v*.tmp`). Returns how many were deleted.
+/// (`.policy-v*.tmp` of versions `≤ newest`). A write of a version after
+/// `newest` is left alone: the exporter may be writing it while `newest`
+/// is published (the learner exports the next version during a
+/// publication). Returns how many were deleted.
 pub fn prune_folders(
     root: &std::path::Path,
     newest: i32,
@@ -330,7 +333,7 @@ pub fn prune_folders(
             .strip_prefix('.')
             .and_then(|n| n.strip_suffix(".tmp"))
             .and_then(weights_folder_version)
-            .is_some();
+            .is_some_and(|v| v <= newest);
         if old || cut_off {
             std::fs::remove_dir_all(e.path()).map_err(|source| FolderError::Io {
                 path: e.path(),
@@ -593,11 +596,11 @@ mod tests {
         for v in 1..=5 {
             write_folder(root.path(), v, &[("model.safetensors", b"w")]);
         }
-        std::fs::create_dir_all(
-            root.path()
-                .join(asyncrl_protos::subjects::weights_folder_tmp_name(6)),
-        )
-        .unwrap();
+        // Cut off: a write of version 3 (published since, or never). In
+        // progress: the write of version 6, the next one.
+        let tmp = asyncrl_protos::subjects::weights_folder_tmp_name;
+        std::fs::create_dir_all(root.path().join(tmp(3))).unwrap();
+        std::fs::create_dir_all(root.path().join(tmp(6))).unwrap();
         std::fs::create_dir_all(root.path().join("unrelated")).unwrap();
         assert_eq!(prune_folders(root.path(), 5, 2).unwrap(), 4);
         let mut left: Vec<String> = std::fs::read_dir(root.path())
@@ -606,7 +609,9 @@ mod tests {
             .collect();
         left.sort();
         let name = asyncrl_protos::subjects::weights_folder_name;
-        assert_eq!(left, [name(4), name(5), "unrelated".to_owned()]);
+        let mut want = [tmp(6), name(4), name(5), "unrelated".to_owned()];
+        want.sort();
+        assert_eq!(left, want);
     }
 
     #[tokio::test]
