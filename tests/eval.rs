@@ -315,23 +315,21 @@ fn bad_input_to_asyncrl_eval_is_one_line_naming_it() {
     assert!(out.contains("(version 3): 32 problems"), "{out}");
 }
 
-/// The weights and `warmstart.json` of a 30-step warm start made with
-/// `args` added and `env` set on top of an environment without any kernel
-/// settings.
+/// The weights and `warmstart.json` of a 30-step warm start of `warm` (a
+/// config) into `dir/name`, made with `args` added and `env` set on top of
+/// an environment without any kernel settings.
 fn warm_start_with(
+    warm: &Path,
     dir: &Path,
     name: &str,
     args: &[&str],
     env: &[(&str, &str)],
 ) -> (Vec<u8>, serde_json::Value) {
-    let train = configs::write_arith(dir.join("train.jsonl"), 400, 4, 2);
-    let eval = eval_file(dir);
-    let warm = config(dir, &train, &eval, None);
     let out = dir.join(name);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_asyncrl"));
     cmd.args([
         "warmstart",
-        s(&warm),
+        s(warm),
         "--out",
         s(&out),
         "--steps",
@@ -369,6 +367,9 @@ fn warm_start_with(
 #[test]
 fn a_warm_start_makes_the_same_weights_whatever_kernels_the_cpu_offers() {
     let dir = tempfile::tempdir().unwrap();
+    let train = configs::write_arith(dir.path().join("train.jsonl"), 400, 4, 2);
+    let eval = eval_file(dir.path());
+    let warm = config(dir.path(), &train, &eval, None);
     let avx2 = [
         ("ATEN_CPU_CAPABILITY", "avx2"),
         ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
@@ -376,10 +377,16 @@ fn a_warm_start_makes_the_same_weights_whatever_kernels_the_cpu_offers() {
     ];
     let baseline_aten = [("ATEN_CPU_CAPABILITY", "default")];
 
-    let (native_avx2, record) =
-        warm_start_with(dir.path(), "native-avx2", &["--native-kernels"], &avx2);
+    let (native_avx2, record) = warm_start_with(
+        &warm,
+        dir.path(),
+        "native-avx2",
+        &["--native-kernels"],
+        &avx2,
+    );
     assert_eq!(record["kernels"], "native", "{record}");
     let (native_baseline, _) = warm_start_with(
+        &warm,
         dir.path(),
         "native-baseline",
         &["--native-kernels"],
@@ -390,10 +397,11 @@ fn a_warm_start_makes_the_same_weights_whatever_kernels_the_cpu_offers() {
         "native kernels: capping ATen's kernels should change the weights"
     );
 
-    let (portable, record) = warm_start_with(dir.path(), "portable", &[], &[]);
+    let (portable, record) = warm_start_with(&warm, dir.path(), "portable", &[], &[]);
     assert_eq!(record["kernels"], "portable", "{record}");
     for (name, env) in [("avx2", &avx2[..]), ("baseline", &baseline_aten[..])] {
-        let (weights, _) = warm_start_with(dir.path(), &format!("portable-{name}"), &[], env);
+        let (weights, _) =
+            warm_start_with(&warm, dir.path(), &format!("portable-{name}"), &[], env);
         assert!(
             weights == portable,
             "portable kernels, emulating {name}: other weights"

@@ -292,10 +292,7 @@ pub fn warmstart(args: &Warmstart) -> anyhow::Result<()> {
     println!(
         "model: {} ({} CPU kernels)",
         args.out.display(),
-        match asyncrl_policy::kernels::current() {
-            asyncrl_policy::kernels::Kernels::Portable => "portable",
-            asyncrl_policy::kernels::Kernels::Native => "native",
-        }
+        asyncrl_policy::kernels::current().as_str()
     );
     Ok(())
 }

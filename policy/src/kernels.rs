@@ -8,7 +8,8 @@
 //! same `asyncrl warmstart` has made 0.315 and 0.759 held-out accuracy on
 //! two machines of one kind. Pinning all three to their baseline code paths
 //! makes the results depend on the program and its inputs only, at some
-//! cost in speed (docs/benchmarks.md, "Portable kernels").
+//! cost in speed (docs/benchmarks.md, "The warm start on portable CPU
+//! kernels").
 //!
 //! Each library reads its setting once, at its first use, so the pin must
 //! happen before the process runs any tensor operation: [`pin_portable`] is
@@ -37,6 +38,16 @@ pub enum Kernels {
     /// The fastest kernels this CPU offers (or whatever the environment
     /// selected): results follow the CPU.
     Native,
+}
+
+impl Kernels {
+    /// The name `warmstart.json` records: `portable` or `native`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kernels::Portable => "portable",
+            Kernels::Native => "native",
+        }
+    }
 }
 
 /// Sets [`PORTABLE`] in this process's environment, overriding whatever
