@@ -213,6 +213,13 @@ pub struct LearnerConfig {
     /// to float rounding; only the positions computed shrink. With it,
     /// `max_tokens_per_microbatch` counts lanes × lane width.
     pub packing: bool,
+    /// Prefix sharing (with `packing`, in the built-in trainer): the rows
+    /// of a group (completions of one prompt) lay the tokens they all
+    /// start with out once, each row's own tokens after them attending to
+    /// them, instead of every row recomputing its prompt. The log-probs,
+    /// losses and gradients are the unshared ones up to float rounding.
+    /// A trainer engine packs without it.
+    pub share_prefixes: bool,
     /// The narrowest lane of a packed forward pass: lanes are as wide as
     /// the longest row or this many positions if that is more, so that
     /// short rows share a lane (attention within a lane costs its width
@@ -265,6 +272,7 @@ impl Default for LearnerConfig {
             minibatches: 1,
             max_tokens_per_microbatch: 0,
             packing: true,
+            share_prefixes: true,
             packing_lane_tokens: 0,
             warmup_steps: 0,
             weight_decay: 0.0,

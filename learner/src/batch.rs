@@ -10,6 +10,7 @@ use std::collections::HashMap;
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{Float32Type, Int32Type};
+use asyncrl_policy::SharedLanes;
 use asyncrl_protos::arrow_schema as cols;
 use tch::{Device, Kind, Tensor};
 
@@ -326,6 +327,10 @@ pub struct TrainBatch {
     /// Per row: prompt + completion tokens (the row's unpadded length in
     /// `input_ids`).
     pub lengths: Vec<i64>,
+    /// Per row: how many of its first tokens every row of its group has
+    /// too (the group's longest common prefix; 0 for a group of one row).
+    /// Shared-prefix lanes lay them out once ([`crate::shared`]).
+    pub shared: Vec<i64>,
     /// Per row.
     pub uuids: Vec<String>,
     pub group_ids: Vec<String>,
@@ -524,6 +529,15 @@ pub fn assemble(
             }
         }
     }
+    let mut shared = vec![0i64; n];
+    for (_, members) in group_rows.iter().filter(|(_, m)| m.len() > 1) {
+        let row =
+            |i: &usize| &ids[i * l..i * l + rows[*i].prompt.len() + rows[*i].completion.len()];
+        let common = crate::shared::common_prefix(members.iter().map(row)) as i64;
+        for i in members {
+            shared[*i] = common;
+        }
+    }
     let shape_l = [n as i64, l as i64];
     let shape_t = [n as i64, t as i64];
     Ok(TrainBatch {
@@ -537,6 +551,7 @@ pub fn assemble(
             .iter()
             .map(|r| (r.prompt.len() + r.completion.len()) as i64)
             .collect(),
+        shared,
         rewards: rows.iter().map(|r| r.reward).collect(),
         uuids: rows.iter().map(|r| r.uuid.clone()).collect(),
         group_ids: rows.into_iter().map(|r| r.group).collect(),
@@ -561,6 +576,7 @@ impl TrainBatch {
             advantages: self.advantages.to_device(device),
             mask: self.mask.to_device(device),
             lengths: self.lengths.clone(),
+            shared: self.shared.clone(),
             uuids: self.uuids.clone(),
             group_ids: self.group_ids.clone(),
             rewards: self.rewards.clone(),
@@ -585,6 +601,7 @@ impl TrainBatch {
             advantages: pick(&self.advantages),
             mask,
             lengths: rows.iter().map(|r| self.lengths[*r as usize]).collect(),
+            shared: rows.iter().map(|r| self.shared[*r as usize]).collect(),
             uuids: sel(&self.uuids),
             group_ids: sel(&self.group_ids),
             rewards: rows.iter().map(|r| self.rewards[*r as usize]).collect(),
@@ -595,12 +612,12 @@ impl TrainBatch {
     }
 
     /// Positions of one forward pass over every row
-    /// ([`TrainBatch::forward_inputs`]): lanes (packed) or rows (padded) ×
-    /// the lane width.
+    /// ([`TrainBatch::forward_inputs`]): lanes × the lane width.
     pub fn positions(&self, lanes: Lanes) -> i64 {
-        match self.packed_lanes(lanes) {
-            Some((width, packed)) => packed.len() as i64 * width,
-            None => self.lengths.len() as i64 * self.padded_width(),
+        match self.plan(lanes) {
+            Plan::Padded => self.lengths.len() as i64 * self.padded_width(),
+            Plan::Packed { width, lanes } => lanes.len() as i64 * width,
+            Plan::Shared(p) => p.lanes * p.width,
         }
     }
 
@@ -610,18 +627,54 @@ impl TrainBatch {
         Lanes::Padded.width(self.longest(), self.input_ids.size()[1])
     }
 
-    /// The packed lanes (their width, and each lane's rows) of `lanes`, or
-    /// None where padding computes no more positions (padded lanes, or
-    /// rows that do not pack: the padded forward's causal attention is
-    /// then the cheaper one).
-    fn packed_lanes(&self, lanes: Lanes) -> Option<(i64, Vec<Vec<i64>>)> {
-        let Lanes::Packed { .. } = lanes else {
-            return None;
+    /// The layout of `lanes` for these rows, or a cheaper one: packing
+    /// falls back to padding where it computes no fewer positions (rows of
+    /// about one length: the padded forward's causal attention is then the
+    /// cheaper one), and prefix sharing to packing (or padding) where it
+    /// saves no positions (groups of one row, no common prefix).
+    fn plan(&self, lanes: Lanes) -> Plan {
+        let padded_len = self.input_ids.size()[1];
+        let packed = |min_width: i64| {
+            let width = Lanes::Packed { min_width }.width(self.longest(), padded_len);
+            let packed = first_fit_decreasing(&self.lengths, width);
+            let padded = self.lengths.len() as i64 * self.padded_width();
+            if packed.len() as i64 * width < padded {
+                Plan::Packed {
+                    width,
+                    lanes: packed,
+                }
+            } else {
+                Plan::Padded
+            }
         };
-        let width = lanes.width(self.longest(), self.input_ids.size()[1]);
-        let packed = first_fit_decreasing(&self.lengths, width);
-        let padded = self.lengths.len() as i64 * self.padded_width();
-        (packed.len() as i64 * width < padded).then_some((width, packed))
+        match lanes {
+            Lanes::Padded => Plan::Padded,
+            Lanes::Packed { min_width } => packed(min_width),
+            Lanes::Shared {
+                min_width,
+                max_width,
+            } => {
+                let other = packed(min_width);
+                let base = Lanes::Packed { min_width }.width(self.longest(), padded_len);
+                let plan = crate::shared::plan(
+                    &self.lengths,
+                    &self.shared,
+                    &self.group_ids,
+                    base,
+                    max_width,
+                );
+                let cost = match &other {
+                    Plan::Padded => self.lengths.len() as i64 * self.padded_width(),
+                    Plan::Packed { width, lanes } => lanes.len() as i64 * width,
+                    Plan::Shared(_) => unreachable!("packed() plans no sharing"),
+                };
+                if plan.lanes * plan.width < cost {
+                    Plan::Shared(plan)
+                } else {
+                    other
+                }
+            }
+        }
     }
 
     /// The longest row (prompt + completion), at least 1.
@@ -650,7 +703,9 @@ impl TrainBatch {
     ///
     /// Padded, a micro-batch's positions are rows × its longest row;
     /// packed, they are lanes × the lane width, the rows packed into lanes
-    /// as [`TrainBatch::forward_inputs`] packs them.
+    /// as [`TrainBatch::forward_inputs`] packs them. Shared lanes split as
+    /// packed ones do: sharing a prefix only lowers a micro-batch's
+    /// positions.
     /// `max_tokens == 0`, or all rows fitting, gives one micro-batch of all
     /// rows in their order. Otherwise rows are sorted by length, longest
     /// first, and taken greedily, so each micro-batch pads to its own
@@ -659,11 +714,18 @@ impl TrainBatch {
     /// budget is then exceeded by that one row, never refused.
     pub fn microbatches(&self, max_tokens: usize, lanes: Lanes) -> Vec<Vec<i64>> {
         match lanes {
-            Lanes::Packed { min_width } => {
+            Lanes::Packed { min_width } | Lanes::Shared { min_width, .. } => {
                 pack_microbatches_packed(&self.lengths, max_tokens, min_width)
             }
             Lanes::Padded => pack_microbatches(&self.lengths, max_tokens),
         }
+    }
+
+    /// The token each completion token's prediction is scored against,
+    /// `[N, T]`: row `n`'s token `gather_index + 1` (padding reads a real
+    /// entry and is masked out by `mask`).
+    fn targets(&self) -> Tensor {
+        targets(&self.input_ids, &self.gather_index)
     }
 
     /// The inputs of one forward pass over every row of this batch.
@@ -672,48 +734,104 @@ impl TrainBatch {
     /// ([`TrainBatch::trimmed`]). Packed: the rows, longest first, each
     /// into the first lane with room (first-fit decreasing), lanes as wide
     /// as the longest row or `min_width` if that is more, in as many lanes
-    /// as that takes, often far fewer than rows; rows that pack into no
-    /// fewer positions than padding takes (rows of about one length) are
-    /// padded instead. The log-probs and entropies read through
-    /// [`ForwardInputs::gather`] are the same either way (up to float
-    /// rounding): see [`asyncrl_policy::Policy::forward_packed`].
+    /// as that takes, often far fewer than rows. Shared: each group's
+    /// common prefix once, its rows' own tokens after it
+    /// ([`crate::shared`]), the groups packed into lanes. Where a layout
+    /// computes no fewer positions than a simpler one, the simpler one is
+    /// used ([`TrainBatch::positions`]). The log-probs and entropies read
+    /// through [`ForwardInputs::completion_logprobs`] are the same in every
+    /// layout (up to float rounding): see
+    /// [`asyncrl_policy::Policy::forward_packed`] and
+    /// [`asyncrl_policy::Policy::forward_shared`].
     pub fn forward_inputs(&self, lanes: Lanes) -> ForwardInputs {
         let (n, l) = (self.input_ids.size()[0], self.input_ids.size()[1]);
         let device = self.input_ids.device();
-        let Some((width, lanes)) = self.packed_lanes(lanes) else {
-            return ForwardInputs::padded(&self.input_ids, &self.gather_index, self.padded_width());
+        let to = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+        let gather_ids = |source: &[i64], lanes: i64, width: i64| {
+            self.input_ids
+                .reshape([-1])
+                .index_select(0, &to(source))
+                .view([lanes, width])
         };
-        let s = lanes.len() as i64;
-        // Where each lane position's token comes from in the flat
-        // `input_ids`; padding repeats position 0 (a real token id, never
-        // attended and never read).
-        let mut source = vec![0i64; (s * width) as usize];
-        let mut segments = vec![0i64; (s * width) as usize];
-        let mut base = vec![0i64; n as usize];
-        for (lane, rows) in lanes.iter().enumerate() {
-            let mut offset = 0i64;
-            for (k, row) in rows.iter().enumerate() {
-                let len = self.lengths[*row as usize];
-                let at = lane as i64 * width + offset;
-                for j in 0..len {
-                    source[(at + j) as usize] = row * l + j;
-                    segments[(at + j) as usize] = k as i64 + 1;
+        match self.plan(lanes) {
+            Plan::Padded => {
+                ForwardInputs::padded(&self.input_ids, &self.gather_index, self.padded_width())
+            }
+            Plan::Packed { width, lanes } => {
+                let s = lanes.len() as i64;
+                // Where each lane position's token comes from in the flat
+                // `input_ids`; padding repeats position 0 (a real token id,
+                // never attended and never read).
+                let mut source = vec![0i64; (s * width) as usize];
+                let mut segments = vec![0i64; (s * width) as usize];
+                let mut base = vec![0i64; n as usize];
+                for (lane, rows) in lanes.iter().enumerate() {
+                    let mut offset = 0i64;
+                    for (k, row) in rows.iter().enumerate() {
+                        let len = self.lengths[*row as usize];
+                        let at = lane as i64 * width + offset;
+                        for j in 0..len {
+                            source[(at + j) as usize] = row * l + j;
+                            segments[(at + j) as usize] = k as i64 + 1;
+                        }
+                        base[*row as usize] = at;
+                        offset += len;
+                    }
                 }
-                base[*row as usize] = lane as i64 * (width - 1) + offset;
-                offset += len;
+                ForwardInputs {
+                    input_ids: gather_ids(&source, s, width),
+                    layout: LaneLayout::Packed(to(&segments).view([s, width])),
+                    predictor: &self.gather_index + to(&base).unsqueeze(1),
+                    target: self.targets(),
+                }
+            }
+            Plan::Shared(p) => {
+                let source: Vec<i64> = p
+                    .source
+                    .iter()
+                    .map(|s| s.map_or(0, |(row, q)| row as i64 * l + q))
+                    .collect();
+                let column = |f: fn(&crate::shared::RowPlace) -> i64| {
+                    to(&p.rows.iter().map(f).collect::<Vec<_>>()).unsqueeze(1)
+                };
+                let q = &self.gather_index;
+                let in_prefix = q.lt_tensor(&column(|r| r.shared));
+                let predictor = (q + column(|r| r.prefix_at))
+                    .where_self(&in_prefix, &(q + column(|r| r.own_at)));
+                let shape = [p.lanes, p.width];
+                ForwardInputs {
+                    input_ids: gather_ids(&source, p.lanes, p.width),
+                    layout: LaneLayout::Shared(SharedLanes {
+                        positions: to(&p.positions).view(shape),
+                        segments: to(&p.segments).view(shape),
+                        parents: to(&p.parents).view(shape),
+                    }),
+                    predictor,
+                    target: self.targets(),
+                }
             }
         }
-        let to = |v: &[i64]| Tensor::from_slice(v).to_device(device);
-        ForwardInputs {
-            input_ids: self
-                .input_ids
-                .reshape([-1])
-                .index_select(0, &to(&source))
-                .view([s, width]),
-            segments: Some(to(&segments).view([s, width])),
-            gather: &self.gather_index + to(&base).unsqueeze(1),
-        }
     }
+}
+
+/// A layout chosen for a batch ([`TrainBatch::plan`]).
+enum Plan {
+    Padded,
+    Packed { width: i64, lanes: Vec<Vec<i64>> },
+    Shared(crate::shared::SharedPlan),
+}
+
+/// Row `n`'s token `gather_index[n, t] + 1` of right-padded `input_ids`
+/// (`[N, L]`), `[N, T]`; an index past the end (padding of a batch one
+/// token wide) reads the last entry.
+fn targets(input_ids: &Tensor, gather_index: &Tensor) -> Tensor {
+    let (n, l) = (input_ids.size()[0], input_ids.size()[1]);
+    let rows = Tensor::arange(n, (Kind::Int64, input_ids.device())) * l;
+    let at = (gather_index + rows.unsqueeze(1) + 1).clamp_max(n * l - 1);
+    input_ids
+        .reshape([-1])
+        .index_select(0, &at.reshape([-1]))
+        .view(gather_index.size().as_slice())
 }
 
 /// How the rows of a forward pass are laid out.
@@ -724,47 +842,76 @@ pub enum Lanes {
     /// Rows packed end to end into lanes as wide as the longest row, or
     /// `min_width` positions if that is more.
     Packed { min_width: i64 },
+    /// Packed, and the rows of a group share their common prefix (laid
+    /// out once, [`crate::shared`]): lanes as wide as a group's prefix and
+    /// rows, at most [`crate::shared::SHARED_SPAN`] packed widths and
+    /// `max_width` positions (unless a row is wider).
+    Shared { min_width: i64, max_width: i64 },
 }
 
 impl Lanes {
     /// The lane width for rows of at most `longest` positions in a padded
     /// batch `padded_len` wide: padded, the longest row (at least two
     /// positions, as the shifted log-prob matrix needs one, and within the
-    /// padded width); packed, at least `min_width`.
+    /// padded width); packed, at least `min_width`. Shared lanes start
+    /// from the packed width and widen to hold a group.
     pub fn width(self, longest: i64, padded_len: i64) -> i64 {
         let padded = longest.max(2).min(padded_len);
         match self {
             Lanes::Padded => padded,
-            Lanes::Packed { min_width } => padded.max(2).max(min_width),
+            Lanes::Packed { min_width } | Lanes::Shared { min_width, .. } => {
+                padded.max(2).max(min_width)
+            }
         }
     }
 
     /// These lanes under a micro-batch budget of `max_tokens` positions
     /// (0: none): packed lanes at most that wide unless a row is wider.
     pub fn within(self, max_tokens: usize) -> Lanes {
+        let cap = i64::try_from(max_tokens).unwrap_or(i64::MAX);
         match self {
             Lanes::Packed { min_width } if max_tokens > 0 => Lanes::Packed {
-                min_width: min_width.min(i64::try_from(max_tokens).unwrap_or(i64::MAX)),
+                min_width: min_width.min(cap),
+            },
+            Lanes::Shared {
+                min_width,
+                max_width,
+            } if max_tokens > 0 => Lanes::Shared {
+                min_width: min_width.min(cap),
+                max_width: max_width.min(cap),
             },
             other => other,
         }
     }
 }
 
+/// How a forward pass's lanes hold their rows.
+#[derive(Debug)]
+pub enum LaneLayout {
+    /// One row per lane, right-padded.
+    Padded,
+    /// `[S, W]`: which sequence of its lane each position belongs to (1,
+    /// 2, ...; 0 = padding).
+    Packed(Tensor),
+    /// Groups sharing their prefixes.
+    Shared(SharedLanes),
+}
+
 /// The rows of one forward pass as the model sees them: one row per lane
-/// (padded), or several rows per lane (packed).
+/// (padded), several rows per lane (packed), or groups of rows sharing
+/// their prefix (shared).
 #[derive(Debug)]
 pub struct ForwardInputs {
     /// `[S, W]` token ids of each lane.
     pub input_ids: Tensor,
-    /// `[S, W]` packed only: which sequence of its lane each position
-    /// belongs to (1, 2, ...; 0 = padding).
-    pub segments: Option<Tensor>,
-    /// `[N, T]`: for completion token `t` of row `n`, its index in the
-    /// flattened shifted log-prob matrix (`[S · (W − 1)]`, entry
-    /// `s · (W − 1) + j` = log-prob of lane `s`'s token `j + 1`); padding
-    /// points at a real entry and is masked out by the batch's `mask`.
-    pub gather: Tensor,
+    pub layout: LaneLayout,
+    /// `[N, T]`: for completion token `t` of row `n`, the flat index (into
+    /// `[S · W]`) of the lane position whose next-token distribution
+    /// produced it; padding points at a real entry and is masked out by
+    /// the batch's `mask`.
+    pub predictor: Tensor,
+    /// `[N, T]`: the completion tokens themselves (padding: any real id).
+    pub target: Tensor,
 }
 
 impl ForwardInputs {
@@ -773,11 +920,12 @@ impl ForwardInputs {
     /// shifted log-probs).
     fn padded(input_ids: &Tensor, gather_index: &Tensor, width: i64) -> Self {
         let n = input_ids.size()[0];
-        let base = Tensor::arange(n, (Kind::Int64, input_ids.device())) * (width - 1);
+        let base = Tensor::arange(n, (Kind::Int64, input_ids.device())) * width;
         ForwardInputs {
             input_ids: input_ids.narrow(1, 0, width),
-            segments: None,
-            gather: gather_index + base.unsqueeze(1),
+            layout: LaneLayout::Padded,
+            predictor: gather_index + base.unsqueeze(1),
+            target: targets(input_ids, gather_index),
         }
     }
 
@@ -786,51 +934,54 @@ impl ForwardInputs {
         self.input_ids.numel() as i64
     }
 
+    /// The packed layout's segment ids, if packed.
+    pub fn segments(&self) -> Option<&Tensor> {
+        match &self.layout {
+            LaneLayout::Packed(seg) => Some(seg),
+            _ => None,
+        }
+    }
+
     /// Logits `[S, W, vocab]` of `policy` over these inputs.
     pub fn logits(&self, policy: &asyncrl_policy::Policy) -> asyncrl_policy::Result<Tensor> {
-        match &self.segments {
-            None => policy.forward(&self.input_ids, None),
-            Some(seg) => policy.forward_packed(&self.input_ids, seg),
+        match &self.layout {
+            LaneLayout::Padded => policy.forward(&self.input_ids, None),
+            LaneLayout::Packed(seg) => policy.forward_packed(&self.input_ids, seg),
+            LaneLayout::Shared(lanes) => policy.forward_shared(&self.input_ids, lanes),
         }
     }
 
     /// The completion tokens' log-probs `[N, T]` at temperature
     /// `temperature` from `logits` (`[S, W, vocab]`, of these inputs).
     pub fn completion_logprobs(&self, logits: &Tensor, temperature: f64) -> Tensor {
-        let logp = shifted_log_softmax(logits, temperature);
-        let w = self.input_ids.size()[1];
-        let next = self.input_ids.narrow(1, 1, w - 1).unsqueeze(-1);
-        let per_position = logp.gather(-1, &next, false).squeeze_dim(-1);
-        self.read(&per_position)
+        let v = logits.size()[2];
+        let logp = scaled_flat(logits, temperature).log_softmax(-1, Kind::Float);
+        logp.reshape([-1])
+            .index_select(0, &(&self.predictor * v + &self.target).reshape([-1]))
+            .view(self.predictor.size().as_slice())
     }
 
     /// The entropy `[N, T]` (no gradient) of the next-token distributions
     /// behind each completion token, at temperature `temperature`.
     pub fn completion_entropy(&self, logits: &Tensor, temperature: f64) -> Tensor {
         let _g = tch::no_grad_guard();
-        let logp = shifted_log_softmax(logits, temperature);
+        let logp = scaled_flat(logits, temperature).log_softmax(-1, Kind::Float);
         let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
-        self.read(&ent)
-    }
-
-    /// `[S, W − 1]` per-position values read at each completion token.
-    fn read(&self, per_position: &Tensor) -> Tensor {
-        let size = self.gather.size();
-        per_position
-            .reshape([-1])
-            .index_select(0, &self.gather.reshape([-1]))
-            .view(size.as_slice())
+        ent.index_select(0, &self.predictor.reshape([-1]))
+            .view(self.predictor.size().as_slice())
     }
 }
 
-fn shifted_log_softmax(logits: &Tensor, temperature: f64) -> Tensor {
-    let w = logits.size()[1];
-    let scaled = if (temperature - 1.0).abs() > f64::EPSILON {
-        logits / temperature
+/// `logits` (`[S, W, V]`) as `[S · W, V]` float32, divided by the
+/// temperature.
+fn scaled_flat(logits: &Tensor, temperature: f64) -> Tensor {
+    let v = logits.size()[2];
+    let flat = logits.reshape([-1, v]).to_kind(Kind::Float);
+    if (temperature - 1.0).abs() > f64::EPSILON {
+        flat / temperature
     } else {
-        logits.shallow_clone()
-    };
-    scaled.narrow(1, 0, w - 1).log_softmax(-1, Kind::Float)
+        flat
+    }
 }
 
 /// Rows (by `lengths`) into lanes of `width` positions: longest first, each
@@ -1143,7 +1294,7 @@ mod tests {
         let fwd = b.forward_inputs(Lanes::Packed { min_width: 0 });
         let ids = Vec::<i64>::try_from(fwd.input_ids.reshape([-1])).unwrap();
         assert_eq!(ids, [1, 2, 3, 4, 3, 1, 2, 2, 5, 3, 2, 1, 1, 3]);
-        let seg = Vec::<i64>::try_from(fwd.segments.as_ref().unwrap().reshape([-1])).unwrap();
+        let seg = Vec::<i64>::try_from(fwd.segments().unwrap().reshape([-1])).unwrap();
         assert_eq!(seg, [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3]);
         assert_eq!(fwd.positions(), 14);
         assert_eq!(b.positions(Lanes::Packed { min_width: 0 }), 14);
@@ -1151,19 +1302,24 @@ mod tests {
         assert_eq!(b.positions(Lanes::Packed { min_width: 8 }), 16);
         assert_eq!(b.positions(Lanes::Packed { min_width: 14 }), 14);
         let wide = b.forward_inputs(Lanes::Packed { min_width: 14 });
-        let seg = Vec::<i64>::try_from(wide.segments.as_ref().unwrap().reshape([-1])).unwrap();
+        let seg = Vec::<i64>::try_from(wide.segments().unwrap().reshape([-1])).unwrap();
         assert_eq!(seg, [1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]);
         assert_eq!(b.positions(Lanes::Padded), 28);
         // Row 1's completion [5, 3] is predicted from lane 1's positions 0
-        // and 1 (shifted matrix: 6 entries per lane); row 2's [1] from
-        // lane 1's position 4.
+        // and 1 (7 positions per lane); row 2's [1] from lane 1's
+        // position 4.
         let gather = |row: i64| {
-            Vec::<i64>::try_from(fwd.gather.get(row).masked_select(&b.mask.get(row))).unwrap()
+            Vec::<i64>::try_from(fwd.predictor.get(row).masked_select(&b.mask.get(row))).unwrap()
         };
         assert_eq!(gather(0), [3, 4, 5]);
-        assert_eq!(gather(1), [6, 7]);
-        assert_eq!(gather(2), [10]);
+        assert_eq!(gather(1), [7, 8]);
+        assert_eq!(gather(2), [11]);
         assert!(gather(3).is_empty());
+        let target = |row: i64| {
+            Vec::<i64>::try_from(fwd.target.get(row).masked_select(&b.mask.get(row))).unwrap()
+        };
+        assert_eq!(target(0), [3, 1, 2]);
+        assert_eq!(target(1), [5, 3]);
 
         // Rows that do not pack (two of 5 in lanes of 5) are padded: the
         // same positions, and the causal forward without segments.
@@ -1176,11 +1332,11 @@ mod tests {
         let lanes = Lanes::Packed { min_width: 0 };
         assert_eq!(b.positions(lanes), b.positions(Lanes::Padded));
         let fwd = b.forward_inputs(lanes);
-        assert!(fwd.segments.is_none());
+        assert!(fwd.segments().is_none());
         assert_eq!(fwd.positions(), 10);
         // One lane of 10 computes as many positions as padding: padded.
         let wide = Lanes::Packed { min_width: 10 };
-        assert!(b.forward_inputs(wide).segments.is_none());
+        assert!(b.forward_inputs(wide).segments().is_none());
         assert_eq!(b.positions(wide), 10);
     }
 

@@ -717,7 +717,7 @@ fn eval_loop(
             Ok(s) => s,
             Err(e) => {
                 metrics.failures.inc();
-                tracing::warn!(version = job.version, error = %e, "evaluation failed");
+                tracing::warn!(version = job.version, error = %format!("{:#}", anyhow::Error::new(e)), "evaluation failed");
                 continue;
             }
         };

@@ -31,6 +31,7 @@ pub mod outputs;
 pub mod pending;
 pub mod service;
 pub mod sft;
+pub mod shared;
 pub mod torch_engine;
 pub mod trainer;
 

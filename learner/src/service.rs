@@ -119,7 +119,12 @@ pub fn trainer_options(config: &Config) -> TrainerOptions {
         seed: config.run.seed,
         weight_dtype: asyncrl_policy::from_config::weight_dtype(config.model.weight_dtype),
         max_tokens_per_microbatch: l.max_tokens_per_microbatch,
-        lanes: if l.packing {
+        lanes: if l.packing && l.share_prefixes {
+            crate::batch::Lanes::Shared {
+                min_width: i64::try_from(l.packing_lane_tokens).unwrap_or(i64::MAX),
+                max_width: i64::MAX,
+            }
+        } else if l.packing {
             crate::batch::Lanes::Packed {
                 min_width: i64::try_from(l.packing_lane_tokens).unwrap_or(i64::MAX),
             }

@@ -177,7 +177,8 @@ pub fn group_command(
             opts.max_tokens_per_microbatch
         ))
         .args(match opts.lanes {
-            Lanes::Packed { min_width } => {
+            // The engine packs; prefix sharing is the built-in trainer's.
+            Lanes::Packed { min_width } | Lanes::Shared { min_width, .. } => {
                 vec![
                     "--packing".to_owned(),
                     format!("--packing-lane-tokens={min_width}"),
@@ -347,7 +348,10 @@ impl TorchEngine {
             temperature,
             stop_token_ids: stop_token_ids.to_vec(),
         };
-        let reply = self.call("Generate", |mut c| async move { c.generate(request).await })?;
+        let reply = self.call_idempotent("Generate", |mut c| {
+            let request = request.clone();
+            async move { c.generate(request).await }
+        })?;
         if reply.completions.len() != prompts.len() {
             return Err(EngineError::Protocol(format!(
                 "Generate answered {} completions for {} prompts",
@@ -524,39 +528,70 @@ impl TorchEngine {
         Ok(())
     }
 
+    /// Runs a call that may run twice with the same effect (it reads, or
+    /// replaces state wholesale: LoadWeights, Generate): a call that fails
+    /// in transport (`Unavailable`, `Unknown`) while the group still runs
+    /// is sent once more on a new connection. An HTTP/2 connection that
+    /// sat idle can fail the first call after it, as the evaluator's does
+    /// between two evaluated versions when training is slow (seen as
+    /// "failed in LoadWeights" for one version under load); the channel
+    /// reconnects for the next call.
+    fn call_idempotent<R, F, Fut>(&mut self, name: &'static str, f: F) -> Result<R, EngineError>
+    where
+        F: Fn(TrainerEngineClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<R>, tonic::Status>>,
+    {
+        match self.rt.block_on(f(self.client.clone())) {
+            Ok(r) => Ok(r.into_inner()),
+            Err(s)
+                if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+                    && matches!(self.child.try_wait(), Ok(None)) =>
+            {
+                tracing::warn!(call = name, status = %s, "a trainer engine call failed in transport; sending it again");
+                self.call(name, f)
+            }
+            Err(s) => Err(self.failed(name, s)),
+        }
+    }
+
     /// Runs one call; a failure of a group that has exited reports how.
     fn call<R, F, Fut>(&mut self, name: &'static str, f: F) -> Result<R, EngineError>
     where
         F: FnOnce(TrainerEngineClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<R>, tonic::Status>>,
     {
-        let client = self.client.clone();
-        match self.rt.block_on(f(client)) {
+        match self.rt.block_on(f(self.client.clone())) {
             Ok(r) => Ok(r.into_inner()),
-            Err(s) if s.code() == tonic::Code::InvalidArgument => Err(EngineError::Refused {
+            Err(s) => Err(self.failed(name, s)),
+        }
+    }
+
+    /// What a failed call means: a refusal, the group's exit, or the call's
+    /// own failure.
+    fn failed(&mut self, name: &'static str, status: tonic::Status) -> EngineError {
+        if status.code() == tonic::Code::InvalidArgument {
+            return EngineError::Refused {
                 call: name,
-                message: s.message().to_owned(),
-            }),
-            Err(source) => {
-                // A closed socket: wait for the group's exit status (torchrun
-                // notices a dead rank within seconds, then stops the rest).
-                let deadline = Instant::now() + Duration::from_secs(30);
-                while Instant::now() < deadline {
-                    if let Ok(Some(status)) = self.child.try_wait() {
-                        std::thread::sleep(Duration::from_millis(100));
-                        return Err(EngineError::Exited {
-                            status: status.to_string(),
-                            detail: self.tail.detail(),
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(EngineError::Rpc {
-                    call: name,
+                message: status.message().to_owned(),
+            };
+        }
+        // A closed socket: wait for the group's exit status (torchrun
+        // notices a dead rank within seconds, then stops the rest).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                std::thread::sleep(Duration::from_millis(100));
+                return EngineError::Exited {
+                    status: status.to_string(),
                     detail: self.tail.detail(),
-                    source,
-                })
+                };
             }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        EngineError::Rpc {
+            call: name,
+            detail: self.tail.detail(),
+            source: status,
         }
     }
 
@@ -803,8 +838,9 @@ impl TrainerEngine for TorchEngine {
         let file = dir.join("model.safetensors");
         std::fs::write(&file, bytes).map_err(io_err(format!("cannot write {}", file.display())))?;
         let path = dir.to_string_lossy().into_owned();
-        let loaded = self.call("LoadWeights", |mut c| async move {
-            c.load_weights(LoadWeightsRequest { path }).await
+        let loaded = self.call_idempotent("LoadWeights", |mut c| {
+            let path = path.clone();
+            async move { c.load_weights(LoadWeightsRequest { path }).await }
         });
         let _ = std::fs::remove_dir_all(&dir);
         loaded?;
@@ -835,8 +871,9 @@ impl TrainerEngine for TorchEngine {
         version: i32,
     ) -> Result<(), TrainError> {
         let path = dir.to_string_lossy().into_owned();
-        self.call("LoadWeights", |mut c| async move {
-            c.load_weights(LoadWeightsRequest { path }).await
+        self.call_idempotent("LoadWeights", |mut c| {
+            let path = path.clone();
+            async move { c.load_weights(LoadWeightsRequest { path }).await }
         })?;
         self.version = version;
         self.step = u64::try_from(version).unwrap_or(0);

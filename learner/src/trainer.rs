@@ -116,7 +116,10 @@ impl Default for TrainerOptions {
             seed: 0,
             weight_dtype: WeightDtype::F32,
             max_tokens_per_microbatch: 0,
-            lanes: Lanes::Packed { min_width: 0 },
+            lanes: Lanes::Shared {
+                min_width: 0,
+                max_width: i64::MAX,
+            },
         }
     }
 }

@@ -48,6 +48,19 @@ fn below(rng: &mut SplitMix64, n: u64) -> u64 {
 /// reward-failed row, token versions 1–4, and behaviour log-probs that are
 /// the model's own plus noise (off-policy weights ≠ 1).
 fn random_batch(policy: &Policy) -> RecordBatch {
+    batch_of(policy, false)
+}
+
+/// [`random_batch`] with groups as a policy makes them: the rows of a
+/// group share their prompt, and more. Group 1's rows also share their
+/// first two completion tokens, group 2's first two rows are the same
+/// trajectory, and group 3's last row's prompt differs from the others'
+/// after its first token.
+fn grouped_batch(policy: &Policy) -> RecordBatch {
+    batch_of(policy, true)
+}
+
+fn batch_of(policy: &Policy, grouped: bool) -> RecordBatch {
     let mut rng = SplitMix64::new(0xBA7C);
     let vocab = policy.config().vocab_size as u64;
     let mut trajs = Vec::new();
@@ -87,6 +100,32 @@ fn random_batch(policy: &Policy) -> RecordBatch {
             admission_version: 1,
             turns: Vec::new(),
         });
+    }
+    if grouped {
+        for row in 0..ROWS {
+            let first = row / 4 * 4;
+            trajs[row].prompt_token_ids = trajs[first].prompt_token_ids.clone();
+        }
+        let lead = trajs[4].completion_token_ids.clone();
+        for t in &mut trajs[4..8] {
+            for (k, tok) in lead.iter().take(2).enumerate() {
+                if let Some(c) = t.completion_token_ids.get_mut(k) {
+                    *c = *tok;
+                }
+            }
+        }
+        let (completion, versions) = (
+            trajs[8].completion_token_ids.clone(),
+            trajs[8].policy_versions.clone(),
+        );
+        trajs[9].behaviour_logprobs = vec![0.0; completion.len()];
+        trajs[9].completion_token_ids = completion;
+        trajs[9].policy_versions = versions;
+        let prompt = &mut trajs[15].prompt_token_ids;
+        match prompt.get_mut(1) {
+            Some(tok) => *tok = 1 + *tok % (vocab as i32 - 1),
+            None => prompt.push(1),
+        }
     }
     let rb = asyncrl_protos::arrow_schema::to_record_batch(&trajs).unwrap();
     let b = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
@@ -147,8 +186,16 @@ fn corrected_knobs(
 /// optimizer state (one step taken), the state every compared step starts
 /// from; and the batch.
 fn starting_point(dir: &std::path::Path) -> (LoadedCheckpoint, RecordBatch) {
+    starting_point_of(dir, random_batch)
+}
+
+/// [`starting_point`] with the batch `batch` makes.
+fn starting_point_of(
+    dir: &std::path::Path,
+    batch: fn(&Policy) -> RecordBatch,
+) -> (LoadedCheckpoint, RecordBatch) {
     let policy = tiny_policy();
-    let rb = random_batch(&policy);
+    let rb = batch(&policy);
     let mut t = Trainer::new(policy, options(ProximalMode::Approx, 0));
     let weights = t.weights_bytes().unwrap();
     t.adopt_published(&weights, START_VERSION).unwrap();
@@ -513,4 +560,102 @@ fn packed_steps_match_padded_steps() {
         }
     }
     println!("worst max |Δparam| packed against padded: {worst:.3e}");
+}
+
+/// The layout that shares each group's common prefix.
+const SHARED: Lanes = Lanes::Shared {
+    min_width: 0,
+    max_width: i64::MAX,
+};
+
+#[test]
+fn shared_prefix_passes_read_the_padded_log_probs_and_entropies() {
+    tch::set_num_threads(1);
+    let policy = tiny_policy();
+    let rb = grouped_batch(&policy);
+    let batch = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
+    let read = |lanes: Lanes| {
+        let fwd = batch.forward_inputs(lanes);
+        let logits = tch::no_grad(|| fwd.logits(&policy)).unwrap();
+        (
+            fwd.positions(),
+            fwd.completion_logprobs(&logits, 0.7),
+            fwd.completion_entropy(&logits, 0.7),
+        )
+    };
+    let (padded, lp, ent) = read(Lanes::Padded);
+    let (packed, _, _) = read(Lanes::Packed { min_width: 0 });
+    let mask = batch.mask.to_kind(tch::Kind::Float);
+    let diff = |a: &tch::Tensor, b: &tch::Tensor| ((a - b) * &mask).abs().max().double_value(&[]);
+    // Wide lanes (every group in one unit), and lanes narrow enough that
+    // groups split into units that repeat their prefix.
+    for (lanes, what) in [
+        (SHARED, "shared"),
+        (
+            Lanes::Shared {
+                min_width: 0,
+                max_width: 24,
+            },
+            "shared, split groups",
+        ),
+    ] {
+        let (shared, shared_lp, shared_ent) = read(lanes);
+        assert!(
+            diff(&lp, &shared_lp) <= 1e-5,
+            "{what}: log-probs {}",
+            diff(&lp, &shared_lp)
+        );
+        assert!(
+            diff(&ent, &shared_ent) <= 1e-5,
+            "{what}: entropies {}",
+            diff(&ent, &shared_ent)
+        );
+        assert_eq!(shared, batch.positions(lanes), "{what}");
+        println!("positions: padded {padded}, packed {packed}, {what} {shared}");
+        assert!(
+            shared < packed,
+            "{what}: {shared} positions, packed {packed}"
+        );
+    }
+    assert!(lp.masked_select(&batch.mask).std(true).double_value(&[]) > 0.1);
+    // The groups' common prefixes, as assembled.
+    let first = |g: usize| batch.shared[g * 4];
+    assert!(first(0) >= 1 && first(1) >= first(0) && first(2) >= 1);
+    assert_eq!(first(3), 1, "group 3's prompts part after one token");
+}
+
+#[test]
+fn shared_prefix_steps_match_padded_steps() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, rb) = starting_point_of(dir.path(), grouped_batch);
+    let mut worst: f64 = 0.0;
+    for budget in [0, SPLITTING_BUDGET] {
+        for case in all_cases() {
+            let (clip_mode, correction, proximal, aggregation, kl) = case;
+            let what = format!(
+                "budget {budget}: {clip_mode} / {correction} / {proximal:?} / {aggregation:?} / kl {kl:?}"
+            );
+            let k = case_knobs(case);
+            let (want, before) = step_from(&ckpt, &rb, packed(proximal, budget, Lanes::Padded), &k);
+            let (got, after) = step_from(&ckpt, &rb, packed(proximal, budget, SHARED), &k);
+            assert_same_stats(&what, &got, &want, 1e-5);
+            let (unshared, _) = step_from(
+                &ckpt,
+                &rb,
+                packed(proximal, budget, Lanes::Packed { min_width: 0 }),
+                &k,
+            );
+            assert!(
+                got.padded_tokens < unshared.padded_tokens,
+                "{what}: {} positions shared, {} packed",
+                got.padded_tokens,
+                unshared.padded_tokens
+            );
+            let diff = max_abs_diff(&after, &before);
+            assert!(diff <= 1e-5, "{what}: parameters differ by {diff}");
+            worst = worst.max(diff);
+        }
+    }
+    println!("worst max |Δparam| shared against padded: {worst:.3e}");
 }

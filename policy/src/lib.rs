@@ -52,7 +52,7 @@ pub use decode::{
     SequenceRequest, StepOutput, generate,
 };
 pub use error::{PolicyError, Result};
-pub use model::{DeviceOptions, Policy, parameter_names_and_shapes};
+pub use model::{DeviceOptions, Policy, SharedLanes, parameter_names_and_shapes};
 pub use sampling::{
     SamplingParams, logprob_temperature, sequence_logprobs, token_logprobs,
     token_logprobs_and_entropy,

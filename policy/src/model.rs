@@ -162,6 +162,26 @@ enum Layout<'a> {
     Padded(&'a Tensor),
     /// `[B, T]` segment ids: several sequences per row, 0 = padding.
     Packed(&'a Tensor),
+    /// Sequences that continue a shared prefix ([`SharedLanes`]).
+    Shared(&'a SharedLanes),
+}
+
+/// Lanes in which sequences share a prefix (a prompt several completions
+/// continue): the prefix is laid out once and each continuation after it,
+/// attending to the prefix and to its own earlier tokens only. All three
+/// tensors are `[B, T]` int64, aligned with the lanes' token ids.
+#[derive(Debug)]
+pub struct SharedLanes {
+    /// Each token's position in its own sequence (a continuation's first
+    /// token is at its prefix's length).
+    pub positions: Tensor,
+    /// Which part of its lane each token belongs to (a prefix, a
+    /// continuation or a whole sequence: 1, 2, ...; ids of adjacent parts
+    /// differ; 0 = padding).
+    pub segments: Tensor,
+    /// For a continuation's tokens, the segment id of the prefix it
+    /// continues (laid out earlier in the same lane); 0 otherwise.
+    pub parents: Tensor,
 }
 
 /// Per-layer key/value tensors of a fixed number of slots, each
@@ -825,6 +845,28 @@ impl Policy {
                         .f_unsqueeze(1)?;
                     (positions, Some(allowed))
                 }
+                Layout::Shared(lanes) => {
+                    check_shape("positions", &lanes.positions)?;
+                    check_shape("segments", &lanes.segments)?;
+                    check_shape("parents", &lanes.parents)?;
+                    let on = |t: &Tensor| -> Result<Tensor> {
+                        Ok(t.f_to_device(device)?.f_to_kind(Kind::Int64)?)
+                    };
+                    let (seg, parent) = (on(&lanes.segments)?, on(&lanes.parents)?);
+                    // Query i sees key j (j ≤ i, a real token) of its own
+                    // part or of the prefix its part continues.
+                    let key = seg.f_unsqueeze(1)?;
+                    let own = seg.f_unsqueeze(2)?.f_eq_tensor(&key)?;
+                    let prefix = parent.f_unsqueeze(2)?.f_eq_tensor(&key)?;
+                    let real_key = seg.f_ne(0)?.f_unsqueeze(1)?;
+                    let allowed = causal()?
+                        .f_unsqueeze(0)?
+                        .f_logical_and(&own.f_logical_or(&prefix)?)?
+                        .f_logical_and(&real_key)?
+                        .f_logical_or(&eye()?.f_unsqueeze(0)?)?
+                        .f_unsqueeze(1)?;
+                    (on(&lanes.positions)?, Some(allowed))
+                }
             };
             let x = self.run_layers(input_ids, &positions, AttnMode::Full { mask })?;
             rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
@@ -855,6 +897,15 @@ impl Policy {
     /// unless called under `tch::no_grad`.
     pub fn forward_packed(&self, input_ids: &Tensor, segments: &Tensor) -> Result<Tensor> {
         let h = self.hidden_states_packed(input_ids, segments)?;
+        self.logits_from_hidden(&h)
+    }
+
+    /// Logits `[B, T, vocab]` (float32) of lanes whose sequences share
+    /// prefixes: every token gets the result of an unpacked forward of its
+    /// own sequence (its prefix, then its own tokens). Records gradients
+    /// unless called under `tch::no_grad`.
+    pub fn forward_shared(&self, input_ids: &Tensor, lanes: &SharedLanes) -> Result<Tensor> {
+        let h = self.hidden(input_ids, Layout::Shared(lanes))?;
         self.logits_from_hidden(&h)
     }
 

@@ -198,6 +198,74 @@ fn packed_rows_match_unpacked_sequences() {
 }
 
 #[test]
+fn shared_prefix_lanes_match_unpacked_sequences() {
+    // One lane: a prefix of 4 tokens, two continuations of it (3 and 2
+    // tokens), then an unshared sequence of 3, then padding. Each token
+    // must get its own sequence's logits: prefix + continuation alone.
+    let prefix = ids(1, 4, 61);
+    let (a, b, solo) = (ids(2, 3, 61), ids(3, 2, 61), ids(4, 3, 61));
+    let t = 14i64;
+    let mut flat: Vec<i64> = [&prefix[..], &a, &b, &solo].concat();
+    let mut positions: Vec<i64> = [
+        (0..4).collect::<Vec<i64>>(),
+        (4..7).collect(),
+        (4..6).collect(),
+        (0..3).collect(),
+    ]
+    .concat();
+    let mut segments: Vec<i64> = [vec![1; 4], vec![2; 3], vec![3; 2], vec![4; 3]].concat();
+    let mut parents: Vec<i64> = [vec![0; 4], vec![1; 3], vec![1; 2], vec![0; 3]].concat();
+    let pad = t as usize - flat.len();
+    flat.extend(std::iter::repeat_n(7i64, pad));
+    positions.extend(std::iter::repeat_n(0i64, pad));
+    segments.extend(std::iter::repeat_n(0i64, pad));
+    parents.extend(std::iter::repeat_n(0i64, pad));
+    let lane = |v: &[i64]| Tensor::from_slice(v).reshape([1, t]);
+    for (model_type, tied) in [(ModelType::Qwen2, false), (ModelType::Llama, true)] {
+        let policy = random_policy(model_type, tied, 5);
+        let lanes = asyncrl_policy::SharedLanes {
+            positions: lane(&positions),
+            segments: lane(&segments),
+            parents: lane(&parents),
+        };
+        let shared = tch::no_grad(|| policy.forward_shared(&lane(&flat), &lanes)).unwrap();
+        let row = shared.get(0);
+        let with_a = full_logits(&policy, &[&prefix[..], &a].concat());
+        let with_b = full_logits(&policy, &[&prefix[..], &b].concat());
+        let alone = full_logits(&policy, &solo);
+        for (what, got, want) in [
+            ("prefix", row.narrow(0, 0, 4), with_a.narrow(0, 0, 4)),
+            (
+                "continuation a",
+                row.narrow(0, 4, 3),
+                with_a.narrow(0, 4, 3),
+            ),
+            (
+                "continuation b",
+                row.narrow(0, 7, 2),
+                with_b.narrow(0, 4, 2),
+            ),
+            ("unshared", row.narrow(0, 9, 3), alone),
+        ] {
+            let d = max_abs_diff(&got, &want);
+            assert!(d <= 1e-5, "{model_type:?} {what}: {d}");
+        }
+        // Continuation b must not see a's tokens: a forward that lets it
+        // (b as a's continuation) differs.
+        let leaked = full_logits(&policy, &[&prefix[..], &a, &b].concat());
+        assert!(max_abs_diff(&row.narrow(0, 7, 2), &leaked.narrow(0, 7, 2)) > 1e-3);
+        // Tensors of the wrong shape are refused, naming them.
+        let bad = asyncrl_policy::SharedLanes {
+            positions: lane(&positions),
+            segments: lane(&segments),
+            parents: Tensor::zeros([1, 3], (tch::Kind::Int64, tch::Device::Cpu)),
+        };
+        let err = policy.forward_shared(&lane(&flat), &bad).unwrap_err();
+        assert!(err.to_string().contains("parents"), "{err}");
+    }
+}
+
+#[test]
 fn greedy_is_deterministic_and_follows_the_argmax() {
     let policy = random_policy(ModelType::Llama, false, 11);
     let prompts = [ids(5, 4, 61), ids(6, 8, 61)];

@@ -3,9 +3,10 @@
 //! run.
 //!
 //! Each mix is a batch of real rows: the task's prompts, rendered and
-//! tokenized as the worker does, and as completion each prompt's reference
+//! tokenized as the worker does, and as completion the prompt's reference
 //! answer plus the end token (what a policy that has learnt the task
-//! writes), in groups of G with rewards that vary inside each group.
+//! writes) in even rows, the next prompt's answer in odd ones, in groups
+//! of G with rewards that vary inside each group.
 //!
 //! - `arith` (the main job, `examples/arith.toml`): every a ± b with
 //!   operands below 20, B = 16 groups × G = 8 (128 rows of 6–11 tokens);
@@ -14,8 +15,9 @@
 //! Per mix, every layout takes whole learner steps (`Trainer::train_step`
 //! with the learner's default options otherwise: forward, loss, backward,
 //! clip, AdamW) on one libtorch thread: padded (every row padded to the
-//! longest), and packed with each `--lane-tokens` minimum lane width (0:
-//! lanes as wide as the longest row). Layouts alternate within each round,
+//! longest), packed with each `--lane-tokens` minimum lane width (0:
+//! lanes as wide as the longest row), and packed with each group's
+//! common prefix laid out once (`learner.share_prefixes`). Layouts alternate within each round,
 //! so machine noise hits each alike; a layout's step time is the median of
 //! its timed steps over all rounds. Throughput is the batch's trained
 //! (completion) tokens per second, and the ratio is against padded.
@@ -77,20 +79,28 @@ fn rows_of(items: &[TaskItem], g: u32, text: &ModelText) -> anyhow::Result<Vec<T
             .tokenizer()
             .encode(&rendered, true)
             .context("tokenize a prompt")?;
-        let mut completion = text
-            .tokenizer()
-            .encode(&item.answer, false)
-            .context("tokenize an answer")?;
-        completion.push(eos);
+        let answer = |text_of: &str| -> anyhow::Result<Vec<i64>> {
+            let mut c = text
+                .tokenizer()
+                .encode(text_of, false)
+                .context("tokenize an answer")?;
+            c.push(eos);
+            Ok(c)
+        };
+        let right = answer(&item.answer)?;
+        // Odd rows answer with the next item's answer (a wrong one), so the
+        // rows of a group share their prompt but not their completions.
+        let wrong = answer(&items[(i + 1) % items.len()].answer)?;
         let ids = |v: &[i64]| v.iter().map(|x| *x as i32).collect::<Vec<i32>>();
         for k in 0..g {
+            let completion = if k % 2 == 0 { &right } else { &wrong };
             let n = completion.len();
             out.push(Trajectory {
                 uuid: format!("00000000-0000-4000-8000-{:012x}", (i << 8) + k as usize),
                 task_id: item.id.clone(),
                 group_id: format!("g{i}"),
                 prompt_token_ids: ids(&prompt),
-                completion_token_ids: ids(&completion),
+                completion_token_ids: ids(completion),
                 behaviour_logprobs: vec![-1.0; n],
                 policy_versions: vec![0; n],
                 reward: (k % 2) as f32,
@@ -139,6 +149,7 @@ fn label(lanes: Lanes) -> String {
         Lanes::Padded => "padded".into(),
         Lanes::Packed { min_width: 0 } => "packed, lanes = longest row".into(),
         Lanes::Packed { min_width } => format!("packed, lanes ≥ {min_width}"),
+        Lanes::Shared { .. } => "packed, shared prefixes".into(),
     }
 }
 
@@ -158,6 +169,10 @@ pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
             .iter()
             .map(|w| Lanes::Packed { min_width: *w }),
     );
+    layouts.push(Lanes::Shared {
+        min_width: 0,
+        max_width: i64::MAX,
+    });
     let settings = StepSettings {
         objective: ObjectiveConfig::default(),
         learning_rate: 1e-6,
@@ -165,7 +180,7 @@ pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
     let mut report = String::new();
     writeln!(
         report,
-        "# Learner tokens/s: packing against padding\n\n\
+        "# Learner tokens/s: packing and prefix sharing against padding\n\n\
          Built-in tiny model (`[model.tiny]` defaults), one libtorch thread, whole \
          `Trainer::train_step`s; {} round(s) of {} timed steps per layout after {} untimed, \
          layouts alternating; step time = median over the rounds.\n",
