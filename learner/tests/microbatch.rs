@@ -5,7 +5,7 @@
 
 use arrow::array::RecordBatch;
 use asyncrl_learner::advantages::AdvantageNorm;
-use asyncrl_learner::batch::{Lanes, assemble, completion_logprobs};
+use asyncrl_learner::batch::{Lanes, TrainBatch, assemble, completion_logprobs};
 use asyncrl_learner::checkpoint::{self, LoadedCheckpoint};
 use asyncrl_learner::objective::{
     ClipMode, ImportanceCorrection, KlEstimator, LossAggregation, ObjectiveConfig, ProximalMode,
@@ -474,25 +474,40 @@ fn packed(proximal: ProximalMode, budget: usize, lanes: Lanes) -> TrainerOptions
     }
 }
 
+/// One forward pass of `policy` over `batch` laid out as `lanes`: the
+/// positions computed, and the completion log-probs and entropies at
+/// temperature 0.7.
+fn read_layout(
+    policy: &Policy,
+    batch: &TrainBatch,
+    lanes: Lanes,
+) -> (i64, tch::Tensor, tch::Tensor) {
+    let fwd = batch.forward_inputs(lanes);
+    let logits = tch::no_grad(|| fwd.logits(policy)).unwrap();
+    (
+        fwd.positions(),
+        fwd.completion_logprobs(&logits, 0.7),
+        fwd.completion_entropy(&logits, 0.7),
+    )
+}
+
+/// The largest difference of `a` and `b` over `batch`'s real completion
+/// tokens.
+fn masked_diff(batch: &TrainBatch, a: &tch::Tensor, b: &tch::Tensor) -> f64 {
+    let mask = batch.mask.to_kind(tch::Kind::Float);
+    ((a - b) * &mask).abs().max().double_value(&[])
+}
+
 #[test]
 fn packed_forward_passes_read_the_padded_log_probs_and_entropies() {
     tch::set_num_threads(1);
     let policy = tiny_policy();
     let rb = random_batch(&policy);
     let batch = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
-    let read = |lanes: Lanes| {
-        let fwd = batch.forward_inputs(lanes);
-        let logits = tch::no_grad(|| fwd.logits(&policy)).unwrap();
-        (
-            fwd.positions(),
-            fwd.completion_logprobs(&logits, 0.7),
-            fwd.completion_entropy(&logits, 0.7),
-        )
-    };
+    let read = |lanes: Lanes| read_layout(&policy, &batch, lanes);
     let (padded, lp, ent) = read(Lanes::Padded);
     let (lanes, packed_lp, packed_ent) = read(Lanes::Packed { min_width: 0 });
-    let mask = batch.mask.to_kind(tch::Kind::Float);
-    let diff = |a: &tch::Tensor, b: &tch::Tensor| ((a - b) * &mask).abs().max().double_value(&[]);
+    let diff = |a: &tch::Tensor, b: &tch::Tensor| masked_diff(&batch, a, b);
     assert!(
         diff(&lp, &packed_lp) <= 1e-5,
         "log-probs: {}",
@@ -574,19 +589,10 @@ fn shared_prefix_passes_read_the_padded_log_probs_and_entropies() {
     let policy = tiny_policy();
     let rb = grouped_batch(&policy);
     let batch = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
-    let read = |lanes: Lanes| {
-        let fwd = batch.forward_inputs(lanes);
-        let logits = tch::no_grad(|| fwd.logits(&policy)).unwrap();
-        (
-            fwd.positions(),
-            fwd.completion_logprobs(&logits, 0.7),
-            fwd.completion_entropy(&logits, 0.7),
-        )
-    };
+    let read = |lanes: Lanes| read_layout(&policy, &batch, lanes);
     let (padded, lp, ent) = read(Lanes::Padded);
     let (packed, _, _) = read(Lanes::Packed { min_width: 0 });
-    let mask = batch.mask.to_kind(tch::Kind::Float);
-    let diff = |a: &tch::Tensor, b: &tch::Tensor| ((a - b) * &mask).abs().max().double_value(&[]);
+    let diff = |a: &tch::Tensor, b: &tch::Tensor| masked_diff(&batch, a, b);
     // Wide lanes (every group in one unit), and lanes narrow enough that
     // groups split into units that repeat their prefix.
     for (lanes, what) in [
