@@ -614,7 +614,12 @@ impl TrainBatch {
     /// Positions of one forward pass over every row
     /// ([`TrainBatch::forward_inputs`]): lanes × the lane width.
     pub fn positions(&self, lanes: Lanes) -> i64 {
-        match self.plan(lanes) {
+        self.positions_of(&self.plan(lanes))
+    }
+
+    /// Positions of one forward pass laid out as `plan`.
+    fn positions_of(&self, plan: &Plan) -> i64 {
+        match plan {
             Plan::Padded => self.lengths.len() as i64 * self.padded_width(),
             Plan::Packed { width, lanes } => lanes.len() as i64 * width,
             Plan::Shared(p) => p.lanes * p.width,
@@ -663,12 +668,7 @@ impl TrainBatch {
                     base,
                     max_width,
                 );
-                let cost = match &other {
-                    Plan::Padded => self.lengths.len() as i64 * self.padded_width(),
-                    Plan::Packed { width, lanes } => lanes.len() as i64 * width,
-                    Plan::Shared(_) => unreachable!("packed() plans no sharing"),
-                };
-                if plan.lanes * plan.width < cost {
+                if plan.lanes * plan.width < self.positions_of(&other) {
                     Plan::Shared(plan)
                 } else {
                     other
