@@ -16,6 +16,22 @@
 //! Layout: each slot owns a row of the cache (`max_seq_len` positions); a
 //! sequence's tokens sit at positions `0..len` of its row (right padding,
 //! per-sequence positions), so sequences of any lengths share a step.
+//!
+//! Prompt sharing (on by default, [`DecodeBatch::share_prompts`]): the
+//! completions of one group, or the samples of one evaluation problem, are
+//! sequences with the same prompt. Before its forwards a step gives each
+//! sequence that still has more than one token to compute the prompt
+//! positions another slot holds already, by copying that slot's keys and
+//! values (after a weight swap, or when the sequence is new); sequences
+//! that start together with the same prompt have it computed once, in a
+//! forward of its own, and copied to the others. The last prompt token is
+//! always computed in the sequence's own row (its logits sample the first
+//! completion token), so a new sequence that took its prompt by copy joins
+//! the one-token decoding rows. The keys and values are those the sequence
+//! would have computed itself (the same tokens at the same positions under
+//! the same weights), up to floating-point rounding.
+
+use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
@@ -113,7 +129,15 @@ pub struct StepOutput {
     /// sequence's token was sampled from (before temperature), for tests and
     /// debugging.
     pub logits: Vec<(SeqId, Tensor)>,
+    /// Token positions run through the model in this step.
+    pub positions_computed: usize,
+    /// Prompt positions taken by copy from another slot's cache instead
+    /// (prompt sharing).
+    pub positions_shared: usize,
 }
+
+/// Fewest prompt positions a sequence takes by copy (fewer are computed).
+const MIN_SHARED: usize = 2;
 
 struct Slot {
     id: SeqId,
@@ -161,6 +185,7 @@ pub struct DecodeBatch {
     kv_heads: i64,
     head_dim: i64,
     keep_logits: bool,
+    share_prompts: bool,
     vocab_size: i64,
 }
 
@@ -193,6 +218,7 @@ impl DecodeBatch {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             keep_logits: false,
+            share_prompts: true,
             vocab_size: cfg.vocab_size,
             opts,
         })
@@ -201,6 +227,12 @@ impl DecodeBatch {
     /// Whether [`StepOutput::logits`] is filled (off by default).
     pub fn keep_logits(&mut self, on: bool) {
         self.keep_logits = on;
+    }
+
+    /// Whether sequences with the same prompt share its keys and values
+    /// (on by default; see the module docs).
+    pub fn share_prompts(&mut self, on: bool) {
+        self.share_prompts = on;
     }
 
     /// The batch's size.
@@ -330,6 +362,9 @@ impl DecodeBatch {
             }
             self.cache_generation = Some(generation);
         }
+        if self.share_prompts {
+            tch::no_grad(|| self.take_shared_prompts(policy, &mut out))?;
+        }
         // Decoding rows (one new token) and prefill rows (a prompt, or a
         // whole sequence to recompute) run as two forwards so that the many
         // one-token rows are not padded to the longest prompt.
@@ -348,7 +383,9 @@ impl DecodeBatch {
             if group.is_empty() {
                 continue;
             }
-            let logits = tch::no_grad(|| self.forward_group(policy, &group))?;
+            let rows = self.uncached_rows(&group)?;
+            out.positions_computed += rows.iter().map(|r| r.2).sum::<usize>();
+            let logits = tch::no_grad(|| self.forward_rows(policy, &rows))?;
             let mut rows: Vec<RowSampler<'_>> = Vec::with_capacity(group.len());
             // Borrow each slot's params and rng mutably, in group order.
             let mut by_index: Vec<Option<&mut Slot>> =
@@ -405,32 +442,137 @@ impl DecodeBatch {
         Ok(out)
     }
 
-    /// Runs the slots `group` over their uncached tokens; logits `[A, V]`.
-    fn forward_group(&mut self, policy: &Policy, group: &[usize]) -> Result<Tensor> {
-        let mut rows = Vec::with_capacity(group.len());
-        let mut max_new = 1;
-        for &i in group {
+    /// `(slot, first, count)` of each slot of `group`: its uncached tokens.
+    fn uncached_rows(&self, group: &[usize]) -> Result<Vec<(usize, usize, usize)>> {
+        group
+            .iter()
+            .map(|&i| {
+                let s = self.slots[i]
+                    .as_ref()
+                    .ok_or_else(|| PolicyError::InvalidRequest("internal: empty slot".into()))?;
+                Ok((i, s.cached, s.tokens.len() - s.cached))
+            })
+            .collect()
+    }
+
+    /// The ids `[A, longest]` and cache plan of `rows` (`(slot, first,
+    /// count)`: tokens `first..first + count` of the slot, right-padded).
+    fn rows_input(
+        &self,
+        policy: &Policy,
+        rows: &[(usize, usize, usize)],
+    ) -> Result<(Tensor, CachePlan)> {
+        let longest = rows.iter().map(|r| r.2).max().unwrap_or(1).max(1);
+        let mut ids = Vec::with_capacity(rows.len() * longest);
+        let mut plan = Vec::with_capacity(rows.len());
+        for &(i, first, count) in rows {
             let s = self.slots[i]
                 .as_ref()
                 .ok_or_else(|| PolicyError::InvalidRequest("internal: empty slot".into()))?;
-            let new = s.tokens.len() - s.cached;
-            max_new = max_new.max(new);
-            rows.push((i as i64, s.cached as i64, new as i64));
+            ids.extend_from_slice(&s.tokens[first..first + count]);
+            ids.extend(std::iter::repeat_n(0i64, longest - count));
+            plan.push((i as i64, first as i64, count as i64));
         }
-        let mut ids = Vec::with_capacity(group.len() * max_new);
-        for &i in group {
-            if let Some(s) = &self.slots[i] {
-                ids.extend_from_slice(&s.tokens[s.cached..]);
-                ids.extend(std::iter::repeat_n(
-                    0i64,
-                    max_new - (s.tokens.len() - s.cached),
-                ));
-            }
-        }
-        let ids = Tensor::from_slice(&ids).f_reshape([group.len() as i64, max_new as i64])?;
-        let plan = CachePlan::new(&rows, policy.device())?;
+        let ids = Tensor::from_slice(&ids).f_reshape([rows.len() as i64, longest as i64])?;
+        Ok((ids, CachePlan::new(&plan, policy.device())?))
+    }
+
+    /// Runs `rows` (see [`DecodeBatch::rows_input`]); logits `[A, V]` at
+    /// each row's last token.
+    fn forward_rows(&mut self, policy: &Policy, rows: &[(usize, usize, usize)]) -> Result<Tensor> {
+        let (ids, plan) = self.rows_input(policy, rows)?;
         let logits = policy.forward_cached(&mut self.cache, &ids, &plan)?;
         Ok(logits.f_to_kind(Kind::Float)?)
+    }
+
+    /// Prompt sharing (see the module docs): every sequence with more than
+    /// one token to compute takes the prompt positions another slot holds,
+    /// by copy; sequences with the same prompt and none of it cached have
+    /// it computed once, in the slot of the first of them, then copied.
+    fn take_shared_prompts(&mut self, policy: &Policy, out: &mut StepOutput) -> Result<()> {
+        // (slot, prompt positions it could take: not its last token).
+        let wanting: Vec<(usize, usize)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let s = s.as_ref()?;
+                let want = s.prompt_len.min(s.tokens.len() - 1);
+                (s.tokens.len() - s.cached > 1 && want >= s.cached + MIN_SHARED)
+                    .then_some((i, want))
+            })
+            .collect();
+        if wanting.is_empty() {
+            return Ok(());
+        }
+        // For each prompt, the slot holding most of it in its cache.
+        let mut holders: HashMap<&[i64], (usize, usize)> = HashMap::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(s) = s
+                && s.cached > 0
+            {
+                let best = holders
+                    .entry(&s.tokens[..s.prompt_len])
+                    .or_insert((i, s.cached));
+                if s.cached > best.1 {
+                    *best = (i, s.cached);
+                }
+            }
+        }
+        // (from, to, positions)
+        let mut copies: Vec<(usize, usize, usize)> = Vec::new();
+        let mut starting: HashMap<&[i64], Vec<(usize, usize)>> = HashMap::new();
+        for &(i, want) in &wanting {
+            let Some(s) = self.slots[i].as_ref() else {
+                continue;
+            };
+            let prompt = &s.tokens[..s.prompt_len];
+            match holders.get(prompt) {
+                Some(&(from, held)) if held.min(want) >= s.cached + MIN_SHARED => {
+                    copies.push((from, i, held.min(want)));
+                }
+                _ if s.cached == 0 => starting.entry(prompt).or_default().push((i, want)),
+                _ => {}
+            }
+        }
+        // Sequences starting together with one prompt: the first computes
+        // the positions all of them can take; in slot order, so that a
+        // step does not depend on hashing.
+        let mut together: Vec<Vec<(usize, usize)>> =
+            starting.into_values().filter(|g| g.len() > 1).collect();
+        together.sort_by_key(|g| g[0].0);
+        let mut fill = Vec::with_capacity(together.len());
+        for g in &together {
+            let positions = g.iter().map(|&(_, want)| want).min().unwrap_or(0);
+            fill.push((g[0].0, 0, positions));
+            copies.extend(g[1..].iter().map(|&(to, _)| (g[0].0, to, positions)));
+        }
+        if !fill.is_empty() {
+            let (ids, plan) = self.rows_input(policy, &fill)?;
+            policy.fill_cached(&mut self.cache, &ids, &plan)?;
+            for &(i, _, positions) in &fill {
+                if let Some(s) = self.slots[i].as_mut() {
+                    s.cached = positions;
+                }
+                out.positions_computed += positions;
+            }
+        }
+        if copies.is_empty() {
+            return Ok(());
+        }
+        let longest = copies.iter().map(|c| c.2).max().unwrap_or(0);
+        let from: Vec<i64> = copies.iter().map(|c| c.0 as i64).collect();
+        let to: Vec<i64> = copies.iter().map(|c| c.1 as i64).collect();
+        // Positions past a copy's own count land past what its slot holds
+        // and are written before they are attended.
+        self.cache.copy_slots(&from, &to, longest as i64)?;
+        for &(_, to, positions) in &copies {
+            if let Some(s) = self.slots[to].as_mut() {
+                out.positions_shared += positions - s.cached;
+                s.cached = positions;
+            }
+        }
+        Ok(())
     }
 
     /// Runs `requests` to completion in this batch (up to `max_slots` at a

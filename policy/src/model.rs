@@ -229,6 +229,23 @@ impl KvCache {
         Ok(())
     }
 
+    /// Copies positions `0..len` of slot `from[i]` into slot `to[i]`, in
+    /// every layer (the source rows are read before any is written).
+    pub fn copy_slots(&mut self, from: &[i64], to: &[i64], len: i64) -> Result<()> {
+        let Some(first) = self.k.first() else {
+            return Ok(());
+        };
+        let device = first.device();
+        let from = Tensor::from_slice(from).f_to_device(device)?;
+        let to = Tensor::from_slice(to).f_to_device(device)?;
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let src = t.f_narrow(1, 0, len)?.f_index_select(0, &from)?;
+            let mut dst = t.f_narrow(1, 0, len)?;
+            let _ = dst.f_index_copy_(0, &to, &src)?;
+        }
+        Ok(())
+    }
+
     fn read(&self, layer: usize, plan: &CachePlan) -> Result<(Tensor, Tensor)> {
         let get = |t: &Tensor| -> Result<Tensor> {
             let rows = match plan.contiguous {
@@ -932,6 +949,22 @@ impl Policy {
             rms_norm(&last, &self.norm, self.cfg.rms_norm_eps)
         })?;
         self.logits_from_hidden(&h)
+    }
+
+    /// Runs `input_ids` over slots of a KV cache only to fill the cache
+    /// (no logits): prompt positions other slots then take by copy.
+    pub(crate) fn fill_cached(
+        &self,
+        cache: &mut KvCache,
+        input_ids: &Tensor,
+        plan: &CachePlan,
+    ) -> Result<()> {
+        self.check_ids(input_ids)?;
+        let positions = plan.positions.shallow_clone();
+        tch::autocast(self.opts.autocast_active(), || {
+            self.run_layers(input_ids, &positions, AttnMode::Cached { cache, plan })
+        })?;
+        Ok(())
     }
 
     /// Copies `tensors` (by Hugging Face name) into the parameters, after

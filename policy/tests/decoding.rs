@@ -619,6 +619,149 @@ fn weight_swap_mid_decode_recomputes_the_cache() {
     assert_eq!(outs[2].recomputations, 0);
 }
 
+/// What one run of a decode batch gave: outputs by id, the logits of every
+/// step by id, and the positions computed and shared.
+struct Run {
+    outputs: Vec<asyncrl_policy::SequenceOutput>,
+    logits: HashMap<u64, Vec<Tensor>>,
+    computed: usize,
+    shared: usize,
+    recomputed: usize,
+}
+
+/// Runs `requests` through a batch of `max_slots`, adding up to
+/// `add_per_step` of them before each step; after step `swap_at` the
+/// policy's weights become `swap` (version 1).
+fn run_sharing(
+    mut policy: Policy,
+    requests: Vec<SequenceRequest>,
+    max_slots: usize,
+    add_per_step: usize,
+    share: bool,
+    swap: Option<(usize, &[u8])>,
+) -> Run {
+    let mut batch = DecodeBatch::new(
+        &policy,
+        DecodeBatchOptions {
+            max_slots,
+            max_seq_len: 64,
+        },
+    )
+    .unwrap();
+    batch.keep_logits(true);
+    batch.share_prompts(share);
+    let mut queue: std::collections::VecDeque<_> = requests.into();
+    let mut run = Run {
+        outputs: Vec::new(),
+        logits: HashMap::new(),
+        computed: 0,
+        shared: 0,
+        recomputed: 0,
+    };
+    let mut steps = 0;
+    while !(queue.is_empty() && batch.is_empty()) {
+        for _ in 0..add_per_step {
+            if batch.free_slots() == 0 {
+                break;
+            }
+            let Some(r) = queue.pop_front() else { break };
+            batch.add(r).unwrap();
+        }
+        let out = batch.step(&policy).unwrap();
+        steps += 1;
+        if let Some((at, bytes)) = swap
+            && steps == at
+        {
+            policy.load_weights_from_bytes(bytes, 1).unwrap();
+        }
+        for (id, l) in out.logits {
+            run.logits.entry(id).or_default().push(l);
+        }
+        run.computed += out.positions_computed;
+        run.shared += out.positions_shared;
+        run.recomputed += out.recomputed;
+        run.outputs.extend(out.finished);
+    }
+    run.outputs.sort_by_key(|o| o.id);
+    run
+}
+
+#[test]
+fn sequences_with_one_prompt_share_its_cache_and_decode_as_alone() {
+    // Groups of one prompt (as a task's completions are), a prompt of its
+    // own, and a two-token prompt (too short to share), in three ways: all
+    // starting together, one sequence a step into a batch smaller than a
+    // group (later ones copy from a slot that holds the prompt), and a
+    // weight swap mid-decode (every sequence recomputes; a group's prompt
+    // is computed once).
+    let mut requests = Vec::new();
+    for (g, (len, n)) in [(7usize, 4usize), (3, 3), (1, 1), (2, 2), (11, 5)]
+        .iter()
+        .enumerate()
+    {
+        let prompt = ids(40 + g as u64, *len, 61);
+        for j in 0..*n {
+            requests.push(request(prompt.clone(), sampled(6, (g * 10 + j) as u64)));
+        }
+    }
+    for (model_type, tied) in [(ModelType::Qwen2, false), (ModelType::Llama, true)] {
+        let swap_bytes = random_policy(model_type, tied, 32)
+            .weights_to_safetensors(WeightDtype::F32)
+            .unwrap();
+        for (max_slots, add_per_step, swap) in [
+            (32, 32, None),
+            (3, 1, None),
+            (32, 32, Some((2, swap_bytes.as_slice()))),
+        ] {
+            let case = format!("{model_type:?} slots {max_slots}, swap {}", swap.is_some());
+            let policy = || random_policy(model_type, tied, 31);
+            let alone = run_sharing(
+                policy(),
+                requests.clone(),
+                max_slots,
+                add_per_step,
+                false,
+                swap,
+            );
+            let shared = run_sharing(
+                policy(),
+                requests.clone(),
+                max_slots,
+                add_per_step,
+                true,
+                swap,
+            );
+            assert_eq!(alone.shared, 0, "{case}");
+            assert!(shared.shared > 0, "{case}: nothing shared");
+            // Every position is computed or copied, never both, never lost.
+            assert_eq!(shared.computed + shared.shared, alone.computed, "{case}");
+            assert_eq!(shared.recomputed, alone.recomputed, "{case}");
+            assert_eq!(shared.outputs.len(), requests.len(), "{case}");
+            for (a, b) in alone.outputs.iter().zip(&shared.outputs) {
+                assert_eq!(
+                    (a.id, &a.tokens, &a.versions),
+                    (b.id, &b.tokens, &b.versions),
+                    "{case}"
+                );
+                assert!(
+                    max_abs_diff_slices(&a.logprobs, &b.logprobs) <= TOL,
+                    "{case}"
+                );
+                for (x, y) in alone.logits[&a.id].iter().zip(&shared.logits[&b.id]) {
+                    let d = max_abs_diff(x, y);
+                    assert!(d <= TOL, "{case}: seq {} logits differ by {d}", a.id);
+                }
+            }
+        }
+    }
+    // What is shared, exactly, when all start together: a group of n with
+    // a prompt of P tokens computes P - 1 positions once and copies them n - 1
+    // times; one of its own, or of two tokens, shares nothing.
+    let policy = random_policy(ModelType::Qwen2, false, 31);
+    let run = run_sharing(policy, requests.clone(), 32, 32, true, None);
+    assert_eq!(run.shared, 3 * 6 + 2 * 2 + 4 * 10);
+}
+
 #[test]
 fn weight_bytes_round_trip_and_bad_payloads_change_nothing() {
     let src = random_policy(ModelType::Qwen2, false, 41);

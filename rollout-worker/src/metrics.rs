@@ -23,6 +23,9 @@ pub type ReasonLabels = Vec<(String, String)>;
 pub struct WorkerMetrics {
     /// Tokens sampled by the model thread (rate() = tokens/s).
     pub tokens_generated: Counter,
+    /// Prompt positions the engine took from another sequence's KV cache
+    /// instead of computing them (prompt sharing).
+    pub prompt_tokens_shared: Counter,
     /// Tokens/s over the last sampling interval.
     pub tokens_per_second: Gauge<f64, AtomicU64>,
     /// Sequences submitted and not finished generating.
@@ -99,6 +102,11 @@ impl WorkerMetrics {
             tokens_generated: m.get_or_register(
                 "worker_tokens_generated",
                 "Tokens sampled by the worker's model",
+                Counter::default,
+            )?,
+            prompt_tokens_shared: m.get_or_register(
+                "worker_prompt_tokens_shared",
+                "Prompt positions taken from another sequence's KV cache instead of computed",
                 Counter::default,
             )?,
             tokens_per_second: m.get_or_register(

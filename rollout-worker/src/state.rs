@@ -90,6 +90,8 @@ pub(crate) struct Shared {
     pub returned_lease_ids: Mutex<Vec<String>>,
     /// The engine's token count last moved into the metrics.
     pub tokens_sampled: AtomicU64,
+    /// The engine's shared prompt count last moved into the metrics.
+    pub shared_sampled: AtomicU64,
     /// The version of every weight swap (from the weight loader).
     pub loaded: watch::Receiver<Option<i32>>,
     /// Wall-clock time (`Worker::with_clock`).

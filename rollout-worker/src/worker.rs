@@ -193,6 +193,7 @@ impl Worker {
             fatal: Mutex::new(None),
             returned_lease_ids: Mutex::new(Vec::new()),
             tokens_sampled: AtomicU64::new(tokens_at_start),
+            shared_sampled: AtomicU64::new(engine.counters().prompt_tokens_shared),
             loaded: loaded_rx.clone(),
             clock: self.clock,
         });
@@ -810,6 +811,11 @@ fn sample_once(shared: &Shared) -> u64 {
         .swap(stats.tokens_generated, Ordering::SeqCst);
     let delta = stats.tokens_generated.saturating_sub(before);
     m.tokens_generated.inc_by(delta);
+    let shared_before = shared
+        .shared_sampled
+        .swap(stats.prompt_tokens_shared, Ordering::SeqCst);
+    m.prompt_tokens_shared
+        .inc_by(stats.prompt_tokens_shared.saturating_sub(shared_before));
     m.sequences_in_flight
         .set(shared.outstanding.load(Ordering::SeqCst) as i64);
     m.batch_occupancy.set(stats.in_flight as i64);

@@ -8,6 +8,8 @@
 //! - `worker`: continuous against static batching;
 //! - `learner`: our training step against PyTorch eager;
 //! - `packing`: learner tokens/s packed against padded;
+//! - `prompt-sharing`: generated tokens/s of the built-in decode batch with
+//!   prompt sharing against without;
 //! - `engine`: the vLLM engine against the built-in one (tokens/s, the
 //!   worker's CPU per 1,000 tokens, a weight swap against the raw reload);
 //! - `staleness`: reward under η × clip mode × seeds;
@@ -31,6 +33,7 @@ pub mod gpu;
 mod learner;
 mod memory;
 mod packing;
+mod prompts;
 pub mod scale;
 pub mod scale_buffer;
 pub mod scale_coordinator;
@@ -142,6 +145,9 @@ pub enum BenchCommand {
     /// Learner tokens/s with sequence packing against padding, on the main
     /// job's length mix and a long-tailed one, as ratios against padded.
     Packing(packing::PackingArgs),
+    /// Generated tokens/s of the built-in decode batch with prompt sharing
+    /// against without, on the main job's rollouts and evaluation.
+    PromptSharing(prompts::PromptSharingArgs),
     /// Where the time of one synchronous (η = 0) step of a job goes:
     /// generation, scoring, training, weights, admission, trajectories →
     /// batch; one thread per role pinned against two threads on both cores.
@@ -563,6 +569,10 @@ pub fn run(bench: BenchCommand) -> anyhow::Result<()> {
         }
         BenchCommand::Packing(args) => {
             let report = packing::run(&args).context("packing bench")?;
+            print!("{report}");
+        }
+        BenchCommand::PromptSharing(args) => {
+            let report = prompts::run(&args).context("prompt-sharing bench")?;
             print!("{report}");
         }
         BenchCommand::Scale(args) => {

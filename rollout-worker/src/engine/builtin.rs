@@ -102,6 +102,7 @@ impl Engine for BuiltinEngine {
         EngineCounters {
             in_flight: s.in_flight,
             tokens_generated: s.tokens_generated,
+            prompt_tokens_shared: s.positions_shared,
         }
     }
 

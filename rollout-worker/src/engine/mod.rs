@@ -38,6 +38,10 @@ pub struct EngineCounters {
     pub in_flight: usize,
     /// Completion tokens generated so far.
     pub tokens_generated: u64,
+    /// Prompt positions taken from another sequence's KV cache instead of
+    /// computed (the built-in engine's prompt sharing; vLLM reports its
+    /// prefix cache in its own metrics, and 0 here).
+    pub prompt_tokens_shared: u64,
 }
 
 /// Whether an engine can generate now.

@@ -681,6 +681,7 @@ impl Engine for VllmEngine {
         EngineCounters {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             tokens_generated: self.tokens.load(Ordering::Relaxed),
+            prompt_tokens_shared: 0,
         }
     }
 
