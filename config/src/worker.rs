@@ -4,6 +4,7 @@
 //! [worker]
 //! id = "worker-a"                 # default: <hostname>-<pid>
 //! max_sequences = 16              # sequences decoded together (continuous batch slots)
+//! share_prompts = true            # built-in engine: a group's prompt is computed once, its KV copied
 //! max_tasks_in_flight = 0         # tasks held at once; 0 = ceil(max_sequences / G) + 2
 //! batching = "continuous"         # or "static" (the baseline: wait for the whole batch)
 //! heartbeat_interval = "2s"       # the coordinator's interval wins when it asks for a shorter one
@@ -254,6 +255,11 @@ pub struct WorkerConfig {
     pub id: Option<String>,
     /// Sequences decoded together: the slots of the continuous batch.
     pub max_sequences: usize,
+    /// The built-in engine's prompt sharing: sequences with one prompt (a
+    /// group's completions) compute its keys and values once and copy them
+    /// (`asyncrl_policy::DecodeBatch::share_prompts`); vLLM has its own
+    /// prefix cache.
+    pub share_prompts: bool,
     /// Most tasks held at once (generating, scoring or publishing);
     /// 0 = `ceil(max_sequences / staleness.group_size) + 2`.
     pub max_tasks_in_flight: usize,
@@ -295,6 +301,7 @@ impl Default for WorkerConfig {
         Self {
             id: None,
             max_sequences: 16,
+            share_prompts: true,
             max_tasks_in_flight: 0,
             batching: BatchingMode::Continuous,
             heartbeat_interval: Duration::from_secs(2),

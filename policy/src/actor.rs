@@ -36,6 +36,8 @@ use crate::weights::WeightDtype;
 pub struct EngineOptions {
     /// Size of the continuous batch.
     pub batch: DecodeBatchOptions,
+    /// [`DecodeBatch::share_prompts`] (on by default).
+    pub share_prompts: bool,
     /// Name of the OS thread.
     pub thread_name: String,
 }
@@ -44,6 +46,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         Self {
             batch: DecodeBatchOptions::default(),
+            share_prompts: true,
             thread_name: "asyncrl-policy".into(),
         }
     }
@@ -170,11 +173,13 @@ impl ModelHandle {
         let stats = Arc::new(Stats::default());
         let thread_stats = stats.clone();
         let batch_opts = opts.batch;
+        let share_prompts = opts.share_prompts;
         std::thread::Builder::new()
             .name(opts.thread_name.clone())
             .spawn(move || {
                 let policy = guarded(load).and_then(|p| {
-                    let batch = DecodeBatch::new(&p, batch_opts)?;
+                    let mut batch = DecodeBatch::new(&p, batch_opts)?;
+                    batch.share_prompts(share_prompts);
                     Ok((p, batch))
                 });
                 let (policy, batch) = match policy {

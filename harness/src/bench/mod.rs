@@ -349,7 +349,8 @@ pub struct StalenessArgs {
     /// gspo, tis, icepop, rloo (decoupled with leave-one-out advantages);
     /// job (the base config's objective as it is), job-dynamic (with
     /// dynamic sampling: buffer.min_reward_spread = 0.5), job-padded (with
-    /// learner.packing off), job-dual-clip (job-dynamic with the dual_clip
+    /// learner.packing off), job-unshared (with the built-in worker's
+    /// prompt sharing off: worker.share_prompts = false), job-dual-clip (job-dynamic with the dual_clip
     /// knob at 3).
     #[arg(
         long,

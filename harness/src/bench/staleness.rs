@@ -60,6 +60,9 @@ pub enum Objective {
     /// The base config's, with the learner padding every row instead of
     /// packing (`learner.packing = false`).
     JobPadded,
+    /// The base config's, with the built-in worker's prompt sharing off
+    /// (`worker.share_prompts = false`).
+    JobUnshared,
     /// [`Objective::JobDynamic`] with dual-clip PPO's bound
     /// [`DUAL_CLIP_BOUND`] on negative-advantage ratios.
     JobDualClip,
@@ -82,11 +85,12 @@ pub struct ObjectiveSettings {
     pub advantage_norm: Option<AdvantageNormName>,
     pub min_reward_spread: Option<f64>,
     pub packing: Option<bool>,
+    pub share_prompts: Option<bool>,
     pub dual_clip: Option<f64>,
 }
 
 impl Objective {
-    pub const ALL: [Objective; 12] = [
+    pub const ALL: [Objective; 13] = [
         Objective::Naive,
         Objective::Decoupled,
         Objective::Adaptive,
@@ -98,6 +102,7 @@ impl Objective {
         Objective::Job,
         Objective::JobDynamic,
         Objective::JobPadded,
+        Objective::JobUnshared,
         Objective::JobDualClip,
     ];
 
@@ -114,6 +119,7 @@ impl Objective {
             Objective::Job => "job",
             Objective::JobDynamic => "job-dynamic",
             Objective::JobPadded => "job-padded",
+            Objective::JobUnshared => "job-unshared",
             Objective::JobDualClip => "job-dual-clip",
         }
     }
@@ -124,7 +130,7 @@ impl Objective {
             .find(|o| o.as_str() == s)
             .with_context(|| {
                 format!(
-                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded, job-dual-clip)"
+                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded, job-unshared, job-dual-clip)"
                 )
             })
     }
@@ -139,6 +145,7 @@ impl Objective {
             advantage_norm: None,
             min_reward_spread: None,
             packing: None,
+            share_prompts: None,
             dual_clip: None,
         };
         let (clip_mode, proximal, correction, advantage_norm) = match self {
@@ -152,6 +159,12 @@ impl Objective {
             Objective::JobPadded => {
                 return ObjectiveSettings {
                     packing: Some(false),
+                    ..job
+                };
+            }
+            Objective::JobUnshared => {
+                return ObjectiveSettings {
+                    share_prompts: Some(false),
                     ..job
                 };
             }
@@ -372,6 +385,7 @@ fn run_config(
     c.learner.proximal = s.proximal.unwrap_or(c.learner.proximal);
     c.learner.advantage_norm = s.advantage_norm.unwrap_or(c.learner.advantage_norm);
     c.learner.packing = s.packing.unwrap_or(c.learner.packing);
+    c.worker.share_prompts = s.share_prompts.unwrap_or(c.worker.share_prompts);
     c.buffer.min_reward_spread = s.min_reward_spread.unwrap_or(c.buffer.min_reward_spread);
     c.run.seed = seed;
     c.run.max_steps = bench.steps;

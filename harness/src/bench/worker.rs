@@ -236,6 +236,7 @@ async fn run_once(
                 max_seq_len: o.model.max_seq_len,
             },
             thread_name: "asyncrl-bench-model".into(),
+            ..EngineOptions::default()
         },
         move || load_policy(&section, seed),
     )

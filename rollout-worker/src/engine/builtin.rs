@@ -45,6 +45,7 @@ pub(crate) async fn build(config: &Config, max_sequences: usize) -> anyhow::Resu
             max_slots: max_sequences,
             max_seq_len: section.max_seq_len,
         },
+        share_prompts: config.worker.share_prompts,
         thread_name: "asyncrl-worker-model".into(),
     };
     let cores = config.worker.cpu_affinity.clone();
