@@ -838,6 +838,7 @@ fn worker() -> impl Strategy<Value = WorkerConfig> {
             0u32..=10,
             dur_ms(1, 60_000),
             proptest::collection::vec(0usize..1024, 0..4),
+            any::<bool>(),
         ),
         reward,
         engine(),
@@ -845,12 +846,13 @@ fn worker() -> impl Strategy<Value = WorkerConfig> {
         .prop_map(
             |(
                 (id, max_sequences, in_flight, batching, heartbeat, acquire_min, acquire_x),
-                (drain, fetch_timeout, weight_min, weight_x, metrics, cores),
+                (drain, fetch_timeout, weight_min, weight_x, metrics, cores, share_prompts),
                 reward,
                 engine,
             )| WorkerConfig {
                 id,
                 max_sequences,
+                share_prompts,
                 max_tasks_in_flight: in_flight,
                 batching,
                 heartbeat_interval: heartbeat,

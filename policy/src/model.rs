@@ -961,7 +961,7 @@ impl Policy {
     ) -> Result<()> {
         self.check_ids(input_ids)?;
         let positions = plan.positions.shallow_clone();
-        tch::autocast(self.opts.autocast_active(), || {
+        let _hidden = tch::autocast(self.opts.autocast_active(), || {
             self.run_layers(input_ids, &positions, AttnMode::Cached { cache, plan })
         })?;
         Ok(())
