@@ -77,7 +77,8 @@ fn a_minute_of_chaos_keeps_every_invariant() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),
-        "asyncrl-bench {args:?} failed\nstderr: {stderr}\nchaos.md:\n{md}"
+        "asyncrl-bench {args:?} failed\nstderr: {stderr}\nchaos.md:\n{md}\n{}",
+        role_warnings(&out.join("logs"))
     );
 
     // Every invariant is reported, and holds.
@@ -154,4 +155,37 @@ fn a_minute_of_chaos_keeps_every_invariant() {
             "{log}: {refused:#?}"
         );
     }
+}
+
+/// The last warnings and errors of every role's log (the logs go with the
+/// temporary directory, so a failure carries them).
+fn role_warnings(logs: &std::path::Path) -> String {
+    let mut out = String::new();
+    let Ok(entries) = std::fs::read_dir(logs) else {
+        return format!("(no logs in {})", logs.display());
+    };
+    let mut paths: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    paths.sort();
+    for path in paths {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if name.as_deref().is_some_and(|n| n.starts_with("nats")) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.starts_with("Error"))
+            .collect();
+        out.push_str(&format!(
+            "--- {} (last {} of {} warnings and errors)\n",
+            path.display(),
+            lines.len().min(25),
+            lines.len()
+        ));
+        for l in &lines[lines.len().saturating_sub(25)..] {
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+    out
 }

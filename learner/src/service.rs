@@ -1057,6 +1057,10 @@ enum Checked {
     Bad(BatchError),
 }
 
+/// How long a weight upload retries transient errors once the learner is
+/// stopping (well inside the learner pod's 300 s grace period).
+const PUBLISH_RETRY_STOPPING: Duration = Duration::from_secs(30);
+
 /// Uploads the weights of a version and then announces it; cheap to clone,
 /// so an upload runs on its own task while the next step trains.
 #[derive(Clone)]
@@ -1083,6 +1087,8 @@ impl Publisher {
     async fn publish(self, version: i32, step: u64, weights: Weights) -> anyhow::Result<f64> {
         let started = Instant::now();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        // When a shutdown began while this version was in hand.
+        let mut stopping_since: Option<Instant> = None;
         loop {
             let outcome = match &weights {
                 Weights::Bytes(bytes) => asyncrl_control::weights::publish(
@@ -1115,9 +1121,15 @@ impl Publisher {
                     }
                 }
             };
+            // After a SIGTERM the version in hand is still published (a
+            // NATS node that restarts takes seconds, and the run's last
+            // version should not be left unannounced), for a bounded time.
+            let may_retry = !self.shutdown.is_cancelled()
+                || stopping_since.get_or_insert_with(Instant::now).elapsed()
+                    < PUBLISH_RETRY_STOPPING;
             match outcome {
                 Ok(()) => break,
-                Err(e) if e.is_transient() && !self.shutdown.is_cancelled() => {
+                Err(e) if e.is_transient() && may_retry => {
                     self.metrics.weight_publish_failures.inc();
                     tracing::warn!(version, error = %e, "publishing weights failed; retrying");
                     tokio::time::sleep(backoff.next_delay()).await;
