@@ -62,7 +62,6 @@ struct Stats {
     sequences_finished: AtomicU64,
     weight_swaps: AtomicU64,
     recomputed_sequences: AtomicU64,
-    positions_computed: AtomicU64,
     positions_shared: AtomicU64,
     version: AtomicI32,
 }
@@ -83,8 +82,6 @@ pub struct EngineStats {
     pub weight_swaps: u64,
     /// In-flight sequences whose KV cache was recomputed after a swap.
     pub recomputed_sequences: u64,
-    /// Token positions run through the model since start.
-    pub positions_computed: u64,
     /// Prompt positions taken from another sequence's KV cache instead of
     /// computed (prompt sharing).
     pub positions_shared: u64,
@@ -264,7 +261,6 @@ impl ModelHandle {
             sequences_finished: s.sequences_finished.load(Ordering::Relaxed),
             weight_swaps: s.weight_swaps.load(Ordering::Relaxed),
             recomputed_sequences: s.recomputed_sequences.load(Ordering::Relaxed),
-            positions_computed: s.positions_computed.load(Ordering::Relaxed),
             positions_shared: s.positions_shared.load(Ordering::Relaxed),
             version: s.version.load(Ordering::Relaxed),
         }
@@ -511,9 +507,6 @@ impl Engine {
                 self.stats
                     .recomputed_sequences
                     .fetch_add(out.recomputed as u64, Ordering::Relaxed);
-                self.stats
-                    .positions_computed
-                    .fetch_add(out.positions_computed as u64, Ordering::Relaxed);
                 self.stats
                     .positions_shared
                     .fetch_add(out.positions_shared as u64, Ordering::Relaxed);
