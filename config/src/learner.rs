@@ -220,6 +220,13 @@ pub struct LearnerConfig {
     /// losses and gradients are the unshared ones up to float rounding.
     /// A trainer engine packs without it.
     pub share_prefixes: bool,
+    /// Rows whose every token has advantage 0 (a group whose completions
+    /// all scored alike) take a forward pass without gradient instead of
+    /// forward + backward, in the built-in trainer, when `kl_coef` is 0:
+    /// their gradient is exactly zero, so the step's loss, statistics and
+    /// gradient are the same up to float rounding. A trainer engine
+    /// trains them as any row.
+    pub forward_only_zero_advantage: bool,
     /// The narrowest lane of a packed forward pass: lanes are as wide as
     /// the longest row or this many positions if that is more, so that
     /// short rows share a lane (attention within a lane costs its width
@@ -273,6 +280,7 @@ impl Default for LearnerConfig {
             max_tokens_per_microbatch: 0,
             packing: true,
             share_prefixes: true,
+            forward_only_zero_advantage: true,
             packing_lane_tokens: 0,
             warmup_steps: 0,
             weight_decay: 0.0,

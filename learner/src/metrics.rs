@@ -50,6 +50,8 @@ pub struct LearnerMetrics {
     pub version_lag_max: F64Gauge,
     pub version_lag: Histogram,
     pub tokens: Counter,
+    /// Rows that took a forward pass without gradient (every advantage 0).
+    pub forward_only_rows: Counter,
     pub tokens_per_second: F64Gauge,
     pub step_seconds: Family<PhaseLabel, Histogram>,
     pub weight_publications: Counter,
@@ -155,6 +157,11 @@ impl LearnerMetrics {
             tokens: m.register(
                 "learner_tokens",
                 "Completion tokens trained on",
+                Counter::default(),
+            )?,
+            forward_only_rows: m.register(
+                "learner_forward_only_rows",
+                "Trained rows whose every advantage was 0: a forward pass without gradient, no backward (learner.forward_only_zero_advantage)",
                 Counter::default(),
             )?,
             tokens_per_second: m.register(
@@ -266,6 +273,7 @@ impl LearnerMetrics {
             self.logprob_gap_tokens.inc_by(gap.tokens as u64);
         }
         self.tokens.inc_by(s.tokens.max(0) as u64);
+        self.forward_only_rows.inc_by(s.forward_only_rows as u64);
         if s.compute_seconds > 0.0 {
             self.tokens_per_second
                 .set(s.tokens as f64 / s.compute_seconds);

@@ -131,6 +131,7 @@ pub fn trainer_options(config: &Config) -> TrainerOptions {
         } else {
             crate::batch::Lanes::Padded
         },
+        forward_only_zero_advantage: l.forward_only_zero_advantage,
     }
 }
 

@@ -26,6 +26,16 @@
 //! whole mini-batch, so the accumulated gradient is the un-split one up to
 //! float rounding. A mini-batch that fits in one micro-batch takes exactly
 //! the un-split path.
+//!
+//! Zero-advantage rows (`forward_only_zero_advantage`, on by default): a
+//! row whose every valid token has advantage 0 (a group whose completions
+//! all scored alike, under GRPO's baselines) contributes exactly nothing
+//! to the gradient of the PPO-family surrogates, so without a KL loss
+//! such rows take a forward pass without gradient (their log-probs still
+//! feed the plan's batch statistics and the step's statistics) and only
+//! the rows with signal take forward + backward. The step's loss,
+//! statistics and gradient are those of training every row, up to float
+//! rounding.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -101,6 +111,10 @@ pub struct TrainerOptions {
     /// How a forward pass lays out its rows: packed several to a lane
     /// (the default, lanes as wide as the longest row), or padded.
     pub lanes: Lanes,
+    /// Rows whose every valid token has advantage 0 take a forward pass
+    /// without gradient (no backward) when the objective has no KL loss:
+    /// their gradient is exactly zero (module docs).
+    pub forward_only_zero_advantage: bool,
 }
 
 impl Default for TrainerOptions {
@@ -120,6 +134,7 @@ impl Default for TrainerOptions {
                 min_width: 0,
                 max_width: i64::MAX,
             },
+            forward_only_zero_advantage: true,
         }
     }
 }
@@ -152,9 +167,13 @@ pub struct StepStats {
     /// passes compute (the step's cost follows it; padded, long-tailed
     /// batches pad every row to their longest sequence).
     pub padded_tokens: i64,
-    /// Forward + backward passes of the step: one per mini-batch, more when
-    /// `max_tokens_per_microbatch` splits mini-batches into micro-batches.
+    /// Forward passes of the step: one per mini-batch, more when
+    /// `max_tokens_per_microbatch` splits mini-batches into micro-batches
+    /// or zero-advantage rows take their own pass without gradient.
     pub microbatches: usize,
+    /// Rows that took a forward pass without gradient (every advantage
+    /// 0; `forward_only_zero_advantage`).
+    pub forward_only_rows: usize,
     /// Mean reward of the scored trajectories.
     pub reward_mean: f64,
     pub reward_failed: usize,
@@ -313,19 +332,34 @@ impl Trainer {
             AdamW::zero_grad(&params);
             let micro = mb.microbatches(budget, self.lanes());
             let gap_wanted = i == 0 && !recomputed;
-            let (loss, objective, entropy, gap) = if micro.len() <= 1 {
-                stats.microbatches += 1;
-                self.whole_minibatch(&mb, &mb_given, version_before, knobs, gap_wanted)?
-            } else {
-                stats.microbatches += micro.len();
-                self.accumulate_microbatches(
-                    &mb,
-                    &mb_given,
-                    &micro,
-                    version_before,
-                    knobs,
-                    gap_wanted,
-                )?
+            let split = self.zero_advantage_split(&mb, knobs);
+            if let Some(s) = &split {
+                stats.forward_only_rows += s.idle.len();
+            }
+            let (loss, objective, entropy, gap) = match split {
+                None if micro.len() <= 1 => {
+                    stats.microbatches += 1;
+                    self.whole_minibatch(&mb, &mb_given, version_before, knobs, gap_wanted)?
+                }
+                Some(s) if micro.len() <= 1 => {
+                    stats.microbatches += 2;
+                    self.split_minibatch(&mb, &mb_given, &s, version_before, knobs, gap_wanted)?
+                }
+                split => {
+                    let parts = match split {
+                        None => micro.into_iter().map(|rows| (rows, true)).collect(),
+                        Some(s) => s.microbatches(&mb, budget, self.lanes()),
+                    };
+                    stats.microbatches += parts.len();
+                    self.accumulate_microbatches(
+                        &mb,
+                        &mb_given,
+                        &parts,
+                        version_before,
+                        knobs,
+                        gap_wanted,
+                    )?
+                }
             };
             if let Some(gap) = gap {
                 stats.logprob_gap = gap;
@@ -462,10 +496,84 @@ impl Trainer {
         Ok((loss, out.stats, entropy, gap))
     }
 
+    /// The rows of `mb` with signal and those without (every valid token's
+    /// advantage 0), when the latter may skip the backward pass: the
+    /// option is on, the objective has no KL loss (whose gradient does not
+    /// vanish with the advantage), and both sets are non-empty (a
+    /// mini-batch without signal trains as it is, so that the optimizer
+    /// sees the zero gradients it always saw).
+    fn zero_advantage_split(&self, mb: &TrainBatch, knobs: &StepSettings) -> Option<SignalSplit> {
+        if !self.opts.forward_only_zero_advantage || knobs.objective.kl_coef > 0.0 {
+            return None;
+        }
+        let _g = tch::no_grad_guard();
+        let has_signal = mb
+            .advantages
+            .ne(0.0)
+            .logical_and(&mb.mask.to_kind(Kind::Bool))
+            .any_dim(1, false)
+            .to_device(tch::Device::Cpu);
+        let flags = Vec::<bool>::try_from(&has_signal).ok()?;
+        let (signal, idle): (Vec<i64>, Vec<i64>) =
+            (0..flags.len() as i64).partition(|r| flags[*r as usize]);
+        (!signal.is_empty() && !idle.is_empty()).then_some(SignalSplit { signal, idle })
+    }
+
+    /// [`Trainer::whole_minibatch`] of a mini-batch whose rows split into
+    /// `split`: one forward + backward pass over the rows with signal,
+    /// one forward pass without gradient over the rest, the plan over
+    /// both. The same loss, statistics and gradient up to float rounding.
+    fn split_minibatch(
+        &self,
+        mb: &TrainBatch,
+        given: &Given<'_>,
+        split: &SignalSplit,
+        version_before: i32,
+        knobs: &StepSettings,
+        gap_wanted: bool,
+    ) -> Result<MinibatchOutcome, TrainError> {
+        let temperature = self.opts.temperature;
+        let version = i64::from(version_before);
+        let device = mb.mask.device();
+        let mut entropy_sum = 0.0;
+        let mut parts = Vec::with_capacity(2);
+        for (rows, grad) in [(&split.signal, true), (&split.idle, false)] {
+            let _g = (!grad).then(tch::no_grad_guard);
+            let part = mb.rows(rows);
+            let fwd = part.forward_inputs(self.lanes());
+            let logits = fwd.logits(&self.policy)?;
+            let current = fwd.completion_logprobs(&logits, temperature);
+            entropy_sum += masked_entropy(&fwd, &logits, &part, temperature) * part.tokens as f64;
+            parts.push((Tensor::from_slice(rows).to_device(device), current, grad));
+        }
+        // Every row's current log-probs, detached: what the plan (A-3PO's
+        // proximal log-probs, adaptive's quantile, m2po's mask) and the
+        // logprob gap read.
+        let mut current_all = Tensor::zeros(mb.mask.size(), (parts[0].1.kind(), device));
+        {
+            let _g = tch::no_grad_guard();
+            for (idx, current, _) in &parts {
+                let _ = current_all.f_index_copy_(0, idx, &current.detach())?;
+            }
+        }
+        let plan = minibatch_plan(mb, given, Some(&current_all), version, knobs)?;
+        let mut loss = 0.0;
+        let mut sums = ObjectiveSums::default();
+        for (idx, current, grad) in &parts {
+            let _g = (!grad).then(tch::no_grad_guard);
+            loss += part_loss(&plan, idx, current, *grad, &mut sums)?;
+        }
+        let gap = gap_wanted
+            .then(|| logprob_gap(&mb.behaviour, &current_all, &mb.versions, &mb.mask, version));
+        let entropy = per_token(entropy_sum, mb.tokens);
+        Ok((loss, plan.stats(&sums), entropy, gap))
+    }
+
     /// Forward + backward of mini-batch `mb` micro-batch by micro-batch
-    /// (`micro`: row indices into `mb`), gradients accumulating in the
-    /// parameters. The objective is planned over the whole mini-batch first;
-    /// in approx mode a clip mode with batch statistics of `p` (adaptive,
+    /// (`micro`: row indices into `mb`, and whether the micro-batch takes
+    /// a backward pass: zero-advantage rows take a forward pass only),
+    /// gradients accumulating in the parameters. The objective is planned
+    /// over the whole mini-batch first; in approx mode a clip mode with batch statistics of `p` (adaptive,
     /// m2po) first takes a no-grad pass over the micro-batches for A-3PO's
     /// proximal log-probs. Returns what [`Trainer::whole_minibatch`] does,
     /// with the same values up to float rounding.
@@ -473,7 +581,7 @@ impl Trainer {
         &self,
         mb: &TrainBatch,
         given: &Given<'_>,
-        micro: &[Vec<i64>],
+        micro: &[(Vec<i64>, bool)],
         version_before: i32,
         knobs: &StepSettings,
         gap_wanted: bool,
@@ -488,19 +596,7 @@ impl Trainer {
         } else {
             None
         };
-        let plan = ObjectivePlan::new(
-            &PlanInputs {
-                behaviour: &mb.behaviour,
-                proximal: mb_prox,
-                current: pre_pass.as_ref(),
-                advantages: &mb.advantages,
-                versions: &mb.versions,
-                mask: &mb.mask,
-                reference: given.reference,
-            },
-            version,
-            &knobs.objective,
-        )?;
+        let plan = minibatch_plan(mb, given, pre_pass.as_ref(), version, knobs)?;
         // The current log-probs of every row, for the logprob gap (the
         // pre-pass has them already).
         let mut gap_current = match (&pre_pass, gap_wanted) {
@@ -510,7 +606,8 @@ impl Trainer {
         let mut loss = 0.0;
         let mut sums = ObjectiveSums::default();
         let mut entropy_sum = 0.0;
-        for rows in micro {
+        for (rows, grad) in micro {
+            let _g = (!grad).then(tch::no_grad_guard);
             let part = mb.rows(rows);
             let idx = Tensor::from_slice(rows).to_device(device);
             let fwd = part.forward_inputs(self.lanes());
@@ -520,14 +617,7 @@ impl Trainer {
                 let _g = tch::no_grad_guard();
                 let _ = all.f_index_copy_(0, &idx, &current.detach().to_kind(Kind::Float))?;
             }
-            let out = plan.loss(Some(&idx), &current)?;
-            let value = out.loss.double_value(&[]);
-            if !value.is_finite() {
-                return Err(TrainError::NonFiniteLoss(value));
-            }
-            out.loss.backward();
-            loss += value;
-            sums.add(&out.sums);
+            loss += part_loss(&plan, &idx, &current, *grad, &mut sums)?;
             entropy_sum += masked_entropy(&fwd, &logits, &part, temperature) * part.tokens as f64;
         }
         let gap = gap_wanted.then(|| {
@@ -536,11 +626,7 @@ impl Trainer {
                 logprob_gap(&mb.behaviour, c, &mb.versions, &mb.mask, version)
             })
         });
-        let entropy = if mb.tokens > 0 {
-            entropy_sum / mb.tokens as f64
-        } else {
-            0.0
-        };
+        let entropy = per_token(entropy_sum, mb.tokens);
         Ok((loss, plan.stats(&sums), entropy, gap))
     }
 
@@ -707,6 +793,80 @@ pub(crate) fn record_batch_facts(
 /// What a mini-batch's forward + backward reports: its loss, objective
 /// statistics, mean entropy, and the logprob gap when asked for.
 type MinibatchOutcome = (f64, ObjectiveStats, f64, Option<LogprobGap>);
+
+/// The objective's plan of mini-batch `mb` from what it is given and the
+/// current log-probs of its rows, when known.
+fn minibatch_plan(
+    mb: &TrainBatch,
+    given: &Given<'_>,
+    current: Option<&Tensor>,
+    version: i64,
+    knobs: &StepSettings,
+) -> Result<ObjectivePlan, TrainError> {
+    Ok(ObjectivePlan::new(
+        &PlanInputs {
+            behaviour: &mb.behaviour,
+            proximal: given.proximal,
+            current,
+            advantages: &mb.advantages,
+            versions: &mb.versions,
+            mask: &mb.mask,
+            reference: given.reference,
+        },
+        version,
+        &knobs.objective,
+    )?)
+}
+
+/// The loss of rows `idx` of `plan` from their current log-probs, its
+/// statistics added to `sums`, and its backward pass when `grad`.
+fn part_loss(
+    plan: &ObjectivePlan,
+    idx: &Tensor,
+    current: &Tensor,
+    grad: bool,
+    sums: &mut ObjectiveSums,
+) -> Result<f64, TrainError> {
+    let out = plan.loss(Some(idx), current)?;
+    let value = out.loss.double_value(&[]);
+    if !value.is_finite() {
+        return Err(TrainError::NonFiniteLoss(value));
+    }
+    if grad {
+        out.loss.backward();
+    }
+    sums.add(&out.sums);
+    Ok(value)
+}
+
+/// `sum` over `tokens` (0 without tokens).
+fn per_token(sum: f64, tokens: i64) -> f64 {
+    if tokens > 0 { sum / tokens as f64 } else { 0.0 }
+}
+
+/// A mini-batch's rows (indices into it) with signal (some valid token
+/// with a non-zero advantage) and without.
+struct SignalSplit {
+    signal: Vec<i64>,
+    idle: Vec<i64>,
+}
+
+impl SignalSplit {
+    /// Micro-batches of at most `budget` positions: the rows with signal
+    /// (with a backward pass) and the rows without (forward only), each
+    /// split as [`TrainBatch::microbatches`] splits rows.
+    fn microbatches(&self, mb: &TrainBatch, budget: usize, lanes: Lanes) -> Vec<(Vec<i64>, bool)> {
+        [(&self.signal, true), (&self.idle, false)]
+            .into_iter()
+            .flat_map(|(rows, grad)| {
+                mb.rows(rows)
+                    .microbatches(budget, lanes)
+                    .into_iter()
+                    .map(move |m| (m.iter().map(|k| rows[*k as usize]).collect(), grad))
+            })
+            .collect()
+    }
+}
 
 /// What a mini-batch's objective is given besides its rows: the proximal
 /// log-probs (recompute, behaviour) and the reference's (the KL loss).

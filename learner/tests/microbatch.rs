@@ -60,7 +60,18 @@ fn grouped_batch(policy: &Policy) -> RecordBatch {
     batch_of(policy, true)
 }
 
+/// [`grouped_batch`] with rows whose every advantage is 0 besides the
+/// reward-failed row 6: group 3's rows all scored 1, and group 2's scored
+/// 0, ½, 1, ½, so its second and fourth rows sit at the group's mean.
+fn idle_rows_batch(policy: &Policy) -> RecordBatch {
+    batch_with(policy, true, true)
+}
+
 fn batch_of(policy: &Policy, grouped: bool) -> RecordBatch {
+    batch_with(policy, grouped, false)
+}
+
+fn batch_with(policy: &Policy, grouped: bool, idle_rows: bool) -> RecordBatch {
     let mut rng = SplitMix64::new(0xBA7C);
     let vocab = policy.config().vocab_size as u64;
     let mut trajs = Vec::new();
@@ -100,6 +111,15 @@ fn batch_of(policy: &Policy, grouped: bool) -> RecordBatch {
             admission_version: 1,
             turns: Vec::new(),
         });
+    }
+    if idle_rows {
+        for (row, t) in trajs.iter_mut().enumerate().skip(8) {
+            t.reward = if row >= 12 {
+                1.0
+            } else {
+                [0.0, 0.5, 1.0, 0.5][row % 4]
+            };
+        }
     }
     if grouped {
         for row in 0..ROWS {
@@ -196,7 +216,17 @@ fn starting_point_of(
 ) -> (LoadedCheckpoint, RecordBatch) {
     let policy = tiny_policy();
     let rb = batch(&policy);
-    let mut t = Trainer::new(policy, options(ProximalMode::Approx, 0));
+    // Every row takes forward + backward in this step. The starting point
+    // is the same one whatever the default: the objective's masks (weight
+    // cap, floor) are steps in the log-probs, so a start that differs by
+    // float rounding can move a token across one in a later mini-batch.
+    let mut t = Trainer::new(
+        policy,
+        TrainerOptions {
+            forward_only_zero_advantage: false,
+            ..options(ProximalMode::Approx, 0)
+        },
+    );
     let weights = t.weights_bytes().unwrap();
     t.adopt_published(&weights, START_VERSION).unwrap();
     t.train_step(
@@ -389,7 +419,10 @@ fn microbatched_steps_match_the_unsplit_step() {
         let k = case_knobs(case);
         let (want, before) = step_from(&ckpt, &rb, options(proximal, 0), &k);
         let (got, after) = step_from(&ckpt, &rb, options(proximal, SPLITTING_BUDGET), &k);
-        assert_eq!(want.microbatches, MINIBATCHES, "{what}");
+        // One forward pass a mini-batch, two where its rows without a
+        // valid token (row 6's reward failed) take theirs without gradient.
+        let passes = if want.forward_only_rows > 0 { 1 } else { 0 };
+        assert_eq!(want.microbatches, MINIBATCHES + passes, "{what}");
         assert!(
             got.microbatches >= 3 * MINIBATCHES,
             "{what}: only {} micro-batches",
@@ -664,4 +697,58 @@ fn shared_prefix_steps_match_padded_steps() {
         }
     }
     println!("worst max |Δparam| shared against padded: {worst:.3e}");
+}
+
+#[test]
+fn zero_advantage_rows_take_a_forward_pass_only_and_the_same_step() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, rb) = starting_point_of(dir.path(), idle_rows_batch);
+    // Rows 9, 11 and 12–15 have advantage 0 on every token; row 6 has no
+    // valid token (its reward failed).
+    let batch = assemble(std::slice::from_ref(&rb), 0, AdvantageNorm::Mean).unwrap();
+    let signal = batch
+        .advantages
+        .ne(0.0)
+        .logical_and(&batch.mask)
+        .any_dim(1, false);
+    let idle: Vec<usize> = (0..ROWS)
+        .filter(|r| signal.int64_value(&[*r as i64]) == 0)
+        .collect();
+    assert_eq!(idle, [6, 9, 11, 12, 13, 14, 15]);
+    let mut worst: f64 = 0.0;
+    for lanes in [Lanes::Padded, SHARED] {
+        for budget in [0, SPLITTING_BUDGET] {
+            for case in all_cases() {
+                let (clip_mode, correction, proximal, aggregation, kl) = case;
+                let what = format!(
+                    "{lanes:?}, budget {budget}: {clip_mode} / {correction} / {proximal:?} / {aggregation:?} / kl {kl:?}"
+                );
+                let k = case_knobs(case);
+                let on = packed(proximal, budget, lanes);
+                let off = TrainerOptions {
+                    forward_only_zero_advantage: false,
+                    ..packed(proximal, budget, lanes)
+                };
+                let (want, before) = step_from(&ckpt, &rb, off, &k);
+                let (got, after) = step_from(&ckpt, &rb, on, &k);
+                assert_eq!(want.forward_only_rows, 0, "{what}");
+                if kl.is_some() {
+                    // The KL loss has a gradient on every row.
+                    assert_eq!(got.forward_only_rows, 0, "{what}");
+                    assert_eq!(got.microbatches, want.microbatches, "{what}");
+                } else {
+                    // Every mini-batch (8 rows) holds a row with signal, so
+                    // every idle row skips its backward pass.
+                    assert_eq!(got.forward_only_rows, idle.len(), "{what}");
+                    assert!(got.microbatches > want.microbatches, "{what}");
+                }
+                assert_same_stats(&what, &got, &want, 1e-5);
+                let diff = max_abs_diff(&after, &before);
+                assert!(diff <= 1e-5, "{what}: parameters differ by {diff}");
+                worst = worst.max(diff);
+            }
+        }
+    }
+    println!("worst max |Δparam| forward-only against trained: {worst:.3e}");
 }
