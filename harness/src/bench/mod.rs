@@ -350,8 +350,10 @@ pub struct StalenessArgs {
     /// job (the base config's objective as it is), job-dynamic (with
     /// dynamic sampling: buffer.min_reward_spread = 0.5), job-padded (with
     /// learner.packing off), job-unshared (with the built-in worker's
-    /// prompt sharing off: worker.share_prompts = false), job-dual-clip (job-dynamic with the dual_clip
-    /// knob at 3).
+    /// prompt sharing off: worker.share_prompts = false),
+    /// job-backward-all (zero-advantage rows take forward + backward too:
+    /// learner.forward_only_zero_advantage = false), job-dual-clip
+    /// (job-dynamic with the dual_clip knob at 3).
     #[arg(
         long,
         value_delimiter = ',',

@@ -10,14 +10,19 @@
 //!
 //! - `arith` (the main job, `examples/arith.toml`): every a ± b with
 //!   operands below 20, B = 16 groups × G = 8 (128 rows of 6–11 tokens);
-//! - `reverse` (long-tailed, the speedup bench's task): B = 8 × G = 8.
+//! - `reverse` (long-tailed, the speedup bench's task): B = 8 × G = 8;
+//! - `arith-idle`: `arith` with the rows of `--idle-groups` groups all
+//!   scored 0, so their advantages are 0 (a group without signal).
 //!
 //! Per mix, every layout takes whole learner steps (`Trainer::train_step`
 //! with the learner's default options otherwise: forward, loss, backward,
 //! clip, AdamW) on one libtorch thread: padded (every row padded to the
 //! longest), packed with each `--lane-tokens` minimum lane width (0:
 //! lanes as wide as the longest row), and packed with each group's
-//! common prefix laid out once (`learner.share_prefixes`). Layouts alternate within each round,
+//! common prefix laid out once (`learner.share_prefixes`); on a mix with
+//! groups without signal, also with their rows forward-only
+//! (`learner.forward_only_zero_advantage`; every other layout trains
+//! them). Layouts alternate within each round,
 //! so machine noise hits each alike; a layout's step time is the median of
 //! its timed steps over all rounds. Throughput is the batch's trained
 //! (completion) tokens per second, and the ratio is against padded.
@@ -56,18 +61,29 @@ pub struct PackingArgs {
     /// Seed of the weights and of the long-tailed data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Groups of the `arith-idle` mix (of 16) whose rows all score 0.
+    #[arg(long, default_value_t = 4)]
+    idle_groups: usize,
 }
 
 /// One length mix: its rows as record-batch rows.
 struct Mix {
     name: &'static str,
-    what: &'static str,
+    what: String,
     trajectories: Vec<Trajectory>,
+    /// Whether some groups have no signal (every reward alike).
+    idle: bool,
 }
 
 /// G rows per item: the prompt as the worker tokenizes it and the
-/// reference answer plus the end token as the completion.
-fn rows_of(items: &[TaskItem], g: u32, text: &ModelText) -> anyhow::Result<Vec<Trajectory>> {
+/// reference answer plus the end token as the completion. The rows of the
+/// first `idle` items all score 0 (no signal); the others alternate 0, 1.
+fn rows_of(
+    items: &[TaskItem],
+    g: u32,
+    idle: usize,
+    text: &ModelText,
+) -> anyhow::Result<Vec<Trajectory>> {
     let eos = *text
         .eos_token_ids()
         .first()
@@ -103,7 +119,7 @@ fn rows_of(items: &[TaskItem], g: u32, text: &ModelText) -> anyhow::Result<Vec<T
                 completion_token_ids: ids(completion),
                 behaviour_logprobs: vec![-1.0; n],
                 policy_versions: vec![0; n],
-                reward: (k % 2) as f32,
+                reward: if i < idle { 0.0 } else { (k % 2) as f32 },
                 reward_status: RewardStatus::Ok as i32,
                 finish_reason: FinishReason::Stop as i32,
                 worker_id: "bench".into(),
@@ -118,38 +134,66 @@ fn rows_of(items: &[TaskItem], g: u32, text: &ModelText) -> anyhow::Result<Vec<T
     Ok(out)
 }
 
-fn mixes(seed: u64, text: &ModelText) -> anyhow::Result<Vec<Mix>> {
+fn mixes(seed: u64, idle_groups: usize, text: &ModelText) -> anyhow::Result<Vec<Mix>> {
     // The main job's 16 prompts per step, drawn across all 800 problems.
     let all = asyncrl_tasks::arith_all(20);
     let arith: Vec<TaskItem> = (0..16).map(|k| all[k * 50 + 7].clone()).collect();
     let reverse = asyncrl_tasks::generate(BuiltinTask::Reverse, 8, seed);
-    Ok(vec![
+    let mut out = vec![
         Mix {
             name: "arith",
-            what: "the main job: a ± b below 20, B = 16 × G = 8",
-            trajectories: rows_of(&arith, 8, text)?,
+            what: "the main job: a ± b below 20, B = 16 × G = 8".into(),
+            trajectories: rows_of(&arith, 8, 0, text)?,
+            idle: false,
         },
         Mix {
             name: "reverse",
-            what: "long-tailed: the reverse task, B = 8 × G = 8",
-            trajectories: rows_of(&reverse, 8, text)?,
+            what: "long-tailed: the reverse task, B = 8 × G = 8".into(),
+            trajectories: rows_of(&reverse, 8, 0, text)?,
+            idle: false,
         },
-    ])
+    ];
+    if idle_groups > 0 {
+        out.push(Mix {
+            name: "arith-idle",
+            what: format!(
+                "the main job with {} of 16 groups without signal",
+                idle_groups.min(16)
+            ),
+            trajectories: rows_of(&arith, 8, idle_groups, text)?,
+            idle: true,
+        });
+    }
+    Ok(out)
+}
+
+/// One layout: the lanes, and whether zero-advantage rows are
+/// forward-only.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    lanes: Lanes,
+    forward_only: bool,
 }
 
 /// One layout's measurement on one mix.
 struct Measured {
-    lanes: Lanes,
+    layout: Layout,
     positions: i64,
+    forward_only_rows: usize,
     step_s: f64,
 }
 
-fn label(lanes: Lanes) -> String {
-    match lanes {
+fn label(layout: Layout) -> String {
+    let lanes = match layout.lanes {
         Lanes::Padded => "padded".into(),
         Lanes::Packed { min_width: 0 } => "packed, lanes = longest row".into(),
         Lanes::Packed { min_width } => format!("packed, lanes ≥ {min_width}"),
         Lanes::Shared { .. } => "packed, shared prefixes".into(),
+    };
+    if layout.forward_only {
+        format!("{lanes}, zero-advantage rows forward-only")
+    } else {
+        lanes
     }
 }
 
@@ -163,16 +207,17 @@ pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
     tch::set_num_threads(1);
     let text = ModelText::builtin();
     let spec = TinyModelSpec::default();
-    let mut layouts = vec![Lanes::Padded];
-    layouts.extend(
+    let mut lanes = vec![Lanes::Padded];
+    lanes.extend(
         args.lane_tokens
             .iter()
             .map(|w| Lanes::Packed { min_width: *w }),
     );
-    layouts.push(Lanes::Shared {
+    let shared = Lanes::Shared {
         min_width: 0,
         max_width: i64::MAX,
-    });
+    };
+    lanes.push(shared);
     let settings = StepSettings {
         objective: ObjectiveConfig::default(),
         learning_rate: 1e-6,
@@ -186,22 +231,37 @@ pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
          layouts alternating; step time = median over the rounds.\n",
         args.rounds, args.iterations, args.warmup
     )?;
-    for mix in mixes(args.seed, &text)? {
+    for mix in mixes(args.seed, args.idle_groups, &text)? {
+        let mut layouts: Vec<Layout> = lanes
+            .iter()
+            .map(|l| Layout {
+                lanes: *l,
+                forward_only: false,
+            })
+            .collect();
+        if mix.idle {
+            layouts.push(Layout {
+                lanes: shared,
+                forward_only: true,
+            });
+        }
         let rb = to_record_batch(&mix.trajectories).context("build the batch")?;
         let host = assemble(std::slice::from_ref(&rb), 0, Default::default())
             .context("assemble the batch")?;
         let real: i64 = host.lengths.iter().sum();
         let mut trainers = layouts
             .iter()
-            .map(|lanes| {
+            .map(|layout| {
                 let policy = Policy::builtin_tiny(&spec, args.seed, DeviceOptions::cpu())?;
                 let mut opts = trainer_options(&Config::default());
-                opts.lanes = *lanes;
+                opts.lanes = layout.lanes;
+                opts.forward_only_zero_advantage = layout.forward_only;
                 Ok(Trainer::new(policy, opts))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); layouts.len()];
         let mut positions = vec![0i64; layouts.len()];
+        let mut forward_only = vec![0usize; layouts.len()];
         for _ in 0..args.rounds {
             for (k, trainer) in trainers.iter_mut().enumerate() {
                 for i in 0..args.warmup + args.iterations {
@@ -211,16 +271,18 @@ pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
                         times[k].push(t0.elapsed().as_secs_f64());
                     }
                     positions[k] = stats.padded_tokens;
+                    forward_only[k] = stats.forward_only_rows;
                 }
             }
         }
         let measured: Vec<Measured> = layouts
             .iter()
             .zip(times.iter_mut())
-            .zip(&positions)
-            .map(|((lanes, t), p)| Measured {
-                lanes: *lanes,
+            .zip(positions.iter().zip(&forward_only))
+            .map(|((layout, t), (p, f))| Measured {
+                layout: *layout,
                 positions: *p,
+                forward_only_rows: *f,
                 step_s: median(std::mem::take(t)),
             })
             .collect();
@@ -229,8 +291,8 @@ pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
             report,
             "## {} ({})\n\n{} rows, {} trained tokens, {} real tokens (prompt + completion), \
              longest row {}.\n\n\
-             | layout | positions computed | s/step (median) | trained tokens/s | vs padded |\n\
-             |---|---|---|---|---|",
+             | layout | positions computed | rows forward-only | s/step (median) | trained tokens/s | vs padded |\n\
+             |---|---|---|---|---|---|",
             mix.name,
             mix.what,
             host.lengths.len(),
@@ -241,9 +303,10 @@ pub fn run(args: &PackingArgs) -> anyhow::Result<String> {
         for m in &measured {
             writeln!(
                 report,
-                "| {} | {} | {:.4} | {:.0} | {:.2}× |",
-                label(m.lanes),
+                "| {} | {} | {} | {:.4} | {:.0} | {:.2}× |",
+                label(m.layout),
                 m.positions,
+                m.forward_only_rows,
                 m.step_s,
                 host.tokens as f64 / m.step_s,
                 base / m.step_s

@@ -63,6 +63,9 @@ pub enum Objective {
     /// The base config's, with the built-in worker's prompt sharing off
     /// (`worker.share_prompts = false`).
     JobUnshared,
+    /// The base config's, with every row trained, zero-advantage ones too
+    /// (`learner.forward_only_zero_advantage = false`).
+    JobBackwardAll,
     /// [`Objective::JobDynamic`] with dual-clip PPO's bound
     /// [`DUAL_CLIP_BOUND`] on negative-advantage ratios.
     JobDualClip,
@@ -86,11 +89,12 @@ pub struct ObjectiveSettings {
     pub min_reward_spread: Option<f64>,
     pub packing: Option<bool>,
     pub share_prompts: Option<bool>,
+    pub forward_only_zero_advantage: Option<bool>,
     pub dual_clip: Option<f64>,
 }
 
 impl Objective {
-    pub const ALL: [Objective; 13] = [
+    pub const ALL: [Objective; 14] = [
         Objective::Naive,
         Objective::Decoupled,
         Objective::Adaptive,
@@ -103,6 +107,7 @@ impl Objective {
         Objective::JobDynamic,
         Objective::JobPadded,
         Objective::JobUnshared,
+        Objective::JobBackwardAll,
         Objective::JobDualClip,
     ];
 
@@ -120,6 +125,7 @@ impl Objective {
             Objective::JobDynamic => "job-dynamic",
             Objective::JobPadded => "job-padded",
             Objective::JobUnshared => "job-unshared",
+            Objective::JobBackwardAll => "job-backward-all",
             Objective::JobDualClip => "job-dual-clip",
         }
     }
@@ -130,7 +136,7 @@ impl Objective {
             .find(|o| o.as_str() == s)
             .with_context(|| {
                 format!(
-                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded, job-unshared, job-dual-clip)"
+                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded, job-unshared, job-backward-all, job-dual-clip)"
                 )
             })
     }
@@ -146,6 +152,7 @@ impl Objective {
             min_reward_spread: None,
             packing: None,
             share_prompts: None,
+            forward_only_zero_advantage: None,
             dual_clip: None,
         };
         let (clip_mode, proximal, correction, advantage_norm) = match self {
@@ -165,6 +172,12 @@ impl Objective {
             Objective::JobUnshared => {
                 return ObjectiveSettings {
                     share_prompts: Some(false),
+                    ..job
+                };
+            }
+            Objective::JobBackwardAll => {
+                return ObjectiveSettings {
+                    forward_only_zero_advantage: Some(false),
                     ..job
                 };
             }
@@ -386,6 +399,9 @@ fn run_config(
     c.learner.advantage_norm = s.advantage_norm.unwrap_or(c.learner.advantage_norm);
     c.learner.packing = s.packing.unwrap_or(c.learner.packing);
     c.worker.share_prompts = s.share_prompts.unwrap_or(c.worker.share_prompts);
+    c.learner.forward_only_zero_advantage = s
+        .forward_only_zero_advantage
+        .unwrap_or(c.learner.forward_only_zero_advantage);
     c.buffer.min_reward_spread = s.min_reward_spread.unwrap_or(c.buffer.min_reward_spread);
     c.run.seed = seed;
     c.run.max_steps = bench.steps;
