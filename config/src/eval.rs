@@ -60,6 +60,11 @@ pub struct EvalConfig {
     pub max_new_tokens: Option<usize>,
     /// What generates the completions: `auto`, `builtin` or `torch`.
     pub engine: EvalEngineName,
+    /// The evaluator thread's nice value (Linux, 0–19): above 0 it takes
+    /// the CPU that training leaves, so that evaluating on the learner's
+    /// cores slows training less (its rows come later; a version it falls
+    /// far behind on is skipped and counted). 0: the learner's priority.
+    pub nice: u8,
 }
 
 impl Default for EvalConfig {
@@ -75,6 +80,7 @@ impl Default for EvalConfig {
             seed: 0,
             max_new_tokens: None,
             engine: EvalEngineName::Auto,
+            nice: 10,
         }
     }
 }
@@ -110,6 +116,7 @@ impl EvalConfig {
         check_range("eval.max_problems", self.max_problems, 1, usize::MAX)?;
         check_range("eval.problems", self.problems, 0, self.max_problems)?;
         check_range("eval.samples", self.samples, 0, MAX_EVAL_SAMPLES)?;
+        check_range("eval.nice", self.nice, 0, 19)?;
         if !self.greedy && self.samples == 0 {
             return Err(ConfigError::invalid(
                 "eval.greedy",

@@ -886,6 +886,7 @@ fn eval() -> impl Strategy<Value = EvalConfig> {
         (
             proptest::option::of(1usize..=1 << 16),
             prop_oneof![Just(EvalEngineName::Auto), Just(EvalEngineName::Builtin)],
+            0u8..=19,
         ),
     )
         .prop_map(
@@ -895,7 +896,7 @@ fn eval() -> impl Strategy<Value = EvalConfig> {
                 (greedy, samples),
                 temperature,
                 seed,
-                (new, engine),
+                (new, engine, nice),
             )| {
                 EvalConfig {
                     every_steps: if dataset.is_some() { every } else { 0 },
@@ -910,6 +911,7 @@ fn eval() -> impl Strategy<Value = EvalConfig> {
                     // `torch` needs model.path (a cross-section check with
                     // its own tests).
                     engine,
+                    nice,
                 }
             },
         )

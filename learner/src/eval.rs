@@ -510,6 +510,16 @@ impl Evaluator {
         let thread = std::thread::Builder::new()
             .name("asyncrl-eval".into())
             .spawn(move || {
+                // Before the model loads: libtorch's threads inherit it.
+                if let Err(e) =
+                    asyncrl_policy::affinity::lower_current_thread_priority(config.eval.nice)
+                {
+                    tracing::warn!(
+                        nice = config.eval.nice,
+                        error = %e,
+                        "cannot lower the evaluator's CPU priority; it evaluates at the learner's"
+                    );
+                }
                 let setup = || -> anyhow::Result<_> {
                     let (backend, text) = Backend::start(&config)?;
                     let items = asyncrl_tasks::load_eval_problems(&config.eval, Some(&text))?;

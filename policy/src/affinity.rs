@@ -1,4 +1,4 @@
-//! CPU pinning of the model threads. The learner and the rollout worker each
+//! CPU pinning and priority of the model threads. The learner and the rollout worker each
 //! keep their model on one OS thread; pinning that thread (before libtorch
 //! starts its intra-op threads, which inherit the mask) gives each role its
 //! own cores on a shared machine (`[learner] cpu_affinity`,
@@ -32,6 +32,60 @@ pub fn pin_current_thread(cores: &[usize]) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Lowers the calling thread's CPU priority to nice value `nice` (Linux,
+/// 1–19: the higher, the more it yields to threads at the default 0; a
+/// no-op at 0, at or below the thread's nice value already, or elsewhere:
+/// it never raises a priority). Threads it starts later inherit it. Only
+/// the calling thread changes, never the process.
+pub fn lower_current_thread_priority(nice: u8) -> std::io::Result<()> {
+    if nice == 0 {
+        return Ok(());
+    }
+    if nice > 19 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("nice {nice} is above 19"),
+        ));
+    }
+    if current_thread_nice().is_some_and(|n| n >= i32::from(nice)) {
+        return Ok(());
+    }
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: gettid has no preconditions; setpriority(PRIO_PROCESS,
+        // tid, ..) on Linux sets the nice value of that one thread.
+        unsafe {
+            let tid = libc::gettid();
+            if libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, i32::from(nice)) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The nice value of the calling thread (Linux; `None` elsewhere).
+pub fn current_thread_nice() -> Option<i32> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: as above; getpriority returns the nice value, and -1 is
+        // an error only when errno is set (cleared first).
+        unsafe {
+            let tid = libc::gettid();
+            *libc::__errno_location() = 0;
+            let nice = libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t);
+            if nice == -1 && *libc::__errno_location() != 0 {
+                return None;
+            }
+            Some(nice)
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
 }
 
 /// The cores the calling thread may run on (Linux; `None` elsewhere).
@@ -78,6 +132,34 @@ mod tests {
         assert_eq!(pinned, Some(vec![first]));
         assert_eq!(child, Some(vec![first]), "threads started later inherit");
         assert_eq!(current_thread_cores(), Some(before), "others are untouched");
+    }
+
+    #[test]
+    fn a_lower_priority_applies_to_the_calling_thread_and_its_children_only() {
+        let before = current_thread_nice().expect("nice");
+        let (niced, child) = std::thread::spawn(move || {
+            lower_current_thread_priority(before.max(0) as u8 + 3).expect("nice");
+            let child = std::thread::spawn(current_thread_nice)
+                .join()
+                .expect("child");
+            (current_thread_nice(), child)
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(niced, Some(before + 3));
+        assert_eq!(child, Some(before + 3), "threads started later inherit");
+        assert_eq!(current_thread_nice(), Some(before), "others are untouched");
+        // Never raised: a value at or below the thread's changes nothing.
+        let kept = std::thread::spawn(move || {
+            lower_current_thread_priority(before.max(0) as u8 + 5).expect("nice");
+            lower_current_thread_priority(before.max(0) as u8 + 2).expect("no-op");
+            current_thread_nice()
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(kept, Some(before + 5));
+        let e = lower_current_thread_priority(20).expect_err("out of range");
+        assert!(e.to_string().contains("nice 20"), "{e}");
     }
 
     #[test]
