@@ -352,7 +352,8 @@ pub struct StalenessArgs {
     /// learner.packing off), job-unshared (with the built-in worker's
     /// prompt sharing off: worker.share_prompts = false),
     /// job-backward-all (zero-advantage rows take forward + backward too:
-    /// learner.forward_only_zero_advantage = false), job-dual-clip
+    /// learner.forward_only_zero_advantage = false), job-eval-nice0 (the
+    /// evaluator at the learner's CPU priority: eval.nice = 0), job-dual-clip
     /// (job-dynamic with the dual_clip knob at 3).
     #[arg(
         long,

@@ -66,6 +66,9 @@ pub enum Objective {
     /// The base config's, with every row trained, zero-advantage ones too
     /// (`learner.forward_only_zero_advantage = false`).
     JobBackwardAll,
+    /// The base config's, with the evaluator at the learner's CPU priority
+    /// (`eval.nice = 0`).
+    JobEvalNice0,
     /// [`Objective::JobDynamic`] with dual-clip PPO's bound
     /// [`DUAL_CLIP_BOUND`] on negative-advantage ratios.
     JobDualClip,
@@ -90,11 +93,12 @@ pub struct ObjectiveSettings {
     pub packing: Option<bool>,
     pub share_prompts: Option<bool>,
     pub forward_only_zero_advantage: Option<bool>,
+    pub eval_nice: Option<u8>,
     pub dual_clip: Option<f64>,
 }
 
 impl Objective {
-    pub const ALL: [Objective; 14] = [
+    pub const ALL: [Objective; 15] = [
         Objective::Naive,
         Objective::Decoupled,
         Objective::Adaptive,
@@ -108,6 +112,7 @@ impl Objective {
         Objective::JobPadded,
         Objective::JobUnshared,
         Objective::JobBackwardAll,
+        Objective::JobEvalNice0,
         Objective::JobDualClip,
     ];
 
@@ -126,6 +131,7 @@ impl Objective {
             Objective::JobPadded => "job-padded",
             Objective::JobUnshared => "job-unshared",
             Objective::JobBackwardAll => "job-backward-all",
+            Objective::JobEvalNice0 => "job-eval-nice0",
             Objective::JobDualClip => "job-dual-clip",
         }
     }
@@ -136,7 +142,7 @@ impl Objective {
             .find(|o| o.as_str() == s)
             .with_context(|| {
                 format!(
-                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded, job-unshared, job-backward-all, job-dual-clip)"
+                    "unknown objective {s:?} (naive, decoupled, adaptive, m2po, gspo, tis, icepop, rloo, job, job-dynamic, job-padded, job-unshared, job-backward-all, job-eval-nice0, job-dual-clip)"
                 )
             })
     }
@@ -153,6 +159,7 @@ impl Objective {
             packing: None,
             share_prompts: None,
             forward_only_zero_advantage: None,
+            eval_nice: None,
             dual_clip: None,
         };
         let (clip_mode, proximal, correction, advantage_norm) = match self {
@@ -178,6 +185,12 @@ impl Objective {
             Objective::JobBackwardAll => {
                 return ObjectiveSettings {
                     forward_only_zero_advantage: Some(false),
+                    ..job
+                };
+            }
+            Objective::JobEvalNice0 => {
+                return ObjectiveSettings {
+                    eval_nice: Some(0),
                     ..job
                 };
             }
@@ -402,6 +415,7 @@ fn run_config(
     c.learner.forward_only_zero_advantage = s
         .forward_only_zero_advantage
         .unwrap_or(c.learner.forward_only_zero_advantage);
+    c.eval.nice = s.eval_nice.unwrap_or(c.eval.nice);
     c.buffer.min_reward_spread = s.min_reward_spread.unwrap_or(c.buffer.min_reward_spread);
     c.run.seed = seed;
     c.run.max_steps = bench.steps;
