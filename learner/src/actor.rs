@@ -32,14 +32,9 @@ impl TrainerActor {
     ) -> Result<Result<Self, E>, ActorGone> {
         let (tx, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = oneshot::channel();
-        // The process waits for this thread before it exits
-        // (`asyncrl_policy::wait_for_model_threads`).
-        let live = asyncrl_policy::LiveModelThread::enter();
         std::thread::Builder::new()
             .name("asyncrl-learner".into())
             .spawn(move || {
-                // Dropped last, after the engine and its tensors.
-                let _live = live;
                 let mut trainer = match build() {
                     Ok(t) => {
                         let _ = ready_tx.send(Ok(()));

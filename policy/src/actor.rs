@@ -162,14 +162,12 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 static LIVE_MODEL_THREADS: Mutex<usize> = Mutex::new(0);
 static MODEL_THREAD_ENDED: Condvar = Condvar::new();
 
-/// Counts one thread that owns tensors (a model thread, the learner's
-/// trainer thread) as live from before its spawn until it is dropped: the
-/// thread moves it in and drops it last, after its tensors; a failed spawn
-/// drops it with the closure.
-pub struct LiveModelThread;
+/// Counts one model thread as live from its spawn until it has dropped its
+/// policy (or its spawn failed).
+struct LiveModelThread;
 
 impl LiveModelThread {
-    pub fn enter() -> Self {
+    fn enter() -> Self {
         *LIVE_MODEL_THREADS
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
