@@ -130,15 +130,6 @@ pub fn block_on<F: std::future::Future>(fut: F) -> anyhow::Result<F::Output> {
     let rt = runtime()?;
     let out = rt.block_on(fut);
     rt.shutdown_timeout(std::time::Duration::from_secs(10));
-    // A model thread still freeing its tensors when the process exits (and
-    // libtorch's static destructors run) crashes it after a clean stop.
-    #[cfg(feature = "torch")]
-    {
-        let running = asyncrl_policy::wait_for_model_threads(std::time::Duration::from_secs(10));
-        if running > 0 {
-            tracing::warn!(running, "model threads still running at exit");
-        }
-    }
     Ok(out)
 }
 

@@ -17,9 +17,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
@@ -158,57 +157,6 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     }
 }
 
-/// Model threads not yet ended, policy dropped included.
-static LIVE_MODEL_THREADS: Mutex<usize> = Mutex::new(0);
-static MODEL_THREAD_ENDED: Condvar = Condvar::new();
-
-/// Counts one model thread as live from its spawn until it has dropped its
-/// policy (or its spawn failed).
-struct LiveModelThread;
-
-impl LiveModelThread {
-    fn enter() -> Self {
-        *LIVE_MODEL_THREADS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
-        Self
-    }
-}
-
-impl Drop for LiveModelThread {
-    fn drop(&mut self) {
-        let mut live = LIVE_MODEL_THREADS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *live = live.saturating_sub(1);
-        MODEL_THREAD_ENDED.notify_all();
-    }
-}
-
-/// Waits up to `timeout` for every model thread to end (each ends once all
-/// its handles are dropped and its sequences in flight are done) and
-/// returns how many still run. A process calls it before it exits:
-/// libtorch's static destructors run at exit, and a model thread still
-/// freeing its tensors then crashes the process (SIGSEGV) after a clean
-/// drain. Blocking: never from async code.
-pub fn wait_for_model_threads(timeout: Duration) -> usize {
-    let deadline = Instant::now() + timeout;
-    let mut live = LIVE_MODEL_THREADS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    while *live > 0 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break;
-        }
-        live = MODEL_THREAD_ENDED
-            .wait_timeout(live, left)
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .0;
-    }
-    *live
-}
-
 impl ModelHandle {
     /// Starts the model thread, builds the policy on it with `load` (so that
     /// the CUDA context belongs to that thread), and returns once it is
@@ -223,12 +171,9 @@ impl ModelHandle {
         let thread_stats = stats.clone();
         let batch_opts = opts.batch;
         let share_prompts = opts.share_prompts;
-        let live = LiveModelThread::enter();
         std::thread::Builder::new()
             .name(opts.thread_name.clone())
             .spawn(move || {
-                // Dropped last, after the policy and its tensors.
-                let _live = live;
                 let policy = guarded(load).and_then(|p| {
                     let mut batch = DecodeBatch::new(&p, batch_opts)?;
                     batch.share_prompts(share_prompts);

@@ -44,7 +44,7 @@ pub mod weights;
 /// The text side of a model lives in `asyncrl-text` (no libtorch there).
 pub use asyncrl_text::{self as text, ModelText, PolicyTokenizer, tokenizer};
 
-pub use actor::{EngineOptions, EngineStats, ModelHandle, wait_for_model_threads};
+pub use actor::{EngineOptions, EngineStats, ModelHandle};
 pub use affinity::pin_current_thread;
 pub use config::{ModelConfig, ModelType, RopeScaling};
 pub use decode::{
